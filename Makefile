@@ -1,0 +1,38 @@
+# Shoal: `make demo` runs a local router with replicas; `make test` runs every check CI runs.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch lies on this kind of machine's disk; a bare `torch` would pull a multi-GB CUDA build.
+TORCH_CPU ?= torch==2.13.0
+
+.PHONY: install test lint typecheck contracts unit demo bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_CPU)
+	$(PY) -m pip install -q -e '.[dev,replica]'
+	touch $@
+
+install: $(VENV)/.installed
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+typecheck: install
+	$(VENV)/bin/mypy router/policy autoscaler/policy
+
+contracts: install
+	$(VENV)/bin/lint-imports
+
+unit: install
+	$(VENV)/bin/pytest
+
+test: lint typecheck contracts unit
+
+demo: install
+	@echo "make demo arrives with the replica (issue: bundled replica engine)."
+	@echo "Meanwhile: $(VENV)/bin/shoal router --replica http://127.0.0.1:8001 --port 8000"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

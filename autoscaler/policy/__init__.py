@@ -1,0 +1,1 @@
+"""Pure scaling decisions (arrive with the autoscaler)."""

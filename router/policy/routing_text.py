@@ -1,0 +1,128 @@
+"""What of an OpenAI request the router hashes: its routing key.
+
+Chat requests render every message (role, name, content parts, tool calls, tool call id), in order, each as a
+self-contained record, after the tool definitions. A conversation that grows by one turn therefore extends the
+previous rendering byte for byte, which is what makes multi-turn traffic land on the replica that holds its KV.
+JSON parts are rendered canonically (sorted keys, no spaces), so the same request always gives the same bytes.
+
+Completions route on the prompt: a string, or token ids (which need no tokenizer and use token mode). A batch
+(a list of prompts) routes on its first prompt, since the engine caches each prompt of a batch on its own.
+
+Malformed requests raise `RoutingInputError`, whose message is fit for an OpenAI-style 400 body.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+_RECORD = "\x1e"  # ASCII record separator: starts each message
+_UNIT = "\x1f"  # ASCII unit separator: between the fields of one message
+
+
+class RoutingInputError(ValueError):
+    """The request body lacks what the endpoint requires; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingKey:
+    """The units a request is hashed over: UTF-8 text, or token ids (token mode)."""
+
+    text: bytes | None = None
+    token_ids: tuple[int, ...] | list[int] | None = None
+
+    @property
+    def is_tokens(self) -> bool:
+        return self.token_ids is not None
+
+    @property
+    def num_units(self) -> int:
+        if self.token_ids is not None:
+            return len(self.token_ids)
+        return len(self.text or b"")
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _render_content(content: Any, param: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        pieces = []
+        for part in content:
+            if isinstance(part, str):
+                pieces.append(part)
+            elif isinstance(part, dict):
+                if part.get("type") == "text" and isinstance(part.get("text"), str):
+                    pieces.append(part["text"])
+                else:
+                    pieces.append(_canonical(part))
+            else:
+                raise RoutingInputError(f"'{param}' parts must be objects", param)
+        return _UNIT.join(pieces)
+    raise RoutingInputError(f"'{param}' must be a string or a list of content parts", param)
+
+
+def render_message(message: Any, index: int) -> str:
+    """One chat message as a self-contained record (the unit of prefix growth)."""
+    param = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise RoutingInputError(f"'{param}' must be an object", param)
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise RoutingInputError(f"'{param}.role' is required", f"{param}.role")
+    fields = [role, message.get("name") or "", _render_content(message.get("content"), f"{param}.content")]
+    if message.get("tool_calls"):
+        fields.append(_canonical(message["tool_calls"]))
+    if message.get("tool_call_id"):
+        fields.append(str(message["tool_call_id"]))
+    return _RECORD + _UNIT.join(fields)
+
+
+def chat_routing_key(body: dict[str, Any]) -> RoutingKey:
+    """Routing key of a `/v1/chat/completions` body."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RoutingInputError("'messages' is required and must be a non-empty array", "messages")
+    parts = []
+    tools = body.get("tools")
+    if tools:
+        parts.append(_RECORD + "tools" + _UNIT + _canonical(tools))
+    parts.extend(render_message(message, i) for i, message in enumerate(messages))
+    return RoutingKey(text="".join(parts).encode())
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
+def completion_routing_key(body: dict[str, Any]) -> RoutingKey:
+    """Routing key of a `/v1/completions` body: prompt string, list of strings, token ids, or lists of them."""
+    if "prompt" not in body:
+        raise RoutingInputError("'prompt' is required", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return RoutingKey(text=prompt.encode())
+    if _is_token_list(prompt):
+        if any(t < 0 or t >= 2**32 for t in prompt):
+            raise RoutingInputError("token ids in 'prompt' must be in [0, 2**32)", "prompt")
+        return RoutingKey(token_ids=prompt)
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if all(isinstance(p, str) for p in prompt):
+            return RoutingKey(text=first.encode())
+        if all(_is_token_list(p) for p in prompt):
+            return completion_routing_key({"prompt": first})
+    raise RoutingInputError(
+        "'prompt' must be a string, an array of strings, an array of token ids or an array of such arrays",
+        "prompt",
+    )

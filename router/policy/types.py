@@ -1,0 +1,123 @@
+"""The vocabulary shared by every routing policy, the live router and the simulator.
+
+A driver (the aiohttp service, or the simulator) builds a `RouteRequest` (block hashes, estimated prompt
+tokens, and the per-replica prefix match from the `PrefixIndex`) and a `ReplicaState` per eligible replica,
+then calls `policy.select(request, replicas, now=now)`. The `Decision` names the replica and the `Branch` that
+explains why; drivers count branches in metrics and tests assert on them.
+
+Only eligible replicas are passed: healthy, not draining, serving the requested model. `replicas` is never
+empty; a driver with no eligible replica does not call the policy.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class Branch(enum.StrEnum):
+    """Why a replica was chosen. Values are stable: they are metric labels and response headers."""
+
+    CACHE_HIT = "cache_hit"
+    """The chosen replica holds (part of) the prompt prefix and that is why it won."""
+    CACHE_MISS = "cache_miss"
+    """No replica holds a useful prefix; the least-loaded (or cheapest) replica was chosen."""
+    SPILL = "spill"
+    """A replica held a longer prefix, but its load made another replica the better choice."""
+    IMBALANCE = "imbalance"
+    """Load imbalance overrode cache affinity (sglang_cache_aware's switch)."""
+    OVERLOADED = "overloaded"
+    """Every replica was past its hard queue cap; the least bad one was chosen."""
+    SESSION = "session"
+    """Session affinity (a session-key header) picked the replica."""
+    ONLY_REPLICA = "only_replica"
+    """There was a single eligible replica."""
+    ROUND_ROBIN = "round_robin"
+    RANDOM = "random"
+    LEAST_LOAD = "least_load"
+    POWER_OF_TWO = "power_of_two"
+    CONSISTENT_HASH = "consistent_hash"
+
+
+@dataclass(slots=True)
+class ReplicaState:
+    """What a policy may know of one replica at decision time.
+
+    Router-local counts are exact and current; scraped gauges lag by up to a scrape interval and are None until
+    the first successful scrape (or for engines that do not export them).
+    """
+
+    id: str
+    in_flight: int = 0
+    """Requests this router has sent and not yet finished."""
+    waiting: int = 0
+    """Of `in_flight`, those still waiting for their first byte (the prefill backlog)."""
+    waiting_prompt_tokens: int = 0
+    """Uncached prompt tokens of the `waiting` requests, as predicted when they were routed."""
+    streaming: int = 0
+    """Of `in_flight`, those streaming output (decoding)."""
+    num_running: int | None = None
+    """Scraped: sequences the engine is running (vllm:num_requests_running, sglang:num_running_reqs)."""
+    num_waiting: int | None = None
+    """Scraped: sequences queued in the engine (vllm:num_requests_waiting, sglang:num_queue_reqs)."""
+    kv_usage: float | None = None
+    """Scraped: fraction of the KV cache in use, 0..1 (vllm:kv_cache_usage_perc, sglang:token_usage)."""
+    prefill_tokens_per_s: float = 10_000.0
+    """Learned prefill rate of this replica, tokens per second (see `prefill_rate.PrefillRateEstimator`)."""
+    kv_capacity_blocks: int | None = None
+    """KV cache size in index blocks, when known (from settings or the engine)."""
+    last_selected: float = float("-inf")
+    """`now` of the last time a policy chose this replica (least-recently-chosen tie break)."""
+
+    @property
+    def queue_depth(self) -> int:
+        """Best estimate of requests queued or running on the replica: the larger of router and engine views."""
+        engine = (self.num_running or 0) + (self.num_waiting or 0)
+        return max(self.in_flight, engine)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """One request as policies see it."""
+
+    hashes: Sequence[int]
+    """Chained block hashes of the routing key (router.policy.hashing)."""
+    prompt_tokens: int
+    """Prompt length in tokens (estimated from bytes in text mode)."""
+    tokens_per_block: float
+    """Tokens one block stands for: the block size in token mode, bytes per block / bytes per token in text mode."""
+    matched_blocks: Mapping[str, int] = field(default_factory=dict)
+    """Prefix match per replica id, in blocks, from `PrefixIndex.match`; absent means 0."""
+    session_key: str | None = None
+    """Session-affinity key (a header), when the client sent one."""
+    max_output_tokens: int | None = None
+    """The request's max_tokens, when given (a decode-length hint)."""
+
+    def cached_tokens(self, replica_id: str) -> int:
+        """Predicted cached prompt tokens on a replica, never more than the prompt."""
+        blocks = self.matched_blocks.get(replica_id, 0)
+        return min(self.prompt_tokens, int(blocks * self.tokens_per_block))
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A routing decision and why it was taken."""
+
+    replica: str
+    branch: Branch
+    matched_blocks: int = 0
+    """Blocks of the prompt predicted to be cached on the chosen replica."""
+    predicted_cached_tokens: int = 0
+    predicted_ttft_s: float | None = None
+    """The policy's estimate of time to first token on the chosen replica, when it makes one."""
+
+
+class Policy(Protocol):
+    """A routing policy. Implementations may keep their own state (a round-robin cursor, a seeded RNG), but no
+    I/O, no clock of their own and no globals."""
+
+    name: str
+
+    def select(self, request: RouteRequest, replicas: Sequence[ReplicaState], *, now: float) -> Decision: ...
