@@ -49,10 +49,8 @@ def chain_hashes(blocks: Sequence[bytes], seed: bytes, parent_hash: int | None =
     if not blocks:
         return out
     append = out.append
-    if parent_hash is None:
-        prev = _xxh3(seed + blocks[0])
-    else:
-        prev = _xxh3(_pack_u64(parent_hash) + blocks[0])
+    head = seed if parent_hash is None else _pack_u64(parent_hash)
+    prev = _xxh3(head + blocks[0])
     append(prev)
     for i in range(1, len(blocks)):
         prev = _xxh3(_pack_u64(prev) + blocks[i])

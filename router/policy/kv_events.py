@@ -89,8 +89,6 @@ def from_dict(data: Mapping[str, Any]) -> KVEvent:
         if parent is not None and type(parent) is not int:
             raise KVEventError("'parent_hash' must be an integer or null")
         if len(tokens) != len(hashes) * block_size:
-            raise KVEventError(
-                f"'token_ids' holds {len(tokens)} tokens, expected {len(hashes)} blocks x {block_size}"
-            )
+            raise KVEventError(f"'token_ids' holds {len(tokens)} tokens, expected {len(hashes)} blocks x {block_size}")
         return BlockStored(hashes, parent, tokens, block_size)
     raise KVEventError(f"unknown event type {data.get('type')!r}")

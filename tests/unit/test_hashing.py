@@ -64,7 +64,9 @@ _message = st.fixed_dictionaries(
 
 
 @given(st.lists(_message, min_size=1, max_size=6), _message)
-def test_a_conversation_extended_by_one_turn_keeps_every_hash(messages: list[dict[str, str]], turn: dict[str, str]) -> None:
+def test_a_conversation_extended_by_one_turn_keeps_every_hash(
+    messages: list[dict[str, str]], turn: dict[str, str]
+) -> None:
     short = chat_routing_key({"messages": messages}).text
     longer = chat_routing_key({"messages": [*messages, turn]}).text
     assert short is not None and longer is not None

@@ -9,9 +9,15 @@ def test_chat_rendering_is_deterministic_and_covers_every_field() -> None:
     body = {
         "messages": [
             {"role": "system", "content": "You are terse."},
-            {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "u"}}]},
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
-                                                                   "function": {"name": "f", "arguments": "{}"}}]},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "u"}}],
+            },
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+            },
             {"role": "tool", "tool_call_id": "c1", "content": "42"},
         ]
     }
@@ -45,7 +51,9 @@ def test_tools_lead_the_rendering() -> None:
         ([[4, 5], [6]], None, [4, 5]),
     ],
 )
-def test_completion_prompt_forms(prompt: object, expected_text: bytes | None, expected_tokens: list[int] | None) -> None:
+def test_completion_prompt_forms(
+    prompt: object, expected_text: bytes | None, expected_tokens: list[int] | None
+) -> None:
     key = completion_routing_key({"prompt": prompt})
     assert key.text == expected_text
     assert (list(key.token_ids) if key.token_ids is not None else None) == expected_tokens
@@ -63,8 +71,14 @@ def test_bad_completion_bodies(body: dict[str, object]) -> None:
 
 @pytest.mark.parametrize(
     "body",
-    [{}, {"messages": []}, {"messages": "hi"}, {"messages": [{"content": "no role"}]}, {"messages": [3]},
-     {"messages": [{"role": "user", "content": 5}]}],
+    [
+        {},
+        {"messages": []},
+        {"messages": "hi"},
+        {"messages": [{"content": "no role"}]},
+        {"messages": [3]},
+        {"messages": [{"role": "user", "content": 5}]},
+    ],
 )
 def test_bad_chat_bodies(body: dict[str, object]) -> None:
     with pytest.raises(RoutingInputError):

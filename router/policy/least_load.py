@@ -1,0 +1,39 @@
+"""Least load ("join the shortest queue"): each request goes to the replica with the smallest queue depth.
+
+Queue depth is `ReplicaState.queue_depth`: the larger of the router's in-flight count and the engine's running
+plus waiting sequences, so the policy sees other routers' load once a scrape has. Ties (common when the fleet
+is idle) go round robin: to the first tied id after the last replica chosen, in id order, so an idle fleet is
+not funnelled to its smallest id.
+
+No parameters (`config.LeastLoadConfig`). Cache-blind; the branch is LEAST_LOAD (ONLY_REPLICA for a single
+replica). Source: join-the-shortest-queue, the textbook load-only baseline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from router.policy.decisions import decision
+from router.policy.round_robin import next_after
+from router.policy.types import Branch, Decision, ReplicaState, RouteRequest
+
+if TYPE_CHECKING:
+    from router.policy.config import LeastLoadConfig
+
+
+class LeastLoad:
+    """The smallest queue depth; ties in round-robin order."""
+
+    name = "least_load"
+
+    def __init__(self, config: LeastLoadConfig) -> None:
+        self.config = config
+        self._cursor: str | None = None
+
+    def select(self, request: RouteRequest, replicas: Sequence[ReplicaState], *, now: float) -> Decision:
+        least = min(r.queue_depth for r in replicas)
+        chosen = next_after([r.id for r in replicas if r.queue_depth == least], self._cursor)
+        self._cursor = chosen
+        branch = Branch.ONLY_REPLICA if len(replicas) == 1 else Branch.LEAST_LOAD
+        return decision(request, chosen, branch)

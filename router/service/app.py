@@ -1,0 +1,155 @@
+"""`create_app(settings)`: the router as an aiohttp application (STYLE.md 5).
+
+State lives under typed `web.AppKey`s; the HTTP client session and the health and scrape tasks are started
+and stopped in `cleanup_ctx`. Tests build the app with this same factory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from router.policy.config import build_policy
+from router.policy.prefix_index import PrefixIndex
+from router.service.admin import AdminApi, Handler
+from router.service.errors import error_response
+from router.service.health import HealthChecker, MetricsScraper
+from router.service.metrics import RouterMetrics
+from router.service.pool import Replica, ReplicaPool
+from router.service.proxy import Proxy
+from router.service.routing import RoutingCore
+from router.service.settings import RouterSettings
+
+SETTINGS = web.AppKey("settings", RouterSettings)
+POOL = web.AppKey("pool", ReplicaPool)
+CORE = web.AppKey("core", RoutingCore)
+METRICS = web.AppKey("metrics", RouterMetrics)
+PROXY = web.AppKey("proxy", Proxy)
+HEALTH = web.AppKey("health", HealthChecker)
+SHUTTING_DOWN = web.AppKey("shutting_down", asyncio.Event)
+
+# Index sweeps (TTL expiry) run this often; the sweep is cheap and bounded by the number of entries.
+_SWEEP_INTERVAL_S = 5.0
+
+
+def create_app(settings: RouterSettings) -> web.Application:
+    app = web.Application(client_max_size=settings.limits.max_body_bytes, middlewares=[_openai_errors])
+    pool = ReplicaPool()
+    index = PrefixIndex(settings.index)
+    core = RoutingCore(settings, pool, index, build_policy(settings.policy, seed=settings.seed), settings.prefill_rate)
+    for url in settings.replicas:
+        core.add_replica(pool.add(url))
+    app[SETTINGS] = settings
+    app[POOL] = pool
+    app[CORE] = core
+    app[METRICS] = RouterMetrics(pool)
+    app[SHUTTING_DOWN] = asyncio.Event()
+    app.cleanup_ctx.append(_services)
+    app.on_shutdown.append(_begin_shutdown)
+
+    app.router.add_get("/health", _health)
+    app.router.add_get("/ready", _ready)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_post("/v1/completions", _proxy_routed)
+    app.router.add_post("/v1/chat/completions", _proxy_routed)
+    app.router.add_get("/v1/models", _proxy_models)
+    app.router.add_route("*", "/v1/{tail:.*}", _proxy_passthrough)
+    if settings.admin_token is not None:
+        admin = AdminApi(settings.admin_token.get_secret_value(), pool, core, on_added=lambda r: _wake(app, r))
+        app.middlewares.append(admin.auth)
+        app.router.add_routes(admin.routes())
+    return app
+
+
+def _wake(app: web.Application, replica: Replica) -> None:
+    replica.probe_now = True
+    health = app.get(HEALTH)
+    if health is not None:
+        health.wake.set()
+
+
+async def _services(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    loop = asyncio.get_running_loop()
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+    timeout = aiohttp.ClientTimeout(
+        total=settings.limits.request_timeout_s, sock_connect=settings.retry.connect_timeout_s
+    )
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, auto_decompress=False, skip_auto_headers=("User-Agent",)
+    ) as session:
+        core = app[CORE]
+        app[PROXY] = Proxy(settings, app[POOL], core, app[METRICS], session)
+        health = HealthChecker(
+            settings.health, app[POOL], session, on_down=lambda r: core.drop_cache(r.id), clock=loop.time
+        )
+        app[HEALTH] = health
+        tasks = [asyncio.create_task(health.run(), name="health"), asyncio.create_task(_sweep(core, loop))]
+        if settings.scrape.enabled:
+            tasks.append(asyncio.create_task(MetricsScraper(settings.scrape, app[POOL], session).run(), name="scrape"))
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+
+async def _sweep(core: RoutingCore, loop: asyncio.AbstractEventLoop) -> None:
+    while True:
+        await asyncio.sleep(_SWEEP_INTERVAL_S)
+        core.index.expire(loop.time())
+
+
+async def _begin_shutdown(app: web.Application) -> None:
+    app[SHUTTING_DOWN].set()
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own HTTP errors (404, 405, 413...) in OpenAI's error shape."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.content_type == "application/json" or exc.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
+        return error_response(exc.status, exc.reason, code=code)
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _ready(request: web.Request) -> web.Response:
+    app = request.app
+    if app[SHUTTING_DOWN].is_set():
+        return web.json_response({"status": "shutting down"}, status=503)
+    eligible = app[POOL].eligible(None)
+    if not eligible:
+        return web.json_response({"status": "no replica ready", "replicas": len(app[POOL])}, status=503)
+    return web.json_response({"status": "ready", "replicas": len(eligible)})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _proxy_routed(request: web.Request) -> web.StreamResponse:
+    return await request.app[PROXY].handle_routed(request)
+
+
+async def _proxy_models(request: web.Request) -> web.Response:
+    return await request.app[PROXY].handle_models(request)
+
+
+async def _proxy_passthrough(request: web.Request) -> web.StreamResponse:
+    return await request.app[PROXY].handle_passthrough(request)

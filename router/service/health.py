@@ -1,0 +1,124 @@
+"""Active health probes and metric scrapes, as two background tasks of the app.
+
+Each task sleeps until the earliest replica is due (or until woken: passive failure marking and new replicas
+set `wake`), probes the due replicas concurrently, and applies the results through `Replica`'s transitions.
+Unhealthy replicas are probed every `unhealthy_interval_s`, healthy ones every `interval_s`. The replica's
+models come from `/v1/models`, fetched while unknown and every `_MODELS_EVERY` probes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from router.service.pool import Replica, ReplicaPool
+from router.service.scrape import parse_engine_metrics
+from router.service.settings import HealthSettings, ScrapeSettings
+
+log = logging.getLogger("shoal.router.health")
+
+_MODELS_EVERY = 15
+
+
+class HealthChecker:
+    def __init__(
+        self,
+        settings: HealthSettings,
+        pool: ReplicaPool,
+        session: aiohttp.ClientSession,
+        on_down: Callable[[Replica], None],
+        clock: Callable[[], float],
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.session = session
+        self.on_down = on_down
+        self.clock = clock
+        self.wake = asyncio.Event()
+
+    async def run(self) -> None:
+        while True:
+            now = self.clock()
+            due = [r for r in self.pool if r.probe_now or r.next_probe_at <= now]
+            if due:
+                await asyncio.gather(*(self.probe(r) for r in due))
+            upcoming = [0.0 if r.probe_now else r.next_probe_at for r in self.pool]
+            delay = max(0.0, min(upcoming, default=now + self.settings.interval_s) - self.clock())
+            self.wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), timeout=max(delay, 0.01))
+
+    async def probe(self, replica: Replica) -> None:
+        s = self.settings
+        client_timeout = aiohttp.ClientTimeout(total=s.timeout_s)
+        try:
+            async with self.session.get(replica.url + s.path, timeout=client_timeout) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    raise _ProbeError(f"{s.path} answered HTTP {resp.status}")
+            if not replica.model_cards or replica.probes_since_models >= _MODELS_EVERY:
+                replica.model_cards = await self._models(replica, client_timeout)
+                replica.probes_since_models = 0
+            replica.probes_since_models += 1
+        except (aiohttp.ClientError, TimeoutError, _ProbeError, ValueError) as exc:
+            error = str(exc) or type(exc).__name__
+            if replica.probe_failed(s, error):
+                log.warning("replica %s is out of rotation: %s", replica.id, error)
+                self.on_down(replica)
+        else:
+            if replica.probe_succeeded(s, self.clock()):
+                log.info("replica %s is in rotation", replica.id)
+        replica.next_probe_at = self.clock() + (s.interval_s if replica.is_healthy else s.unhealthy_interval_s)
+
+    async def _models(self, replica: Replica, client_timeout: aiohttp.ClientTimeout) -> dict[str, dict[str, Any]]:
+        async with self.session.get(replica.url + "/v1/models", timeout=client_timeout) as resp:
+            if resp.status != 200:
+                return replica.model_cards
+            data = await resp.json(content_type=None)
+        cards: dict[str, dict[str, Any]] = {}
+        for card in data.get("data", []) if isinstance(data, dict) else []:
+            if isinstance(card, dict) and isinstance(card.get("id"), str):
+                cards[card["id"]] = card
+        return cards
+
+
+class _ProbeError(Exception):
+    pass
+
+
+class MetricsScraper:
+    """Reads engine gauges into each replica's `ReplicaState` every `interval_s`."""
+
+    def __init__(self, settings: ScrapeSettings, pool: ReplicaPool, session: aiohttp.ClientSession) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.session = session
+
+    async def run(self) -> None:
+        while True:
+            replicas = [r for r in self.pool if r.is_healthy]
+            await asyncio.gather(*(self.scrape(r) for r in replicas))
+            await asyncio.sleep(self.settings.interval_s)
+
+    async def scrape(self, replica: Replica) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
+        try:
+            async with self.session.get(replica.url + self.settings.path, timeout=timeout) as resp:
+                if resp.status != 200:
+                    return
+                text = await resp.text()
+            gauges = parse_engine_metrics(text)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.debug("scrape of %s failed: %s", replica.id, exc)
+            return
+        replica.metrics = gauges
+        s = replica.state
+        running, waiting, kv = gauges.get("num_running"), gauges.get("num_waiting"), gauges.get("kv_usage")
+        s.num_running = int(running) if running is not None else None
+        s.num_waiting = int(waiting) if waiting is not None else None
+        s.kv_usage = kv

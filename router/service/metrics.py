@@ -1,0 +1,126 @@
+"""Prometheus metrics of one router process, on a registry of its own (never the global one).
+
+Per-request counters and histograms are updated on the request path; gauges of the pool (in-flight, queue,
+prefill backlog per replica and fleet-wide, for the autoscaler) are read from the live state at scrape time
+by a collector, so the request path pays nothing for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from router.service.pool import ReplicaPool, Status
+
+_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_DECISION_BUCKETS_S = (10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 10e-3)
+
+
+class RouterMetrics:
+    def __init__(self, pool: ReplicaPool) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "shoal_router_requests",
+            "Requests answered, by HTTP status, route branch and replica",
+            ["status", "branch", "replica"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "shoal_router_retries", "Attempts retried on another replica, by reason", ["reason"], registry=r
+        )
+        self.decision_seconds = Histogram(
+            "shoal_router_decision_seconds",
+            "Time to hash, match and choose a replica",
+            buckets=_DECISION_BUCKETS_S,
+            registry=r,
+        )
+        self.ttft_seconds = Histogram(
+            "shoal_router_ttft_seconds",
+            "Observed time to first byte from the replica",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.predicted_ttft_seconds = Histogram(
+            "shoal_router_predicted_ttft_seconds",
+            "The policy's predicted time to first token",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            "shoal_router_request_seconds",
+            "Whole request time through the router",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.predicted_cached_tokens = Counter(
+            "shoal_router_predicted_cached_tokens", "Prompt tokens the router predicted to be cached", registry=r
+        )
+        self.observed_cached_tokens = Counter(
+            "shoal_router_observed_cached_tokens",
+            "Prompt tokens the replicas reported cached (usage.prompt_tokens_details.cached_tokens)",
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "shoal_router_prompt_tokens", "Prompt tokens routed (estimated from bytes in text mode)", registry=r
+        )
+        r.register(_PoolCollector(pool))
+
+
+class _PoolCollector(Collector):
+    def __init__(self, pool: ReplicaPool) -> None:
+        self._pool = pool
+
+    def collect(self) -> Iterator[Metric]:
+        per_replica = {
+            "in_flight": GaugeMetricFamily(
+                "shoal_router_replica_in_flight", "Requests in flight to a replica", labels=["replica"]
+            ),
+            "waiting": GaugeMetricFamily(
+                "shoal_router_replica_waiting", "Requests waiting for their first byte", labels=["replica"]
+            ),
+            "streaming": GaugeMetricFamily(
+                "shoal_router_replica_streaming", "Requests streaming output", labels=["replica"]
+            ),
+            "waiting_prompt_tokens": GaugeMetricFamily(
+                "shoal_router_replica_prefill_backlog_tokens",
+                "Uncached prompt tokens of requests waiting for their first byte",
+                labels=["replica"],
+            ),
+        }
+        rate = GaugeMetricFamily(
+            "shoal_router_replica_prefill_tokens_per_second", "Learned prefill rate", labels=["replica"]
+        )
+        up = GaugeMetricFamily(
+            "shoal_router_replica_up", "1 when the replica takes new requests", labels=["replica", "status"]
+        )
+        totals = dict.fromkeys(per_replica, 0)
+        by_status = dict.fromkeys(Status, 0)
+        for replica in self._pool:
+            s = replica.state
+            for key, family in per_replica.items():
+                value = getattr(s, key)
+                family.add_metric([replica.id], value)
+                totals[key] += value
+            rate.add_metric([replica.id], s.prefill_tokens_per_s)
+            up.add_metric([replica.id, replica.status.value], 1.0 if replica.is_eligible else 0.0)
+            by_status[replica.status] += 1
+        yield from per_replica.values()
+        yield rate
+        yield up
+        yield GaugeMetricFamily("shoal_router_in_flight", "Requests in flight, all replicas", value=totals["in_flight"])
+        yield GaugeMetricFamily(
+            "shoal_router_queue_depth", "Requests waiting for their first byte, all replicas", value=totals["waiting"]
+        )
+        yield GaugeMetricFamily(
+            "shoal_router_prefill_backlog_tokens",
+            "Uncached prompt tokens waiting, all replicas",
+            value=totals["waiting_prompt_tokens"],
+        )
+        replicas = GaugeMetricFamily("shoal_router_replicas", "Replicas by status", labels=["status"])
+        for status, count in by_status.items():
+            replicas.add_metric([status.value], count)
+        yield replicas

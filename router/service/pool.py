@@ -1,0 +1,185 @@
+"""The replica pool: who the replicas are, whether they may take traffic, and their live load.
+
+A replica takes new requests when it is healthy, its circuit is closed and it is not draining. Health comes from
+active probes (`HealthChecker`) and from passive marking: a refused connection takes a replica out of rotation at
+once instead of after the next probe, and the prober then checks it at a short interval, so a restarted replica
+is back within `unhealthy_interval_s` of its first good answer. The circuit breaker opens after consecutive
+failed requests (5xx, transport errors) and closes on the first good probe after `open_s`.
+
+State transitions take `now` from the caller; nothing here sleeps or does I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from router.policy.prefill_rate import PrefillRate
+from router.policy.types import ReplicaState
+from router.service.settings import BreakerSettings, HealthSettings
+
+
+class Status(enum.StrEnum):
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+    CIRCUIT_OPEN = "circuit_open"
+    DRAINING = "draining"
+
+
+def replica_id(url: str) -> str:
+    """Default id of a replica: host:port, plus its path when it has one."""
+    parts = urlsplit(url)
+    path = parts.path.rstrip("/")
+    return f"{parts.netloc}{path}"
+
+
+@dataclass(slots=True)
+class Replica:
+    url: str
+    id: str
+    state: ReplicaState
+    """The load view the policies see (in-flight split, scraped gauges, learned prefill rate)."""
+    model_cards: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The replica's /v1/models entries by model id; empty until known (then it is assumed to serve any)."""
+    is_healthy: bool = False
+    """False until the first good probe: a replica joins rotation only once it answers."""
+    is_draining: bool = False
+    consecutive_probe_failures: int = 0
+    consecutive_probe_successes: int = 0
+    consecutive_request_failures: int = 0
+    circuit_open_until: float | None = None
+    """Set while the circuit is open: the earliest `now` at which a good probe may close it."""
+    last_error: str | None = None
+    probe_now: bool = False
+    """Set by passive failure marking: the prober checks this replica on its next tick."""
+    next_probe_at: float = 0.0
+    probes_since_models: int = 0
+    prefill_rate: PrefillRate = field(default_factory=lambda: PrefillRate(tokens_per_s=10_000.0))
+    """Learned prefill rate (its `tokens_per_s` is mirrored into `state` for the policies)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Last scraped engine gauges, by our own names (num_running, num_waiting, kv_usage)."""
+
+    @property
+    def models(self) -> frozenset[str]:
+        return frozenset(self.model_cards)
+
+    @property
+    def status(self) -> Status:
+        if self.is_draining:
+            return Status.DRAINING
+        if not self.is_healthy:
+            return Status.UNHEALTHY
+        if self.circuit_open_until is not None:
+            return Status.CIRCUIT_OPEN
+        return Status.HEALTHY
+
+    @property
+    def is_eligible(self) -> bool:
+        return self.is_healthy and not self.is_draining and self.circuit_open_until is None
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or not self.models or model in self.models
+
+    # --- health and circuit transitions -----------------------------------------------------------------
+
+    def probe_succeeded(self, health: HealthSettings, now: float) -> bool:
+        """Record a good probe; returns True when this put the replica back into rotation."""
+        was_eligible = self.is_eligible
+        self.consecutive_probe_failures = 0
+        self.consecutive_probe_successes += 1
+        self.probe_now = False
+        if self.consecutive_probe_successes >= health.success_threshold:
+            self.is_healthy = True
+            self.last_error = None
+        if self.circuit_open_until is not None and now >= self.circuit_open_until:
+            self.circuit_open_until = None
+            self.consecutive_request_failures = 0
+        return self.is_eligible and not was_eligible
+
+    def probe_failed(self, health: HealthSettings, error: str) -> bool:
+        """Record a failed probe; returns True when this took the replica out of rotation."""
+        self.consecutive_probe_successes = 0
+        self.consecutive_probe_failures += 1
+        self.probe_now = False
+        self.last_error = error
+        if self.is_healthy and self.consecutive_probe_failures >= health.failure_threshold:
+            self.is_healthy = False
+            return True
+        return False
+
+    def mark_unreachable(self, error: str) -> bool:
+        """Passive marking: a connection to the replica was refused or reset. Out of rotation at once."""
+        was_healthy = self.is_healthy
+        self.is_healthy = False
+        self.consecutive_probe_successes = 0
+        self.last_error = error
+        self.probe_now = True
+        return was_healthy
+
+    def request_failed(self, breaker: BreakerSettings, now: float, error: str) -> bool:
+        """Count a failed request; returns True when this opened the circuit."""
+        self.consecutive_request_failures += 1
+        self.last_error = error
+        if self.circuit_open_until is None and self.consecutive_request_failures >= breaker.failure_threshold:
+            self.circuit_open_until = now + breaker.open_s
+            self.probe_now = True
+            return True
+        return False
+
+    def request_succeeded(self) -> None:
+        self.consecutive_request_failures = 0
+
+
+class ReplicaPool:
+    """Replicas by id, in insertion order."""
+
+    def __init__(self) -> None:
+        self._replicas: dict[str, Replica] = {}
+
+    def __iter__(self) -> Iterator[Replica]:
+        return iter(list(self._replicas.values()))
+
+    def __len__(self) -> int:
+        return len(self._replicas)
+
+    def __contains__(self, replica_id: object) -> bool:
+        return replica_id in self._replicas
+
+    def get(self, replica_id: str) -> Replica | None:
+        return self._replicas.get(replica_id)
+
+    def add(self, url: str, *, name: str | None = None, kv_capacity_blocks: int | None = None) -> Replica:
+        url = url.rstrip("/")
+        rid = name or replica_id(url)
+        existing = self._replicas.get(rid)
+        if existing is not None:
+            if existing.url != url:
+                raise ValueError(f"replica id {rid!r} is already used by {existing.url}")
+            existing.is_draining = False
+            return existing
+        replica = Replica(url=url, id=rid, state=ReplicaState(id=rid, kv_capacity_blocks=kv_capacity_blocks))
+        replica.probe_now = True
+        self._replicas[rid] = replica
+        return replica
+
+    def remove(self, replica_id: str) -> Replica | None:
+        return self._replicas.pop(replica_id, None)
+
+    def eligible(self, model: str | None, exclude: Iterable[str] = ()) -> list[Replica]:
+        excluded = set(exclude)
+        return [r for r in self._replicas.values() if r.is_eligible and r.serves(model) and r.id not in excluded]
+
+    def models(self) -> set[str]:
+        out: set[str] = set()
+        for replica in self._replicas.values():
+            out |= replica.models
+        return out
+
+    def is_model_known(self, model: str) -> bool:
+        """False only when every replica has reported its models and none serves `model`."""
+        if not self._replicas:
+            return False
+        return any(not r.models or model in r.models for r in self._replicas.values())

@@ -1,0 +1,379 @@
+"""The OpenAI-compatible proxy: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, other `/v1/*`.
+
+A request is read under a size and time limit, validated (400s in OpenAI's error shape, never a 500), routed
+by `RoutingCore`, and forwarded. Until a byte has reached the client, a refused connection or a 5xx moves the
+request to another replica (never the one that just failed), within `retry.max_attempts` and
+`retry.total_timeout_s`. Once bytes flow, a replica failure ends the stream with an SSE error event, never a
+hang. A client that goes away cancels the handler (the server runs with handler cancellation), which closes the
+upstream connection at once, so the replica stops generating for nobody.
+
+Streams are relayed chunk by chunk as they arrive; TCP_NODELAY is on for both sockets (aiohttp's default), so
+no chunk waits on Nagle's algorithm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from router.policy.routing_text import RoutingInputError, RoutingKey, chat_routing_key, completion_routing_key
+from router.service.errors import error_response, sse_error_event
+from router.service.metrics import RouterMetrics
+from router.service.pool import ReplicaPool
+from router.service.routing import Prepared, RoutingCore, Ticket
+from router.service.settings import RouterSettings
+
+log = logging.getLogger("shoal.router")
+request_log = logging.getLogger("shoal.router.requests")
+
+_HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Host",
+        "Content-Length",
+    )
+)
+_UPSTREAM_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, TimeoutError)
+_RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
+_ROUTED_PATHS = {"/v1/completions": completion_routing_key, "/v1/chat/completions": chat_routing_key}
+
+
+class _Retry(Exception):
+    """An attempt failed before any byte reached the client."""
+
+    def __init__(self, reason: str, status: int | None = None, body: bytes = b"", headers: Any = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+        self.body = body
+        self.headers = headers
+
+
+def _forward_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    connection_tokens = {t.strip().lower() for t in headers.get("Connection", "").split(",") if t.strip()}
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in headers.items():
+        lower = name.lower()
+        if lower not in _HOP_BY_HOP and lower not in connection_tokens:
+            out.add(name, value)
+    return out
+
+
+class Proxy:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        pool: ReplicaPool,
+        core: RoutingCore,
+        metrics: RouterMetrics,
+        session: aiohttp.ClientSession,
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.core = core
+        self.metrics = metrics
+        self.session = session
+        self._loop_time = asyncio.get_running_loop().time
+
+    # --- entry points -----------------------------------------------------------------------------------
+
+    async def handle_routed(self, request: web.Request) -> web.StreamResponse:
+        started = self._loop_time()
+        parsed = await self._read_json(request)
+        if isinstance(parsed, web.Response):
+            return parsed
+        body, raw = parsed
+        try:
+            key = _ROUTED_PATHS[request.path](body)
+        except RoutingInputError as exc:
+            return error_response(400, str(exc), param=exc.param)
+        return await self._route_and_forward(request, body, raw, key, started)
+
+    async def handle_passthrough(self, request: web.Request) -> web.StreamResponse:
+        """Any other /v1/* path: no prefix to route on, so the policy balances load alone."""
+        started = self._loop_time()
+        raw = b""
+        body: dict[str, Any] = {}
+        if request.can_read_body:
+            read = await self._read_body(request)
+            if isinstance(read, web.Response):
+                return read
+            raw = read
+            if request.content_type == "application/json" and raw:
+                try:
+                    decoded = json.loads(raw)
+                except ValueError:
+                    return error_response(400, "request body is not valid JSON", code="invalid_json")
+                if isinstance(decoded, dict):
+                    body = decoded
+        return await self._route_and_forward(request, body, raw, RoutingKey(text=b""), started)
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        seen: dict[str, dict[str, Any]] = {}
+        for replica in self.pool:
+            if replica.is_healthy:
+                for model_id, card in replica.model_cards.items():
+                    seen.setdefault(model_id, card)
+        return web.json_response({"object": "list", "data": list(seen.values())})
+
+    # --- reading the request ------------------------------------------------------------------------------
+
+    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+        limits = self.settings.limits
+        if request.content_length is not None and request.content_length > limits.max_body_bytes:
+            return error_response(
+                413, f"request body is larger than {limits.max_body_bytes} bytes", code="request_too_large"
+            )
+        try:
+            async with asyncio.timeout(limits.body_read_timeout_s):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(
+                413, f"request body is larger than {limits.max_body_bytes} bytes", code="request_too_large"
+            )
+        except TimeoutError:
+            return error_response(
+                408, f"request body not received within {limits.body_read_timeout_s} s", code="request_timeout"
+            )
+
+    async def _read_json(self, request: web.Request) -> tuple[dict[str, Any], bytes] | web.Response:
+        if request.content_type != "application/json":
+            return error_response(
+                400, f"Content-Type must be application/json, got {request.content_type!r}", code="invalid_content_type"
+            )
+        raw = await self._read_body(request)
+        if isinstance(raw, web.Response):
+            return raw
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            return error_response(400, f"request body is not valid JSON: {exc}", code="invalid_json")
+        if not isinstance(body, dict):
+            return error_response(400, "request body must be a JSON object", code="invalid_json")
+        return body, raw
+
+    # --- routing and forwarding ---------------------------------------------------------------------------
+
+    async def _route_and_forward(
+        self, request: web.Request, body: dict[str, Any], raw: bytes, key: RoutingKey, started: float
+    ) -> web.StreamResponse:
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            return error_response(400, "'model' must be a string", param="model")
+        if model is not None and len(self.pool) and not self.pool.is_model_known(model):
+            return error_response(
+                404,
+                f"The model `{model}` does not exist.",
+                type_="invalid_request_error",
+                code="model_not_found",
+                param="model",
+            )
+        header = self.settings.session_header
+        session_key = request.headers.get(header) if header else None
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+        decide_start = time.perf_counter()
+        prepared = self.core.prepare(key, model, session_key, max_tokens if isinstance(max_tokens, int) else None)
+        is_stream = body.get("stream") is True
+        headers = _forward_headers(request.headers)
+        tried: list[str] = []
+        deadline = started + self.settings.retry.total_timeout_s
+        last_failure: _Retry | None = None
+        while len(tried) < self.settings.retry.max_attempts and (not tried or self._loop_time() < deadline):
+            now = self._loop_time()
+            decision = self.core.choose(prepared, tried, now)
+            if not tried:
+                self.metrics.decision_seconds.observe(time.perf_counter() - decide_start)
+            if decision is None:
+                break
+            replica = self.pool.get(decision.replica)
+            assert replica is not None
+            tried.append(replica.id)
+            ticket = self.core.begin(replica, decision, prepared, now)
+            try:
+                response = await self._attempt(request, ticket, prepared, headers, raw, is_stream)
+            except _Retry as failure:
+                last_failure = failure
+                self.metrics.retries.labels(failure.reason).inc()
+                continue
+            finally:
+                self.core.finish(ticket)
+            self._log(request, ticket, prepared, response.status, started, len(tried))
+            return response
+        return self._give_up(request, last_failure, tried, started)
+
+    def _give_up(self, request: web.Request, failure: _Retry | None, tried: list[str], started: float) -> web.Response:
+        branch = "none"
+        if failure is not None and failure.status is not None:
+            # Every attempt got a 5xx: pass the last replica's answer on as it was.
+            response = web.Response(status=failure.status, body=failure.body, headers=failure.headers)
+            response.headers["x-shoal-replica"] = tried[-1]
+            self.metrics.requests.labels(str(failure.status), branch, tried[-1]).inc()
+            return response
+        if failure is None:
+            message, code = "no replica is available to serve this request", "no_replica_available"
+        else:
+            message, code = f"all replicas tried failed ({', '.join(tried)}): {failure}", "upstream_unavailable"
+        self.metrics.requests.labels("503", branch, "none").inc()
+        self._log_line(request, 503, "none", branch, started, len(tried), error=message)
+        return error_response(503, message, type_="server_error", code=code, headers={"Retry-After": "1"})
+
+    async def _attempt(
+        self,
+        request: web.Request,
+        ticket: Ticket,
+        prepared: Prepared,
+        headers: CIMultiDict[str],
+        raw: bytes,
+        is_stream: bool,
+    ) -> web.StreamResponse:
+        replica = ticket.replica
+        url = replica.url + request.path_qs
+        try:
+            upstream = await self.session.request(request.method, url, data=raw, headers=headers)
+        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if replica.mark_unreachable(str(exc)):
+                log.warning("replica %s unreachable, out of rotation: %s", replica.id, exc)
+                self.core.drop_cache(replica.id)
+            raise _Retry("connect_error") from exc
+        except TimeoutError as exc:
+            self._request_failed(ticket, "timeout")
+            raise _Retry("timeout") from exc
+        try:
+            if upstream.status in _RETRYABLE_STATUS:
+                body = await upstream.read()
+                self._request_failed(ticket, f"HTTP {upstream.status}")
+                raise _Retry(f"http_{upstream.status}", upstream.status, body, _response_headers(upstream))
+            replica.request_succeeded()
+            if upstream.content_type == "text/event-stream":
+                return await self._relay_stream(request, ticket, upstream)
+            body = await upstream.read()
+            self._first_byte(ticket, is_stream=False)
+            self._observe_cached_tokens(upstream, body)
+            response = web.Response(status=upstream.status, body=body, headers=_response_headers(upstream))
+            self._tag(response, ticket, upstream.status)
+            return response
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            # The body broke before we answered: nothing reached the client yet, so another replica may try.
+            self._request_failed(ticket, str(exc) or type(exc).__name__)
+            raise _Retry("disconnected") from exc
+        except TimeoutError as exc:
+            self._request_failed(ticket, "timeout")
+            raise _Retry("timeout") from exc
+        finally:
+            upstream.close()  # a no-op after a full read; mid-stream it drops the connection to stop the replica
+
+    async def _relay_stream(
+        self, request: web.Request, ticket: Ticket, upstream: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(status=upstream.status, headers=_response_headers(upstream))
+        self._tag(response, ticket, upstream.status)
+        chunks = upstream.content.iter_any()
+        # Wait for the first chunk before answering: a replica that dies before it can still be retried.
+        first = await anext(chunks, b"")
+        self._first_byte(ticket, is_stream=True)
+        await response.prepare(request)
+        try:
+            if first:
+                await response.write(first)
+            try:
+                async for chunk in chunks:
+                    await response.write(chunk)
+            except _UPSTREAM_ERRORS as exc:
+                self._request_failed(ticket, str(exc) or type(exc).__name__)
+                log.warning("replica %s failed mid-stream: %s", ticket.replica.id, exc)
+                await response.write(sse_error_event(f"replica {ticket.replica.id} failed mid-stream"))
+            await response.write_eof()
+        except ConnectionResetError:
+            pass  # the client went away; `finally` in _attempt drops the upstream connection
+        return response
+
+    # --- bookkeeping -------------------------------------------------------------------------------------
+
+    def _first_byte(self, ticket: Ticket, *, is_stream: bool) -> None:
+        ttfb_s = self.core.first_byte(ticket, self._loop_time(), is_stream=is_stream)
+        if is_stream:
+            self.metrics.ttft_seconds.observe(ttfb_s)
+            if ticket.decision.predicted_ttft_s is not None:
+                self.metrics.predicted_ttft_seconds.observe(ticket.decision.predicted_ttft_s)
+
+    def _request_failed(self, ticket: Ticket, error: str) -> None:
+        if ticket.replica.request_failed(self.settings.breaker, self._loop_time(), error):
+            log.warning("circuit opened for replica %s after repeated failures: %s", ticket.replica.id, error)
+
+    def _tag(self, response: web.StreamResponse, ticket: Ticket, status: int) -> None:
+        decision = ticket.decision
+        response.headers["x-shoal-replica"] = ticket.replica.id
+        response.headers["x-shoal-route-branch"] = decision.branch.value
+        self.metrics.requests.labels(str(status), decision.branch.value, ticket.replica.id).inc()
+        self.metrics.predicted_cached_tokens.inc(decision.predicted_cached_tokens)
+
+    def _observe_cached_tokens(self, upstream: aiohttp.ClientResponse, body: bytes) -> None:
+        if upstream.content_type != "application/json" or upstream.headers.get("Content-Encoding"):
+            return
+        try:
+            usage = json.loads(body).get("usage") or {}
+            prompt = usage.get("prompt_tokens") or 0
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        except (ValueError, AttributeError):
+            return
+        self.metrics.prompt_tokens.inc(prompt)
+        self.metrics.observed_cached_tokens.inc(cached)
+
+    def _log(
+        self, request: web.Request, ticket: Ticket, prepared: Prepared, status: int, started: float, attempts: int
+    ) -> None:
+        if self.settings.log_requests:
+            self._log_line(
+                request,
+                status,
+                ticket.replica.id,
+                ticket.decision.branch.value,
+                started,
+                attempts,
+                matched_blocks=ticket.decision.matched_blocks,
+                prompt_tokens=prepared.prompt_tokens,
+            )
+
+    def _log_line(
+        self,
+        request: web.Request,
+        status: int,
+        replica: str,
+        branch: str,
+        started: float,
+        attempts: int,
+        **extra: Any,
+    ) -> None:
+        if not self.settings.log_requests:
+            return
+        record = {
+            "event": "request",
+            "method": request.method,
+            "path": request.path,
+            "status": status,
+            "replica": replica,
+            "branch": branch,
+            "attempts": attempts,
+            "ms": round((self._loop_time() - started) * 1000, 3),
+            **extra,
+        }
+        request_log.info(json.dumps(record))
+
+
+def _response_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
+    return _forward_headers(upstream.headers)

@@ -1,0 +1,196 @@
+"""From a parsed request to a chosen replica: hash, match, select, record, and the load bookkeeping around it.
+
+This is the only place the service touches the pure policy layer, so the simulator can mirror it step by step:
+
+    hashes  = hashing.hash_text / hash_tokens(routing key, seed of the model)
+    matched = index.match(hashes, now)
+    decision = policy.select(RouteRequest(hashes, prompt_tokens, tokens_per_block, matched), eligible, now)
+    index.record(decision.replica, hashes, now)         # approximate mode: the router's own prediction
+
+Load bookkeeping is router-local and exact: `begin` counts a request as waiting for its first byte with its
+uncached prompt tokens (the prefill backlog), `first_byte` moves it to streaming and feeds the observed time to
+the replica's prefill-rate estimate, `finish` forgets it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.policy.hashing import hash_text, hash_tokens, namespace_seed
+from router.policy.prefill_rate import PrefillRateEstimator
+from router.policy.prefix_index import PrefixIndex
+from router.policy.routing_text import RoutingKey
+from router.policy.types import Branch, Decision, Policy, RouteRequest
+from router.service.pool import Replica, ReplicaPool
+from router.service.settings import RouterSettings
+
+_MAX_SESSIONS = 100_000
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A request's routing inputs, computed once and reused across retries."""
+
+    hashes: list[int]
+    prompt_tokens: int
+    tokens_per_block: float
+    model: str | None
+    session_key: str | None
+    max_output_tokens: int | None
+
+
+@dataclass(slots=True)
+class Ticket:
+    """One attempt in flight on one replica."""
+
+    replica: Replica
+    decision: Decision
+    uncached_tokens: int
+    started: float
+    tokens_ahead: int
+    """Prefill backlog on the replica when this request joined it: part of what its first byte waited for."""
+    is_waiting: bool = True
+    is_done: bool = False
+
+
+class RoutingCore:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        pool: ReplicaPool,
+        index: PrefixIndex,
+        policy: Policy,
+        prefill_rate: PrefillRateEstimator,
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.index = index
+        self.policy = policy
+        self.prefill_rate = prefill_rate
+        self._sessions: OrderedDict[str, str] = OrderedDict()
+        self._seeds: dict[str | None, bytes] = {}
+
+    def prepare(
+        self, key: RoutingKey, model: str | None, session_key: str | None, max_output_tokens: int | None
+    ) -> Prepared:
+        seed = self._seeds.get(model)
+        if seed is None:
+            seed = self._seeds[model] = namespace_seed(model or "")
+        h = self.settings.hashing
+        if key.token_ids is not None:
+            hashes = hash_tokens(key.token_ids, seed, h.token_block_size, max_blocks=h.max_blocks)
+            return Prepared(
+                hashes, len(key.token_ids), float(h.token_block_size), model, session_key, max_output_tokens
+            )
+        text = key.text or b""
+        hashes = hash_text(text, seed, h.text_block_size, max_blocks=h.max_blocks)
+        prompt_tokens = math.ceil(len(text) / h.bytes_per_token)
+        return Prepared(
+            hashes, prompt_tokens, h.text_block_size / h.bytes_per_token, model, session_key, max_output_tokens
+        )
+
+    def choose(self, prepared: Prepared, exclude: Sequence[str], now: float) -> Decision | None:
+        """Pick a replica among the eligible ones, or None when there is none."""
+        eligible = self.pool.eligible(prepared.model, exclude)
+        if not eligible:
+            return None
+        matched = self.index.match(prepared.hashes, now=now) if prepared.hashes else {}
+        request = RouteRequest(
+            hashes=prepared.hashes,
+            prompt_tokens=prepared.prompt_tokens,
+            tokens_per_block=prepared.tokens_per_block,
+            matched_blocks=matched,
+            session_key=prepared.session_key,
+            max_output_tokens=prepared.max_output_tokens,
+        )
+        decision = self._session_decision(request, eligible)
+        if decision is None:
+            if len(eligible) == 1:
+                only = eligible[0].id
+                cached = request.cached_tokens(only)
+                decision = Decision(only, Branch.ONLY_REPLICA, matched.get(only, 0), cached)
+            else:
+                decision = self.policy.select(request, [r.state for r in eligible], now=now)
+        if prepared.session_key is not None:
+            self._remember_session(prepared.session_key, decision.replica)
+        if prepared.hashes:
+            self.index.record(decision.replica, prepared.hashes, now=now)
+        return decision
+
+    def _session_decision(self, request: RouteRequest, eligible: list[Replica]) -> Decision | None:
+        if request.session_key is None or self.settings.session_header is None:
+            return None
+        pinned = self._sessions.get(request.session_key)
+        if pinned is None or not any(r.id == pinned for r in eligible):
+            return None
+        return Decision(pinned, Branch.SESSION, request.matched_blocks.get(pinned, 0), request.cached_tokens(pinned))
+
+    def _remember_session(self, key: str, replica_id: str) -> None:
+        self._sessions[key] = replica_id
+        self._sessions.move_to_end(key)
+        if len(self._sessions) > _MAX_SESSIONS:
+            self._sessions.popitem(last=False)
+
+    # --- load bookkeeping ---------------------------------------------------------------------------------
+
+    def begin(self, replica: Replica, decision: Decision, prepared: Prepared, now: float) -> Ticket:
+        s = replica.state
+        uncached = max(0, prepared.prompt_tokens - decision.predicted_cached_tokens)
+        ticket = Ticket(replica, decision, uncached, now, s.waiting_prompt_tokens)
+        s.in_flight += 1
+        s.waiting += 1
+        s.waiting_prompt_tokens += uncached
+        s.last_selected = now
+        return ticket
+
+    def first_byte(self, ticket: Ticket, now: float, *, is_stream: bool) -> float:
+        """The replica answered; returns the time to first byte. Streams teach the prefill-rate estimate."""
+        ttfb_s = now - ticket.started
+        if ticket.is_waiting:
+            s = ticket.replica.state
+            s.waiting -= 1
+            s.waiting_prompt_tokens -= ticket.uncached_tokens
+            s.streaming += 1
+            ticket.is_waiting = False
+            if is_stream:
+                replica = ticket.replica
+                replica.prefill_rate = self.prefill_rate.update(
+                    replica.prefill_rate,
+                    uncached_tokens=ticket.uncached_tokens,
+                    ttfb_s=ttfb_s,
+                    queue_tokens_ahead=ticket.tokens_ahead,
+                )
+                s.prefill_tokens_per_s = replica.prefill_rate.tokens_per_s
+        return ttfb_s
+
+    def finish(self, ticket: Ticket) -> None:
+        if ticket.is_done:
+            return
+        ticket.is_done = True
+        s = ticket.replica.state
+        s.in_flight -= 1
+        if ticket.is_waiting:
+            s.waiting -= 1
+            s.waiting_prompt_tokens -= ticket.uncached_tokens
+            ticket.is_waiting = False
+        else:
+            s.streaming -= 1
+
+    def add_replica(self, replica: Replica) -> None:
+        replica.prefill_rate = self.prefill_rate.initial()
+        replica.state.prefill_tokens_per_s = replica.prefill_rate.tokens_per_s
+        self.index.add_replica(replica.id, replica.state.kv_capacity_blocks)
+
+    def remove_replica(self, replica_id: str) -> None:
+        """The replica left the pool: its index entries go."""
+        self.index.remove_replica(replica_id)
+
+    def drop_cache(self, replica_id: str) -> None:
+        """The replica went away unexpectedly (a crash loses its KV cache): forget what it held."""
+        replica = self.pool.get(replica_id)
+        self.index.remove_replica(replica_id)
+        if replica is not None:
+            self.add_replica(replica)

@@ -1,0 +1,58 @@
+"""Running the app: uvloop where available, handler cancellation on client disconnect, graceful drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from router.service.app import create_app
+from router.service.settings import RouterSettings
+
+log = logging.getLogger("shoal.router")
+
+
+def serve(settings: RouterSettings) -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux and macOS
+        runner = asyncio.run
+    else:
+        runner = uvloop.run
+    runner(_serve(settings))
+
+
+def make_runner(app: web.Application, settings: RouterSettings) -> web.AppRunner:
+    """The runner `shoal router` uses; tests start the router through it too."""
+    return web.AppRunner(
+        app,
+        handler_cancellation=True,  # a client that goes away cancels its handler, and so the upstream request
+        access_log=None,  # the proxy logs one structured line per request itself
+        shutdown_timeout=settings.limits.shutdown_grace_s,
+    )
+
+
+async def _serve(settings: RouterSettings) -> None:
+    runner = make_runner(create_app(settings), settings)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port, backlog=1024, reuse_address=True)
+    await site.start()
+    log.info(
+        "shoal router listening on http://%s:%d with %d replicas, policy %s",
+        settings.host,
+        settings.port,
+        len(settings.replicas),
+        settings.policy.kind,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        log.info("shutting down: draining in-flight requests for up to %.0f s", settings.limits.shutdown_grace_s)
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,198 @@
+"""`RouterSettings`: every knob of `shoal router`, from the environment, a YAML file and CLI flags.
+
+Precedence, highest first: CLI flags, `SHOAL_ROUTER_*` environment variables (nested with `__`, e.g.
+`SHOAL_ROUTER_HEALTH__INTERVAL_S=1`), the YAML file named by `--config` or `SHOAL_ROUTER_CONFIG_FILE`, defaults.
+The routing policy and the prefix index are the pure configs of `router.policy`, shared with the simulator.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from router.policy.config import EstimatedTTFTConfig, PolicyConfig
+from router.policy.hashing import DEFAULT_TEXT_BLOCK_SIZE, DEFAULT_TOKEN_BLOCK_SIZE
+from router.policy.prefill_rate import PrefillRateEstimator
+from router.policy.prefix_index import PrefixIndexConfig
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class HashingSettings(_Section):
+    text_block_size: int = Field(DEFAULT_TEXT_BLOCK_SIZE, gt=0)
+    """Bytes per block of routing text (text mode). 64 bytes is about one 16-token KV block of English."""
+    token_block_size: int = Field(DEFAULT_TOKEN_BLOCK_SIZE, gt=0)
+    """Tokens per block when a prompt arrives as token ids; must equal the engines' KV block size (16 in vLLM)."""
+    bytes_per_token: float = Field(4.0, gt=0)
+    """Average UTF-8 bytes per token, to estimate prompt tokens from text. ~4 for English BPE vocabularies."""
+    max_blocks: int = Field(8192, gt=0)
+    """Hash at most this many leading blocks (512 KiB of text): bounds the router's CPU on huge prompts."""
+
+
+class HealthSettings(_Section):
+    interval_s: float = Field(2.0, gt=0)
+    """Seconds between probes of a healthy replica."""
+    unhealthy_interval_s: float = Field(0.5, gt=0)
+    """Seconds between probes of an unhealthy replica: short, so a restarted replica is back within seconds."""
+    timeout_s: float = Field(2.0, gt=0)
+    """Per-probe timeout in seconds."""
+    failure_threshold: int = Field(2, ge=1)
+    """Consecutive failed probes that take a replica out of rotation."""
+    success_threshold: int = Field(1, ge=1)
+    """Consecutive good probes that put it back. 1: a replica that answers /health is ready to serve."""
+    path: str = "/health"
+    """Probe path; vLLM, SGLang and Shoal's replica all answer GET /health."""
+
+
+class BreakerSettings(_Section):
+    failure_threshold: int = Field(5, ge=1)
+    """Consecutive failed requests (5xx or transport errors) that open a replica's circuit."""
+    open_s: float = Field(2.0, ge=0)
+    """Minimum seconds a circuit stays open; the first good probe after that closes it."""
+
+
+class ScrapeSettings(_Section):
+    enabled: bool = True
+    """Scrape each replica's /metrics for engine queue and KV gauges (vLLM and SGLang names)."""
+    interval_s: float = Field(2.0, gt=0)
+    """Seconds between scrapes; the gauges lag by at most this much, router-local counts never lag."""
+    timeout_s: float = Field(2.0, gt=0)
+    path: str = "/metrics"
+
+
+class RetrySettings(_Section):
+    max_attempts: int = Field(3, ge=1)
+    """Replicas tried per request before giving up; retries happen only before any byte reached the client."""
+    total_timeout_s: float = Field(30.0, gt=0)
+    """Seconds after which no new attempt is started."""
+    connect_timeout_s: float = Field(5.0, gt=0)
+    """Seconds to open a connection to a replica."""
+
+
+class LimitSettings(_Section):
+    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    """Largest request body accepted (413 beyond). 32 MiB fits a 1M-token prompt with room to spare."""
+    body_read_timeout_s: float = Field(30.0, gt=0)
+    """Seconds allowed to receive a request body (408 beyond): stops slow-body clients tying up the router."""
+    request_timeout_s: float = Field(1800.0, gt=0)
+    """Seconds a whole request may take, streaming included; long generations need generous values."""
+    shutdown_grace_s: float = Field(60.0, ge=0)
+    """On SIGTERM, seconds to let in-flight requests finish before the process exits."""
+
+
+class RouterSettings(BaseSettings):
+    """Settings of `shoal router`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SHOAL_ROUTER_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+        use_attribute_docstrings=True,
+    )
+
+    host: str = "127.0.0.1"
+    """Address to listen on. Loopback by default; containers set 0.0.0.0."""
+    port: int = Field(8000, ge=0, le=65535)
+    replicas: list[str] = Field(default_factory=list)
+    """Static replica base URLs (http://host:port). More can be added through the admin API."""
+    policy: PolicyConfig = Field(default_factory=EstimatedTTFTConfig)
+    """Routing policy, chosen by `kind`; see router/policy/config.py for each policy's parameters."""
+    index: PrefixIndexConfig = Field(default_factory=PrefixIndexConfig)
+    prefill_rate: PrefillRateEstimator = Field(default_factory=PrefillRateEstimator)
+    """How each replica's prefill rate is learned from streamed times to first token (estimated_ttft uses it)."""
+    hashing: HashingSettings = Field(default_factory=HashingSettings)
+    health: HealthSettings = Field(default_factory=HealthSettings)
+    breaker: BreakerSettings = Field(default_factory=BreakerSettings)
+    scrape: ScrapeSettings = Field(default_factory=ScrapeSettings)
+    retry: RetrySettings = Field(default_factory=RetrySettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
+    session_header: str | None = None
+    """Header whose value pins a session to one replica (e.g. x-session-id); off when unset."""
+    admin_token: SecretStr | None = None
+    """Bearer token for /admin/*. Without one the admin API is disabled (404), never open."""
+    seed: int = 0
+    """Seed of the policies' random choices, for reproducible runs."""
+    log_requests: bool = True
+    """Log one JSON line per request (route branch, replica, timings)."""
+    config_file: Path | None = None
+    """YAML file with any of these settings; environment variables override it."""
+
+    @field_validator("replicas")
+    @classmethod
+    def _check_urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"replica URL must start with http:// or https://, got {url!r}")
+        return [url.rstrip("/") for url in urls]
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path = getattr(init_settings, "init_kwargs", {}).get("config_file") or os.environ.get(
+            "SHOAL_ROUTER_CONFIG_FILE"
+        )
+        return (init_settings, env_settings, _YamlSource(settings_cls, Path(path) if path else None))
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    """The YAML file named by `config_file` (a CLI flag or SHOAL_ROUTER_CONFIG_FILE); lowest precedence."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: Path | None) -> None:
+        super().__init__(settings_cls)
+        self._path = path
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return load_yaml(self._path) if self._path else {}
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read config file {path}: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config file {path} is not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of settings")
+    return data
+
+
+def settings_help(model: type[BaseModel], env_prefix: str) -> str:
+    """Every setting with its environment variable, default and docstring, for `--help`."""
+    lines = ["settings (environment variable, default):"]
+
+    def walk(cls: type[BaseModel], path: list[str]) -> None:
+        for name, info in cls.model_fields.items():
+            annotation = info.annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel) and annotation is not SecretStr:
+                walk(annotation, [*path, name])
+                continue
+            env = env_prefix + "__".join(p.upper() for p in [*path, name])
+            default = info.get_default(call_default_factory=True)
+            if isinstance(default, BaseModel):
+                default = getattr(default, "kind", type(default).__name__)
+            lines.append(f"  {'.'.join([*path, name])}  ({env}, default {default!r})")
+            if info.description:
+                lines.append("      " + " ".join(info.description.split()))
+
+    walk(model, [])
+    return "\n".join(lines)
