@@ -1,13 +1,19 @@
 """Prefix index: which replica holds which prompt-prefix blocks (DESIGN.md, Router).
 
-Shape. Block hashes are chained (`hashing`): a hash names its whole prefix, so the index needs no tree. It is one
-dict `block hash -> _Node`; a node holds the replicas holding the block as an int bitmask over per-index replica
-slots (a replica's single-bit mask is one shared int object, so a block held by one replica costs no mask of its
-own; a Python set would cost 200+ bytes a block), and `expiry_s`, a lower bound on the earliest deadline among
-its holders' expiring entries (inf when it has none). `match` walks the request's hashes once, AND-ing masks:
-the depth at which a replica's bit drops out is its match. That is O(blocks) dict look-ups whatever the number
-of replicas. A node whose `expiry_s` has passed is checked holder by holder, and its bound refreshed, so an
-expired entry never counts, swept or not; every other node costs one float comparison.
+Shape. Block hashes are chained (`hashing`): a hash names its whole prefix, so the index needs no tree and no
+parent links. It is one dict `block hash -> _Node`. A node holds the replicas holding the block as an int bitmask
+over per-index replica slots (a replica's single-bit mask is one shared int object, so a block held by one replica
+costs no mask of its own; a Python set would cost 200+ bytes a block), and `expiry_s`, a lower bound on the
+earliest deadline among its holders' expiring entries (inf when there are none). A node whose `expiry_s` has
+passed is checked holder by holder, and its bound refreshed, so an expired entry never counts, swept or not;
+any other node costs one float comparison.
+
+Match. A replica is prefix-closed while holding a block implies holding all of its ancestors. Records, eviction
+and sweeps keep it so (below); only an engine `removed`, which may name an inner block, breaks it, until the
+replica holds nothing again. Over prefix-closed replicas the live holders of hashes[j] only shrink as j grows,
+so `match` binary-searches the few depths where they shrink: O(log blocks) look-ups per distinct holder set,
+some 30 for a 512-block prompt. Other replicas are matched by walking the hashes once, AND-ing masks until no
+bit is left: O(blocks) look-ups whatever the number of replicas.
 
 Entries. A (block, replica) pair is one of:
   - exact: the engine said so in a `stored` event. It leaves on `removed` or `cleared`, never by TTL or capacity.
@@ -17,11 +23,12 @@ Entries. A (block, replica) pair is one of:
     expires `predicted_ttl_s` after its last touch unless a `stored` makes it exact first.
 Approximate and predicted entries are the index's guesses. A replica keeps them in one insertion-ordered dict
 node -> deadline (seconds), oldest touch first; a touch moves an entry to the end and keeps the later of its old
-and new deadlines. `record` touches a prompt's blocks leaf first, so a block is always more recent than its
-descendants, and evicting from the front removes leaves before the blocks they hang from: no parent links or
-child counts are needed, and no eviction orphans a descendant. `capacity_blocks` bounds a replica's guesses;
-past it, the front is evicted in one batch down to (1 - evict_fraction) x capacity. Exact entries do not count
-against it: the engine's own eviction bounds them, and it tells us.
+and new deadlines. `record` takes a prompt's hashes from block 0 and touches them leaf first, so a block is
+always more recent than its descendants and expires no earlier than they do: evicting from the front, or
+sweeping expired entries from the front, removes leaves before the blocks they hang from, and never orphans a
+descendant. `capacity_blocks` bounds a replica's guesses; past it, the front is evicted in one batch down to
+(1 - evict_fraction) x capacity. Exact entries do not count against it: the engine's own eviction bounds them,
+and it tells us.
 
 Exact mode. A `stored` event's blocks are re-hashed with the router's hash from the event's token ids, chained
 from the router hash of the event's parent, found through a per-replica map engine hash -> node; the engine hash
@@ -29,11 +36,11 @@ is kept only to apply a later `removed`. An event whose parent is unknown (its `
 block was removed since) is skipped and counted: chaining from the wrong parent would index the blocks under
 hashes no request carries.
 
-What commutes. A `stored` and a `record` of the same blocks leave the same match, at every later `now`, in
-either order: a record never downgrades an exact entry, and a `stored` upgrades whatever guess it finds. Records
-commute with each other as far as match goes while no capacity eviction intervenes (an entry's deadline is the
-latest any record gave it; the order of touches decides only which entries eviction takes first). `removed` and
-`cleared` are the engine's latest word and must be applied in arrival order.
+What commutes. A `stored` and a `record` of the same blocks leave the same index, hence the same match at every
+later `now`, in either order: a record never downgrades an exact entry, and a `stored` upgrades whatever guess
+it finds. Records commute with each other as far as match goes while no capacity eviction intervenes (an entry's
+deadline is the latest any record gave it; the order of touches decides only what eviction takes first).
+`removed` and `cleared` are the engine's latest word and must be applied in arrival order.
 
 Time. Callers pass `now` in seconds and never let it go backwards; the index keeps no clock. `expire(now)`
 sweeps expired guesses from the front of each replica's touch order, so a sweep costs about what it removes.
@@ -42,7 +49,7 @@ sweeps expired guesses from the front of each replica's touch order, so a sweep 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import islice
 
@@ -52,6 +59,7 @@ from router.policy import hashing
 from router.policy.kv_events import BlockRemoved, BlockStored, KVEvent
 
 _NEVER = math.inf
+_MAX_CACHED_MASKS = 4096
 
 
 class PrefixIndexConfig(BaseModel):
@@ -61,8 +69,8 @@ class PrefixIndexConfig(BaseModel):
 
     capacity_blocks: int = Field(default=200_000, ge=1)
     """Default per-replica bound, in blocks, on the index's guesses (approximate and predicted entries), used
-    when `add_replica` is not given the replica's own. It sits above any single GPU's KV cache (an 80 GB GPU
-    holds some 20-60k 16-token blocks of a mid-size model's KV), so that a replica of unknown size is not
+    when `add_replica` is not given the replica's own. It sits above one GPU's KV cache for common models (an
+    80 GB GPU holds some 20-60k 16-token blocks of a 7-8B model's KV), so that a replica of unknown size is not
     forgotten before its engine forgets; `ttl_s` is the bound that bites in approximate mode. Exact entries do
     not count against it."""
 
@@ -118,7 +126,16 @@ class _Node:
 class _Replica:
     """One replica's entries."""
 
-    __slots__ = ("bit", "capacity_blocks", "engine_blocks", "extra_engine_refs", "guesses", "id", "num_exact")
+    __slots__ = (
+        "bit",
+        "capacity_blocks",
+        "engine_blocks",
+        "extra_engine_refs",
+        "guesses",
+        "id",
+        "is_prefix_closed",
+        "num_exact",
+    )
 
     def __init__(self, replica_id: str, bit: int, capacity_blocks: int) -> None:
         self.id = replica_id
@@ -132,6 +149,10 @@ class _Replica:
         """Exact nodes named by more than one engine hash (say, the same tokens under two cache salts): the
         number of engine hashes beyond the first, so that the entry leaves with the last of them."""
         self.num_exact = 0
+        self.is_prefix_closed = True
+        """Whether holding a block implies holding all its ancestors. Records touch whole prefixes, eviction
+        takes leaves first and a sweep takes descendants no later than ancestors, so only an engine `removed`
+        (which may name an inner block) can break it; it holds again once the replica holds nothing."""
 
 
 class PrefixIndex:
@@ -146,6 +167,8 @@ class PrefixIndex:
         self._replicas: dict[str, _Replica] = {}
         self._by_bit: dict[int, _Replica] = {}
         self._all_bits = 0
+        self._closed_bits = 0  # bits of the replicas whose `is_prefix_closed` holds
+        self._ids_by_bits: dict[int, tuple[str, ...]] = {}  # cache for turning masks into replica ids
         self._events_applied = 0
         self._events_skipped = 0
         self._evictions = 0
@@ -175,6 +198,8 @@ class PrefixIndex:
         self._replicas[replica] = rep
         self._by_bit[rep.bit] = rep
         self._all_bits |= rep.bit
+        self._closed_bits |= rep.bit
+        self._ids_by_bits.clear()
 
     def remove_replica(self, replica: str) -> None:
         """Forget a replica and every entry it holds. Removing an unknown replica does nothing."""
@@ -184,40 +209,86 @@ class PrefixIndex:
         self._clear(rep)
         del self._by_bit[rep.bit]
         self._all_bits ^= rep.bit
+        self._closed_bits &= ~rep.bit
+        self._ids_by_bits.clear()
 
     # Queries --------------------------------------------------------------------------------------------------
 
     def match(self, hashes: Sequence[int], *, now: float) -> dict[str, int]:
         """Blocks of `hashes` each replica holds, contiguous from block 0; replicas with none are left out.
 
-        Expired guesses do not count, swept or not. Never changes what the index holds.
+        `hashes` must be chained (`hashing`): the search relies on a hash naming its whole prefix. Expired
+        guesses do not count, swept or not. Never changes what the index holds.
         """
         alive = self._all_bits
-        if not alive:
+        if not alive or not hashes:
             return {}
+        dropped: list[tuple[int, int]] = []  # (depth, bits of the replicas whose match is exactly `depth`)
+        closed = alive & self._closed_bits
+        if closed:
+            self._search_closed(hashes, closed, now, dropped)
+        if closed != alive:
+            self._walk(hashes, alive ^ closed, now, dropped)
+        out: dict[str, int] = {}
+        for depth, bits in dropped:
+            out.update(dict.fromkeys(self._ids_in(bits), depth))
+        return out
+
+    def _search_closed(self, hashes: Sequence[int], bits: int, now: float, dropped: list[tuple[int, int]]) -> None:
+        """Match for prefix-closed replicas: binary searches for the depths where the holder set shrinks.
+
+        A prefix-closed replica that holds block j holds blocks 0..j-1, and its live entries are prefix-closed
+        too, so the live holders of hashes[j] shrink as j grows: each distinct holder set is one run of
+        consecutive blocks, found in O(log blocks) look-ups.
+        """
+        get = self._nodes.get
+
+        def holders(j: int) -> int:
+            node = get(hashes[j])
+            if node is None:
+                return 0
+            return node.holders if node.expiry_s > now else self._live_holders(node, now)
+
+        num_blocks = len(hashes)
+        held = holders(0) & bits
+        lo = 0
+        while held:
+            # Invariant: every replica in `held` holds blocks 0..lo; find the last block they all hold.
+            hi = num_blocks
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if holders(mid) & held == held:
+                    lo = mid
+                else:
+                    hi = mid
+            depth = lo + 1
+            rest = holders(depth) & held if depth < num_blocks else 0
+            dropped.append((depth, held ^ rest))
+            held = rest
+            lo = depth
+
+    def _walk(self, hashes: Sequence[int], alive: int, now: float, dropped: list[tuple[int, int]]) -> None:
+        """Match for any replicas: one look-up per block, AND-ing holder masks until none is left."""
         get = self._nodes.get
         depth = 0
-        dropped: list[tuple[int, int]] = []  # (depth, bits of the replicas whose match is exactly `depth`)
         for block_hash in hashes:
             node = get(block_hash)
             if node is None:
                 break
             held = node.holders if node.expiry_s > now else self._live_holders(node, now)
-            if held is not alive:
+            if held is not alive and held != alive:
                 kept = held & alive
                 if kept != alive:
                     if depth:
                         dropped.append((depth, alive ^ kept))
                     if not kept:
-                        alive = 0
-                        break
+                        return
                     # Reuse the node's own mask object when it is the new set, so that the next nodes, which
                     # usually share it, pass the identity test above.
                     alive = held if kept == held else kept
             depth += 1
-        if alive and depth:
+        if depth:
             dropped.append((depth, alive))
-        return {rep.id: blocks for blocks, bits in dropped for rep in self._replicas_in(bits)}
 
     def stats(self) -> IndexStats:
         per_replica = {rep.id: len(rep.guesses) + rep.num_exact for rep in self._replicas.values()}
@@ -233,7 +304,7 @@ class PrefixIndex:
     # Approximate mode -----------------------------------------------------------------------------------------
 
     def record(self, replica: str, hashes: Sequence[int], *, now: float, predicted: bool = False) -> None:
-        """The router sent a prompt with these block hashes to `replica`: touch every block as its guess.
+        """The router sent a prompt with these block hashes (from block 0) to `replica`: guess it holds them all.
 
         New entries expire `ttl_s` (or `predicted_ttl_s` when `predicted`) after `now`; entries already guessed
         keep the later of their deadline and that one; exact entries are left as they are. Enforces the
@@ -358,6 +429,7 @@ class PrefixIndex:
             return
         rep.num_exact -= 1
         self._release(rep, node)
+        self._set_prefix_closed(rep, not (rep.guesses or rep.num_exact))
 
     # Internals ------------------------------------------------------------------------------------------------
 
@@ -396,22 +468,37 @@ class PrefixIndex:
         rep.engine_blocks = {}
         rep.extra_engine_refs = {}
         rep.num_exact = 0
+        self._set_prefix_closed(rep, True)
+
+    def _set_prefix_closed(self, rep: _Replica, is_closed: bool) -> None:
+        rep.is_prefix_closed = is_closed
+        if is_closed:
+            self._closed_bits |= rep.bit
+        else:
+            self._closed_bits &= ~rep.bit
 
     def _release(self, rep: _Replica, node: _Node) -> None:
         """Take `rep` off `node` (the caller has dropped the entry from `rep`'s own maps)."""
-        holders = node.holders ^ rep.bit
-        if holders:
-            node.holders = self._canonical(holders)
-        else:
+        if node.holders is rep.bit:
             del self._nodes[node.hash]
+        else:
+            node.holders = self._canonical(node.holders ^ rep.bit)
 
     def _canonical(self, bits: int) -> int:
         if bits and not bits & (bits - 1):
             return self._by_bit[bits].bit
         return bits
 
-    def _replicas_in(self, bits: int) -> Iterator[_Replica]:
-        while bits:
-            low = bits & -bits
-            bits ^= low
-            yield self._by_bit[low]
+    def _ids_in(self, bits: int) -> tuple[str, ...]:
+        ids = self._ids_by_bits.get(bits)
+        if ids is None:
+            if len(self._ids_by_bits) >= _MAX_CACHED_MASKS:
+                self._ids_by_bits.clear()
+            found = []
+            rest = bits
+            while rest:
+                low = rest & -rest
+                rest ^= low
+                found.append(self._by_bit[low].id)
+            ids = self._ids_by_bits[bits] = tuple(found)
+        return ids
