@@ -30,9 +30,16 @@ unit: install
 
 test: lint typecheck contracts unit
 
+# Until the bundled replica lands, two stand-in replicas (tests/fakes/fake_replica.py, OpenAI-compatible, with
+# vLLM metric names) serve behind the router. Ctrl-C stops all three.
 demo: install
-	@echo "make demo arrives with the replica (issue: bundled replica engine)."
-	@echo "Meanwhile: $(VENV)/bin/shoal router --replica http://127.0.0.1:8001 --port 8000"
+	@echo "Router on http://127.0.0.1:8000 with two stand-in replicas (the bundled engine arrives with the replica)."
+	@echo "Try: curl -s http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\"
+	@echo "       -d '{\"model\": \"shoal-demo\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'"
+	@$(PY) -m tests.fakes.fake_replica --port 8101 --name a --per-token-delay-s 0.02 & a=$$!; \
+	$(PY) -m tests.fakes.fake_replica --port 8102 --name b --per-token-delay-s 0.02 & b=$$!; \
+	trap 'kill $$a $$b 2>/dev/null' EXIT INT TERM; \
+	$(VENV)/bin/shoal router --port 8000 --replica http://127.0.0.1:8101 --replica http://127.0.0.1:8102
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -54,6 +54,9 @@ def add_router_command(subparsers: Any) -> None:
     parser.add_argument("--seed", type=int, help="seed of the policies' random choices")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     parser.add_argument("--no-request-log", action="store_true", help="do not log one line per request")
+    parser.add_argument(
+        "--reuse-port", action="store_true", help="SO_REUSEPORT: let several router processes share the port"
+    )
     parser.set_defaults(run=_run_router)
 
 
@@ -79,6 +82,8 @@ def _run_router(args: argparse.Namespace) -> int:
         overrides["policy"] = {"kind": args.policy}
     if args.no_request_log:
         overrides["log_requests"] = False
+    if args.reuse_port:
+        overrides["reuse_port"] = True
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         settings = RouterSettings(**overrides)

@@ -72,16 +72,42 @@ class EstimatedTTFT:
         if len(replicas) == 1:
             only = replicas[0]
             return decision(request, only.id, Branch.ONLY_REPLICA, self.estimate_s(request, only))
-
-        cap = self.config.max_queue_per_replica
-        under_cap = [r for r in replicas if r.queue_depth < cap]
-        candidates = under_cap or replicas
-        estimates = [(self.estimate_s(request, r), r) for r in candidates]
+        # One pass with locals: this runs per request over every replica (the router's hot path). It computes
+        # exactly `estimate_s` (tests hold the two equal).
+        cfg = self.config
+        cap = cfg.max_queue_per_replica
+        step_s = cfg.decode_step_s_per_seq
+        threshold = cfg.kv_pressure_threshold
+        pressure_scale = cfg.kv_pressure_s / ((1.0 - threshold) ** 2)
+        prompt_tokens = request.prompt_tokens
+        tokens_per_block = request.tokens_per_block
+        matched_get = request.matched_blocks.get
+        estimates: list[tuple[float, ReplicaState]] = []
+        over_cap: list[tuple[float, ReplicaState]] = []
+        for r in replicas:
+            running = r.num_running or 0
+            cached = min(prompt_tokens, int(matched_get(r.id, 0) * tokens_per_block))
+            rate = r.prefill_tokens_per_s
+            if rate < _MIN_PREFILL_TOKENS_PER_S:
+                rate = _MIN_PREFILL_TOKENS_PER_S
+            estimate = (r.waiting_prompt_tokens + prompt_tokens - cached) / rate
+            estimate += step_s * (r.streaming if r.streaming > running else running)
+            kv = r.kv_usage
+            if kv is not None and kv > threshold:
+                excess = (kv if kv < 1.0 else 1.0) - threshold
+                estimate += pressure_scale * excess * excess
+            queue_depth = (
+                r.in_flight if r.in_flight > running + (r.num_waiting or 0) else running + (r.num_waiting or 0)
+            )
+            (estimates if queue_depth < cap else over_cap).append((estimate, r))
+        is_under_cap = bool(estimates)
+        if not is_under_cap:
+            estimates = over_cap
         best_s = min(estimate for estimate, _ in estimates)
-        tied_below_s = best_s + self.config.tie_epsilon_s + self.config.tie_rel_epsilon * best_s
+        tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
         chosen_s, chosen = min(
             ((estimate, r) for estimate, r in estimates if estimate <= tied_below_s),
             key=lambda pair: (pair[1].in_flight, pair[1].last_selected, pair[1].id),
         )
-        branch = cache_branch(request, replicas, chosen.id) if under_cap else Branch.OVERLOADED
+        branch = cache_branch(request, replicas, chosen.id) if is_under_cap else Branch.OVERLOADED
         return decision(request, chosen.id, branch, chosen_s)

@@ -54,18 +54,20 @@ class AdminApi:
         self.on_added = on_added
 
     def routes(self) -> list[web.RouteDef]:
+        guard = self._authenticated
         return [
-            web.get("/admin/replicas", self.list_replicas),
-            web.post("/admin/replicas", self.add_replica),
-            web.delete("/admin/replicas/{id}", self.remove_replica),
-            web.post("/admin/replicas/{id}/drain", self.drain_replica),
-            web.post("/admin/replicas/{id}/undrain", self.undrain_replica),
-            web.get("/admin/index", self.index_stats),
+            web.get("/admin/replicas", guard(self.list_replicas)),
+            web.post("/admin/replicas", guard(self.add_replica)),
+            web.delete("/admin/replicas/{id}", guard(self.remove_replica)),
+            web.post("/admin/replicas/{id}/drain", guard(self.drain_replica)),
+            web.post("/admin/replicas/{id}/undrain", guard(self.undrain_replica)),
+            web.get("/admin/index", guard(self.index_stats)),
         ]
 
-    @web.middleware
-    async def auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith("/admin/"):
+    def _authenticated(self, handler: Handler) -> Handler:
+        """Wrap an admin handler with the bearer-token check (per route, so the proxy path pays nothing)."""
+
+        async def guarded(request: web.Request) -> web.StreamResponse:
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, self._token):
                 return error_response(
@@ -75,7 +77,9 @@ class AdminApi:
                     code="invalid_token",
                     headers={"WWW-Authenticate": "Bearer"},
                 )
-        return await handler(request)
+            return await handler(request)
+
+        return guarded
 
     async def list_replicas(self, request: web.Request) -> web.Response:
         return web.json_response({"replicas": [replica_view(r) for r in self.pool]})

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.policy.config import build_policy
 from router.policy.prefix_index import PrefixIndex
-from router.service.admin import AdminApi, Handler
+from router.service.admin import AdminApi
 from router.service.errors import error_response
 from router.service.health import HealthChecker, MetricsScraper
 from router.service.metrics import RouterMetrics
@@ -38,7 +38,8 @@ _SWEEP_INTERVAL_S = 5.0
 
 
 def create_app(settings: RouterSettings) -> web.Application:
-    app = web.Application(client_max_size=settings.limits.max_body_bytes, middlewares=[_openai_errors])
+    # No middlewares: each one wraps every proxied request, and the proxy path is the router's hot path.
+    app = web.Application(client_max_size=settings.limits.max_body_bytes)
     pool = ReplicaPool()
     index = PrefixIndex(settings.index)
     core = RoutingCore(settings, pool, index, build_policy(settings.policy, seed=settings.seed), settings.prefill_rate)
@@ -61,8 +62,8 @@ def create_app(settings: RouterSettings) -> web.Application:
     app.router.add_route("*", "/v1/{tail:.*}", _proxy_passthrough)
     if settings.admin_token is not None:
         admin = AdminApi(settings.admin_token.get_secret_value(), pool, core, on_added=lambda r: _wake(app, r))
-        app.middlewares.append(admin.auth)
         app.router.add_routes(admin.routes())
+    app.router.add_route("*", "/{tail:.*}", _not_found)
     return app
 
 
@@ -84,7 +85,9 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         connector=connector, timeout=timeout, auto_decompress=False, skip_auto_headers=("User-Agent",)
     ) as session:
         core = app[CORE]
-        app[PROXY] = Proxy(settings, app[POOL], core, app[METRICS], session)
+        app[PROXY] = Proxy(
+            settings, app[POOL], core, app[METRICS], session, on_unreachable=lambda r: _wake(app, r)
+        )
         health = HealthChecker(
             settings.health, app[POOL], session, on_down=lambda r: core.drop_cache(r.id), clock=loop.time
         )
@@ -112,16 +115,8 @@ async def _begin_shutdown(app: web.Application) -> None:
     app[SHUTTING_DOWN].set()
 
 
-@web.middleware
-async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """aiohttp's own HTTP errors (404, 405, 413...) in OpenAI's error shape."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.content_type == "application/json" or exc.status < 400:
-            raise
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
-        return error_response(exc.status, exc.reason, code=code)
+async def _not_found(request: web.Request) -> web.Response:
+    return error_response(404, f"no route for {request.method} {request.path}", code="not_found")
 
 
 async def _health(request: web.Request) -> web.Response:

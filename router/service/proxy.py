@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -26,7 +27,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from router.policy.routing_text import RoutingInputError, RoutingKey, chat_routing_key, completion_routing_key
 from router.service.errors import error_response, sse_error_event
 from router.service.metrics import RouterMetrics
-from router.service.pool import ReplicaPool
+from router.service.pool import Replica, ReplicaPool
 from router.service.routing import Prepared, RoutingCore, Ticket
 from router.service.settings import RouterSettings
 
@@ -82,18 +83,22 @@ class Proxy:
         core: RoutingCore,
         metrics: RouterMetrics,
         session: aiohttp.ClientSession,
+        on_unreachable: Callable[[Replica], None] = lambda replica: None,
     ) -> None:
         self.settings = settings
         self.pool = pool
         self.core = core
         self.metrics = metrics
         self.session = session
-        self._loop_time = asyncio.get_running_loop().time
+        self.on_unreachable = on_unreachable
+        """Called when passive marking takes a replica out, so the prober checks it now, not at its next tick."""
+        # CLOCK_MONOTONIC at full resolution: uvloop's loop.time() ticks in milliseconds, too coarse for TTFT.
+        self._clock = time.monotonic
 
     # --- entry points -----------------------------------------------------------------------------------
 
     async def handle_routed(self, request: web.Request) -> web.StreamResponse:
-        started = self._loop_time()
+        started = self._clock()
         parsed = await self._read_json(request)
         if isinstance(parsed, web.Response):
             return parsed
@@ -106,7 +111,7 @@ class Proxy:
 
     async def handle_passthrough(self, request: web.Request) -> web.StreamResponse:
         """Any other /v1/* path: no prefix to route on, so the policy balances load alone."""
-        started = self._loop_time()
+        started = self._clock()
         raw = b""
         body: dict[str, Any] = {}
         if request.can_read_body:
@@ -117,7 +122,7 @@ class Proxy:
             if request.content_type == "application/json" and raw:
                 try:
                     decoded = json.loads(raw)
-                except ValueError:
+                except (ValueError, RecursionError):  # RecursionError: nesting too deep for the decoder
                     return error_response(400, "request body is not valid JSON", code="invalid_json")
                 if isinstance(decoded, dict):
                     body = decoded
@@ -161,7 +166,7 @@ class Proxy:
             return raw
         try:
             body = json.loads(raw)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep for the decoder
             return error_response(400, f"request body is not valid JSON: {exc}", code="invalid_json")
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object", code="invalid_json")
@@ -190,11 +195,12 @@ class Proxy:
         prepared = self.core.prepare(key, model, session_key, max_tokens if isinstance(max_tokens, int) else None)
         is_stream = body.get("stream") is True
         headers = _forward_headers(request.headers)
+        headers.popall("Content-Encoding", None)  # aiohttp's server has decoded the body that `raw` holds
         tried: list[str] = []
         deadline = started + self.settings.retry.total_timeout_s
         last_failure: _Retry | None = None
-        while len(tried) < self.settings.retry.max_attempts and (not tried or self._loop_time() < deadline):
-            now = self._loop_time()
+        while len(tried) < self.settings.retry.max_attempts and (not tried or self._clock() < deadline):
+            now = self._clock()
             decision = self.core.choose(prepared, tried, now)
             if not tried:
                 self.metrics.decision_seconds.observe(time.perf_counter() - decide_start)
@@ -212,8 +218,10 @@ class Proxy:
                 continue
             finally:
                 self.core.finish(ticket)
+            self.metrics.request_seconds.observe(self._clock() - started)
             self._log(request, ticket, prepared, response.status, started, len(tried))
             return response
+        self.metrics.request_seconds.observe(self._clock() - started)
         return self._give_up(request, last_failure, tried, started)
 
     def _give_up(self, request: web.Request, failure: _Retry | None, tried: list[str], started: float) -> web.Response:
@@ -249,10 +257,14 @@ class Proxy:
             if replica.mark_unreachable(str(exc)):
                 log.warning("replica %s unreachable, out of rotation: %s", replica.id, exc)
                 self.core.drop_cache(replica.id)
+                self.on_unreachable(replica)
             raise _Retry("connect_error") from exc
         except TimeoutError as exc:
             self._request_failed(ticket, "timeout")
             raise _Retry("timeout") from exc
+        except aiohttp.ClientResponseError as exc:  # the answer was not valid HTTP (bad status line, headers...)
+            self._request_failed(ticket, f"invalid response: {exc.message}")
+            raise _Retry("invalid_response") from exc
         try:
             if upstream.status in _RETRYABLE_STATUS:
                 body = await upstream.read()
@@ -305,14 +317,14 @@ class Proxy:
     # --- bookkeeping -------------------------------------------------------------------------------------
 
     def _first_byte(self, ticket: Ticket, *, is_stream: bool) -> None:
-        ttfb_s = self.core.first_byte(ticket, self._loop_time(), is_stream=is_stream)
+        ttfb_s = self.core.first_byte(ticket, self._clock(), is_stream=is_stream)
         if is_stream:
             self.metrics.ttft_seconds.observe(ttfb_s)
             if ticket.decision.predicted_ttft_s is not None:
                 self.metrics.predicted_ttft_seconds.observe(ticket.decision.predicted_ttft_s)
 
     def _request_failed(self, ticket: Ticket, error: str) -> None:
-        if ticket.replica.request_failed(self.settings.breaker, self._loop_time(), error):
+        if ticket.replica.request_failed(self.settings.breaker, self._clock(), error):
             log.warning("circuit opened for replica %s after repeated failures: %s", ticket.replica.id, error)
 
     def _tag(self, response: web.StreamResponse, ticket: Ticket, status: int) -> None:
@@ -369,7 +381,7 @@ class Proxy:
             "replica": replica,
             "branch": branch,
             "attempts": attempts,
-            "ms": round((self._loop_time() - started) * 1000, 3),
+            "ms": round((self._clock() - started) * 1000, 3),
             **extra,
         }
         request_log.info(json.dumps(record))

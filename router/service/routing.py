@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.policy.hashing import hash_text, hash_tokens, namespace_seed
-from router.policy.prefill_rate import PrefillRateEstimator
+from router.policy.prefill_rate import PrefillRate, PrefillRateEstimator
 from router.policy.prefix_index import PrefixIndex
 from router.policy.routing_text import RoutingKey
 from router.policy.types import Branch, Decision, Policy, RouteRequest
@@ -157,13 +157,16 @@ class RoutingCore:
             ticket.is_waiting = False
             if is_stream:
                 replica = ticket.replica
+                before = replica.prefill_rate
                 replica.prefill_rate = self.prefill_rate.update(
-                    replica.prefill_rate,
+                    before,
                     uncached_tokens=ticket.uncached_tokens,
                     ttfb_s=ttfb_s,
                     queue_tokens_ahead=ticket.tokens_ahead,
                 )
                 s.prefill_tokens_per_s = replica.prefill_rate.tokens_per_s
+                if replica.prefill_rate is not before:
+                    self._share_rate_with_unobserved()
         return ttfb_s
 
     def finish(self, ticket: Ticket) -> None:
@@ -180,17 +183,36 @@ class RoutingCore:
             s.streaming -= 1
 
     def add_replica(self, replica: Replica) -> None:
-        replica.prefill_rate = self.prefill_rate.initial()
+        replica.prefill_rate = self._unobserved_rate()
         replica.state.prefill_tokens_per_s = replica.prefill_rate.tokens_per_s
         self.index.add_replica(replica.id, replica.state.kv_capacity_blocks)
+
+    def _unobserved_rate(self) -> PrefillRate:
+        """Starting rate of a replica not yet observed: the mean learned rate of the fleet, else the prior.
+
+        With the prior alone, a prior below the replicas' true rate makes every observed replica look faster than
+        every unobserved one, so all cache misses go to the first replica that streamed, the only one that learns.
+        """
+        observed = [r.prefill_rate.tokens_per_s for r in self.pool if r.prefill_rate.num_observations > 0]
+        if not observed:
+            return self.prefill_rate.initial()
+        return PrefillRate(tokens_per_s=sum(observed) / len(observed))
+
+    def _share_rate_with_unobserved(self) -> None:
+        start = self._unobserved_rate()
+        for replica in self.pool:
+            if replica.prefill_rate.num_observations == 0:
+                replica.prefill_rate = start
+                replica.state.prefill_tokens_per_s = start.tokens_per_s
 
     def remove_replica(self, replica_id: str) -> None:
         """The replica left the pool: its index entries go."""
         self.index.remove_replica(replica_id)
 
     def drop_cache(self, replica_id: str) -> None:
-        """The replica went away unexpectedly (a crash loses its KV cache): forget what it held."""
+        """The replica went away unexpectedly (a crash loses its KV cache): forget what it held. Its learned
+        prefill rate is kept: a restarted replica runs on the same hardware."""
         replica = self.pool.get(replica_id)
         self.index.remove_replica(replica_id)
         if replica is not None:
-            self.add_replica(replica)
+            self.index.add_replica(replica.id, replica.state.kv_capacity_blocks)

@@ -36,7 +36,9 @@ def make_runner(app: web.Application, settings: RouterSettings) -> web.AppRunner
 async def _serve(settings: RouterSettings) -> None:
     runner = make_runner(create_app(settings), settings)
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port, backlog=1024, reuse_address=True)
+    site = web.TCPSite(
+        runner, settings.host, settings.port, backlog=1024, reuse_address=True, reuse_port=settings.reuse_port or None
+    )
     await site.start()
     log.info(
         "shoal router listening on http://%s:%d with %d replicas, policy %s",

@@ -101,6 +101,8 @@ class RouterSettings(BaseSettings):
     host: str = "127.0.0.1"
     """Address to listen on. Loopback by default; containers set 0.0.0.0."""
     port: int = Field(8000, ge=0, le=65535)
+    reuse_port: bool = False
+    """Bind with SO_REUSEPORT so several router processes share one port (the kernel spreads connections)."""
     replicas: list[str] = Field(default_factory=list)
     """Static replica base URLs (http://host:port). More can be added through the admin API."""
     policy: PolicyConfig = Field(default_factory=EstimatedTTFTConfig)

@@ -7,6 +7,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from router.policy.config import (
@@ -568,3 +570,41 @@ def test_policies_never_read_the_clock_only_now() -> None:
         late = route(build_policy(config, seed=1), request(1024, {"c": 20}), replicas, now=1e9)
         assert early == late, name
         assert math.isfinite(early.predicted_ttft_s or 0.0)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 50_000),  # waiting_prompt_tokens
+            st.integers(0, 64),  # streaming
+            st.none() | st.integers(0, 64),  # num_running
+            st.none() | st.floats(0.0, 1.0),  # kv_usage
+            st.floats(100.0, 100_000.0),  # prefill_tokens_per_s
+            st.integers(0, 40),  # matched blocks
+        ),
+        min_size=2,
+        max_size=8,
+    ),
+    st.integers(1, 20_000),
+)
+def test_estimated_ttft_fast_path_reports_the_documented_estimate(
+    rows: list[tuple[int, int, int | None, float | None, float, int]], prompt_tokens: int
+) -> None:
+    policy = EstimatedTTFT(EstimatedTTFTConfig())
+    replicas = [
+        ReplicaState(
+            id=f"r{i}", waiting_prompt_tokens=w, streaming=s, num_running=n, kv_usage=kv, prefill_tokens_per_s=rate
+        )
+        for i, (w, s, n, kv, rate, _) in enumerate(rows)
+    ]
+    request = RouteRequest(
+        hashes=[1],
+        prompt_tokens=prompt_tokens,
+        tokens_per_block=16.0,
+        matched_blocks={f"r{i}": row[5] for i, row in enumerate(rows)},
+    )
+    chosen = policy.select(request, replicas, now=0.0)
+    estimates = {r.id: policy.estimate_s(request, r) for r in replicas}
+    assert chosen.predicted_ttft_s == pytest.approx(estimates[chosen.replica])
+    best = min(estimates.values())
+    assert estimates[chosen.replica] <= best + 0.005 + 0.02 * best + 1e-9
