@@ -1,12 +1,23 @@
 """Prefix index: which replica holds which prompt-prefix blocks (DESIGN.md, Router).
 
 Shape. Block hashes are chained (`hashing`): a hash names its whole prefix, so the index needs no tree and no
-parent links. It is one dict `block hash -> _Node`. A node holds the replicas holding the block as an int bitmask
-over per-index replica slots (a replica's single-bit mask is one shared int object, so a block held by one replica
-costs no mask of its own; a Python set would cost 200+ bytes a block), and `expiry_s`, a lower bound on the
-earliest deadline among its holders' expiring entries (inf when there are none). A node whose `expiry_s` has
-passed is checked holder by holder, and its bound refreshed, so an expired entry never counts, swept or not;
-any other node costs one float comparison.
+parent links. It is dicts of ints and floats, with no object per block: CPython does not track for garbage
+collection a dict whose keys and values are all ints and floats, so a full `gc.collect()` skips the index however
+many blocks it holds (with an object per block, every full collection walked them all: 160 ms at a million).
+  - `holders`: block hash -> bitmask of the replica slots holding the block. A single-bit mask is always the
+    replica's own `bit` object, so a block held by one replica costs no mask of its own.
+  - per replica, `guesses`: block hash -> deadline of each approximate or predicted entry, oldest touch first
+    (below). A block the replica holds that is not among its guesses is exact.
+  - `bounds`: for a block held by more than one replica, a lower bound on the earliest deadline among its
+    holders' guesses; absent when none of its holders guesses.
+A block held by one replica is live while its deadline there has not passed (exact: always). A shared block whose
+bound has not passed costs one float comparison; one whose bound has passed is checked holder by holder and its
+bound refreshed. So an expired entry never counts, swept or not.
+
+A dict never gives back the slots of deleted entries, and one that keeps deleting and inserting (every touch is a
+delete and an insert) grows to 3x its live entries at each resize. Each churning dict is therefore rebuilt, by a
+copy CPython sizes for its live entries, once its table has grown since the last copy and the deletions since
+then reach 1/4 of its live entries: O(1) amortised per deletion.
 
 Match. A replica is prefix-closed while holding a block implies holding all of its ancestors. Records, eviction
 and sweeps keep it so (below); only an engine `removed`, which may name an inner block, breaks it, until the
@@ -22,8 +33,8 @@ Entries. A (block, replica) pair is one of:
   - predicted: `record(predicted=True)`, for sibling requests that arrive before the engine's `stored`. It
     expires `predicted_ttl_s` after its last touch unless a `stored` makes it exact first.
 Approximate and predicted entries are the index's guesses. A replica keeps them in one insertion-ordered dict
-node -> deadline (seconds), oldest touch first; a touch moves an entry to the end and keeps the later of its old
-and new deadlines. `record` takes a prompt's hashes from block 0 and touches them leaf first, so a block is
+block hash -> deadline (seconds), oldest touch first; a touch moves an entry to the end and keeps the later of its
+old and new deadlines. `record` takes a prompt's hashes from block 0 and touches them leaf first, so a block is
 always more recent than its descendants and expires no earlier than they do: evicting from the front, or
 sweeping expired entries from the front, removes leaves before the blocks they hang from, and never orphans a
 descendant. `capacity_blocks` bounds a replica's guesses; past it, the front is evicted in one batch down to
@@ -31,10 +42,10 @@ descendant. `capacity_blocks` bounds a replica's guesses; past it, the front is 
 and it tells us.
 
 Exact mode. A `stored` event's blocks are re-hashed with the router's hash from the event's token ids, chained
-from the router hash of the event's parent, found through a per-replica map engine hash -> node; the engine hash
-is kept only to apply a later `removed`. An event whose parent is unknown (its `stored` was missed, or the
-block was removed since) is skipped and counted: chaining from the wrong parent would index the blocks under
-hashes no request carries.
+from the router hash of the event's parent, found through a per-replica map engine hash -> router hash; the
+engine hash is kept only to apply a later `removed`. An event whose parent is unknown (its `stored` was missed,
+or the block was removed since) is skipped and counted: chaining from the wrong parent would index the blocks
+under hashes no request carries.
 
 What commutes. A `stored` and a `record` of the same blocks leave the same index, hence the same match at every
 later `now`, in either order: a record never downgrades an exact entry, and a `stored` upgrades whatever guess
@@ -49,9 +60,11 @@ sweeps expired guesses from the front of each replica's touch order, so a sweep 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import islice
+from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -60,6 +73,11 @@ from router.policy.kv_events import BlockRemoved, BlockStored, KVEvent
 
 _NEVER = math.inf
 _MAX_CACHED_MASKS = 4096
+_DELETIONS_PER_REBUILD = 0.25
+"""Deletions, as a fraction of a dict's live entries, that pay for rebuilding it: each deletion pays for at most
+four re-inserted entries."""
+
+_V = TypeVar("_V")
 
 
 class PrefixIndexConfig(BaseModel):
@@ -110,17 +128,32 @@ class IndexStats:
     """Guesses evicted for capacity (TTL expiry not included)."""
 
 
-class _Node:
-    """One indexed block."""
+class _Churn:
+    """Deletions from one dict since it was last rebuilt, and its size then: whether a rebuild would pay."""
 
-    __slots__ = ("expiry_s", "hash", "holders")
+    __slots__ = ("num_deleted", "rebuilt_bytes", "rebuilt_len")
 
-    def __init__(self, block_hash: int, holders: int, expiry_s: float) -> None:
-        self.hash = block_hash
-        self.holders = holders
-        """Bitmask of the replica slots holding the block; a single bit is always the replica's own `bit` object."""
-        self.expiry_s = expiry_s
-        """At most the earliest deadline among the holders' guesses for this block; inf when there are none."""
+    def __init__(self, table: dict[int, _V]) -> None:
+        self.restart(table)
+
+    def restart(self, table: dict[int, _V]) -> None:
+        """Count from a freshly built `table`."""
+        self.num_deleted = 0
+        self.rebuilt_len = len(table)
+        self.rebuilt_bytes = sys.getsizeof(table)
+
+    def is_due(self, table: dict[int, _V]) -> bool:
+        """Enough deletions to pay for a copy, and the table grew since the last one or lost half its entries."""
+        num_live = len(table)
+        return 0 < self.num_deleted >= num_live * _DELETIONS_PER_REBUILD and (
+            sys.getsizeof(table) > self.rebuilt_bytes or 2 * num_live < self.rebuilt_len
+        )
+
+    def rebuilt(self, table: dict[int, _V]) -> dict[int, _V]:
+        """A copy of `table` sized for its live entries, in the same order."""
+        copy = dict(table)
+        self.restart(copy)
+        return copy
 
 
 class _Replica:
@@ -130,7 +163,9 @@ class _Replica:
         "bit",
         "capacity_blocks",
         "engine_blocks",
+        "engine_churn",
         "extra_engine_refs",
+        "guess_churn",
         "guesses",
         "id",
         "is_prefix_closed",
@@ -141,12 +176,14 @@ class _Replica:
         self.id = replica_id
         self.bit = bit
         self.capacity_blocks = capacity_blocks
-        self.guesses: dict[_Node, float] = {}
-        """Approximate and predicted entries -> deadline in seconds, oldest touch first."""
-        self.engine_blocks: dict[int, _Node] = {}
-        """Engine hash -> node of each exact entry (the values are exactly the replica's exact entries)."""
-        self.extra_engine_refs: dict[_Node, int] = {}
-        """Exact nodes named by more than one engine hash (say, the same tokens under two cache salts): the
+        self.guesses: dict[int, float] = {}
+        """Block hash -> deadline in seconds of each approximate and predicted entry, oldest touch first."""
+        self.guess_churn = _Churn(self.guesses)
+        self.engine_blocks: dict[int, int] = {}
+        """Engine hash -> router hash of each exact entry (the values are exactly the replica's exact entries)."""
+        self.engine_churn = _Churn(self.engine_blocks)
+        self.extra_engine_refs: dict[int, int] = {}
+        """Exact blocks named by more than one engine hash (say, the same tokens under two cache salts): the
         number of engine hashes beyond the first, so that the entry leaves with the last of them."""
         self.num_exact = 0
         self.is_prefix_closed = True
@@ -163,7 +200,13 @@ class PrefixIndex:
 
     def __init__(self, config: PrefixIndexConfig | None = None) -> None:
         self.config = config if config is not None else PrefixIndexConfig()
-        self._nodes: dict[int, _Node] = {}
+        self._holders: dict[int, int] = {}
+        """Block hash -> bitmask of the replica slots holding it; a single bit is always the replica's `bit`."""
+        self._holders_churn = _Churn(self._holders)
+        self._bounds: dict[int, float] = {}
+        """Block hash of a block held by more than one replica -> at most the earliest deadline among its
+        holders' guesses; absent when none of them guesses."""
+        self._bounds_churn = _Churn(self._bounds)
         self._replicas: dict[str, _Replica] = {}
         self._by_bit: dict[int, _Replica] = {}
         self._all_bits = 0
@@ -190,6 +233,7 @@ class PrefixIndex:
             rep.capacity_blocks = capacity
             if len(rep.guesses) > capacity:
                 self._evict(rep)
+                self._compact(rep)
             return
         slot = 0
         while self._all_bits >> slot & 1:
@@ -211,6 +255,7 @@ class PrefixIndex:
         self._all_bits ^= rep.bit
         self._closed_bits &= ~rep.bit
         self._ids_by_bits.clear()
+        self._compact_shared()
 
     # Queries --------------------------------------------------------------------------------------------------
 
@@ -241,13 +286,21 @@ class PrefixIndex:
         too, so the live holders of hashes[j] shrink as j grows: each distinct holder set is one run of
         consecutive blocks, found in O(log blocks) look-ups.
         """
-        get = self._nodes.get
+        get = self._holders.get
+        bound_of = self._bounds.get
+        only_holder = self._by_bit.get
 
         def holders(j: int) -> int:
-            node = get(hashes[j])
-            if node is None:
+            block_hash = hashes[j]
+            held = get(block_hash)
+            if held is None:
                 return 0
-            return node.holders if node.expiry_s > now else self._live_holders(node, now)
+            only = only_holder(held)
+            if only is not None:
+                deadline = only.guesses.get(block_hash)
+                return held if deadline is None or deadline > now else 0
+            bound = bound_of(block_hash)
+            return held if bound is None or bound > now else self._live_holders(block_hash, held, now)
 
         num_blocks = len(hashes)
         held = holders(0) & bits
@@ -269,13 +322,23 @@ class PrefixIndex:
 
     def _walk(self, hashes: Sequence[int], alive: int, now: float, dropped: list[tuple[int, int]]) -> None:
         """Match for any replicas: one look-up per block, AND-ing holder masks until none is left."""
-        get = self._nodes.get
+        get = self._holders.get
+        bound_of = self._bounds.get
+        only_holder = self._by_bit.get
         depth = 0
         for block_hash in hashes:
-            node = get(block_hash)
-            if node is None:
+            held = get(block_hash)
+            if held is None:
                 break
-            held = node.holders if node.expiry_s > now else self._live_holders(node, now)
+            only = only_holder(held)
+            if only is not None:
+                deadline = only.guesses.get(block_hash)
+                if deadline is not None and deadline <= now:
+                    break
+            else:
+                bound = bound_of(block_hash)
+                if bound is not None and bound <= now:
+                    held = self._live_holders(block_hash, held, now)
             if held is not alive and held != alive:
                 kept = held & alive
                 if kept != alive:
@@ -283,7 +346,7 @@ class PrefixIndex:
                         dropped.append((depth, alive ^ kept))
                     if not kept:
                         return
-                    # Reuse the node's own mask object when it is the new set, so that the next nodes, which
+                    # Reuse the block's own mask object when it is the new set, so that the next blocks, which
                     # usually share it, pass the identity test above.
                     alive = held if kept == held else kept
             depth += 1
@@ -293,7 +356,7 @@ class PrefixIndex:
     def stats(self) -> IndexStats:
         per_replica = {rep.id: len(rep.guesses) + rep.num_exact for rep in self._replicas.values()}
         return IndexStats(
-            num_blocks=len(self._nodes),
+            num_blocks=len(self._holders),
             num_entries=sum(per_replica.values()),
             blocks_per_replica=per_replica,
             events_applied=self._events_applied,
@@ -313,30 +376,29 @@ class PrefixIndex:
         rep = self._replicas[replica]
         bit = rep.bit
         guesses = rep.guesses
-        nodes = self._nodes
+        holders = self._holders
         deadline = now + (self.config.predicted_ttl_s if predicted else self.config.ttl_s)
+        num_touched = 0
         # Leaf first: each block ends up more recent than all of its descendants (eviction takes leaves first).
         for block_hash in reversed(hashes):
-            node = nodes.get(block_hash)
-            if node is None:
-                node = nodes[block_hash] = _Node(block_hash, bit, deadline)
-                guesses[node] = deadline
+            held = holders.get(block_hash)
+            if held is None:
+                holders[block_hash] = bit
+                guesses[block_hash] = deadline
                 continue
-            old = guesses.pop(node, None)
+            old = guesses.pop(block_hash, None)
             if old is not None:
-                new = old if old > deadline else deadline
-                guesses[node] = new
-                if node.holders is bit:
-                    node.expiry_s = new
-            elif node.holders & bit:
+                guesses[block_hash] = old if old > deadline else deadline
+                num_touched += 1
+            elif held & bit:
                 continue  # exact: the engine's word outranks a guess
             else:
-                node.holders |= bit
-                guesses[node] = deadline
-                if deadline < node.expiry_s:
-                    node.expiry_s = deadline
+                self._join(rep, block_hash, held, deadline)
+                guesses[block_hash] = deadline
+        rep.guess_churn.num_deleted += num_touched
         if len(guesses) > rep.capacity_blocks:
             self._evict(rep)
+        self._compact(rep)
 
     def expire(self, now: float) -> int:
         """Sweep guesses whose deadline has passed; returns the number of entries removed.
@@ -347,15 +409,18 @@ class PrefixIndex:
         """
         removed = 0
         for rep in self._replicas.values():
-            expired: list[_Node] = []
-            for node, deadline in rep.guesses.items():
+            expired: list[int] = []
+            for block_hash, deadline in rep.guesses.items():
                 if deadline > now:
                     break
-                expired.append(node)
-            for node in expired:
-                del rep.guesses[node]
-                self._release(rep, node)
+                expired.append(block_hash)
+            for block_hash in expired:
+                del rep.guesses[block_hash]
+                self._release(rep, block_hash)
+            rep.guess_churn.num_deleted += len(expired)
             removed += len(expired)
+            self._compact_replica(rep)
+        self._compact_shared()
         return removed
 
     # Exact mode -----------------------------------------------------------------------------------------------
@@ -381,94 +446,146 @@ class PrefixIndex:
             self._events_applied += 1
         else:
             self._events_skipped += 1
+        self._compact(rep)
         return is_applied
 
     def _apply_stored(self, rep: _Replica, event: BlockStored, seed: bytes) -> bool:
+        engine_blocks = rep.engine_blocks
         parent_hash = None
         if event.parent_hash is not None:
-            parent = rep.engine_blocks.get(event.parent_hash)
-            if parent is None:
+            parent_hash = engine_blocks.get(event.parent_hash)
+            if parent_hash is None:
                 return False
-            parent_hash = parent.hash
         router_hashes = hashing.hash_tokens(event.token_ids, seed, event.block_size, parent_hash=parent_hash)
         if len(router_hashes) != len(event.block_hashes):
             return False
-        bit = rep.bit
+        holders = self._holders
         for engine_hash, block_hash in zip(event.block_hashes, router_hashes, strict=True):
-            known = rep.engine_blocks.get(engine_hash)
+            known = engine_blocks.get(engine_hash)
             if known is not None:
-                if known.hash == block_hash:
+                if known == block_hash:
                     continue  # the same event again
                 self._remove_engine_block(rep, engine_hash)  # the engine reused the hash for other tokens
-            node = self._nodes.get(block_hash)
-            if node is None:
-                node = self._nodes[block_hash] = _Node(block_hash, bit, _NEVER)
+            held = holders.get(block_hash)
+            if held is None:
+                holders[block_hash] = rep.bit
                 rep.num_exact += 1
-            elif rep.guesses.pop(node, None) is not None:
+            elif rep.guesses.pop(block_hash, None) is not None:
                 rep.num_exact += 1  # a guess confirmed
-                if node.holders is bit:
-                    node.expiry_s = _NEVER
-            elif node.holders & bit:
-                rep.extra_engine_refs[node] = rep.extra_engine_refs.get(node, 0) + 1
+                rep.guess_churn.num_deleted += 1
+            elif held & rep.bit:
+                rep.extra_engine_refs[block_hash] = rep.extra_engine_refs.get(block_hash, 0) + 1
             else:
-                node.holders |= bit
+                self._join(rep, block_hash, held, None)
                 rep.num_exact += 1
-            rep.engine_blocks[engine_hash] = node
+            engine_blocks[engine_hash] = block_hash
         return True
 
     def _remove_engine_block(self, rep: _Replica, engine_hash: int) -> None:
-        node = rep.engine_blocks.pop(engine_hash, None)
-        if node is None:
+        block_hash = rep.engine_blocks.pop(engine_hash, None)
+        if block_hash is None:
             return  # stored before we listened, or already gone
-        extra = rep.extra_engine_refs.get(node, 0)
+        rep.engine_churn.num_deleted += 1
+        extra = rep.extra_engine_refs.get(block_hash, 0)
         if extra:
             if extra == 1:
-                del rep.extra_engine_refs[node]
+                del rep.extra_engine_refs[block_hash]
             else:
-                rep.extra_engine_refs[node] = extra - 1
+                rep.extra_engine_refs[block_hash] = extra - 1
             return
         rep.num_exact -= 1
-        self._release(rep, node)
+        self._release(rep, block_hash)
         self._set_prefix_closed(rep, not (rep.guesses or rep.num_exact))
 
     # Internals ------------------------------------------------------------------------------------------------
 
-    def _live_holders(self, node: _Node, now: float) -> int:
-        """Holders of `node` whose entry is live at `now`; refreshes `node.expiry_s` to the exact bound."""
+    def _live_holders(self, block_hash: int, held: int, now: float) -> int:
+        """Holders in `held` whose entry for a shared block is live at `now`; refreshes the block's bound to the
+        earliest deadline among them (the caller found the bound present and passed)."""
         live = 0
         bound = _NEVER
-        bits = node.holders
+        bits = held
         while bits:
             low = bits & -bits
             bits ^= low
-            deadline = self._by_bit[low].guesses.get(node)
+            deadline = self._by_bit[low].guesses.get(block_hash)
             if deadline is None:
                 live |= low  # exact
                 continue
             bound = min(bound, deadline)
             if deadline > now:
                 live |= low
-        node.expiry_s = bound
-        return self._canonical(live)
+        self._bounds[block_hash] = bound
+        return held if live == held else self._canonical(live)
+
+    def _join(self, rep: _Replica, block_hash: int, held: int, deadline: float | None) -> None:
+        """Add `rep` to the holders of an indexed block it does not hold, as a guess expiring at `deadline`, or
+        as an exact entry when it is None; the caller adds the entry to `rep`'s own maps."""
+        self._holders[block_hash] = held | rep.bit
+        bound = _NEVER if deadline is None else deadline
+        only = self._by_bit.get(held)
+        if only is not None:  # the block becomes shared: its bound starts from its first holder's deadline
+            first = only.guesses.get(block_hash)
+            if first is not None and first < bound:
+                bound = first
+        else:
+            bound = min(bound, self._bounds.get(block_hash, _NEVER))
+        if bound < _NEVER:
+            self._bounds[block_hash] = bound
+
+    def _release(self, rep: _Replica, block_hash: int) -> None:
+        """Take `rep` off a block's holders (the caller has dropped the entry from `rep`'s own maps)."""
+        held = self._holders[block_hash]
+        if held == rep.bit:
+            del self._holders[block_hash]
+            self._holders_churn.num_deleted += 1
+            return
+        rest = held ^ rep.bit
+        only = self._by_bit.get(rest)
+        if only is None:
+            self._holders[block_hash] = rest
+            return
+        self._holders[block_hash] = only.bit  # no longer shared: its holder's own deadline is its bound
+        if self._bounds.pop(block_hash, None) is not None:
+            self._bounds_churn.num_deleted += 1
 
     def _evict(self, rep: _Replica) -> None:
         target = int(rep.capacity_blocks * (1.0 - self.config.evict_fraction))
         victims = list(islice(rep.guesses, len(rep.guesses) - target))
-        for node in victims:
-            del rep.guesses[node]
-            self._release(rep, node)
+        for block_hash in victims:
+            del rep.guesses[block_hash]
+            self._release(rep, block_hash)
+        rep.guess_churn.num_deleted += len(victims)
         self._evictions += len(victims)
 
     def _clear(self, rep: _Replica) -> None:
-        for node in rep.guesses:
-            self._release(rep, node)
-        for node in set(rep.engine_blocks.values()):
-            self._release(rep, node)
+        for block_hash in rep.guesses:
+            self._release(rep, block_hash)
+        for block_hash in set(rep.engine_blocks.values()):
+            self._release(rep, block_hash)
         rep.guesses = {}
+        rep.guess_churn = _Churn(rep.guesses)
         rep.engine_blocks = {}
+        rep.engine_churn = _Churn(rep.engine_blocks)
         rep.extra_engine_refs = {}
         rep.num_exact = 0
         self._set_prefix_closed(rep, True)
+
+    def _compact(self, rep: _Replica) -> None:
+        self._compact_replica(rep)
+        self._compact_shared()
+
+    def _compact_replica(self, rep: _Replica) -> None:
+        if rep.guess_churn.is_due(rep.guesses):
+            rep.guesses = rep.guess_churn.rebuilt(rep.guesses)
+        if rep.engine_churn.is_due(rep.engine_blocks):
+            rep.engine_blocks = rep.engine_churn.rebuilt(rep.engine_blocks)
+
+    def _compact_shared(self) -> None:
+        if self._holders_churn.is_due(self._holders):
+            self._holders = self._holders_churn.rebuilt(self._holders)
+        if self._bounds_churn.is_due(self._bounds):
+            self._bounds = self._bounds_churn.rebuilt(self._bounds)
 
     def _set_prefix_closed(self, rep: _Replica, is_closed: bool) -> None:
         rep.is_prefix_closed = is_closed
@@ -477,17 +594,9 @@ class PrefixIndex:
         else:
             self._closed_bits &= ~rep.bit
 
-    def _release(self, rep: _Replica, node: _Node) -> None:
-        """Take `rep` off `node` (the caller has dropped the entry from `rep`'s own maps)."""
-        if node.holders is rep.bit:
-            del self._nodes[node.hash]
-        else:
-            node.holders = self._canonical(node.holders ^ rep.bit)
-
     def _canonical(self, bits: int) -> int:
-        if bits and not bits & (bits - 1):
-            return self._by_bit[bits].bit
-        return bits
+        only = self._by_bit.get(bits)
+        return bits if only is None else only.bit
 
     def _ids_in(self, bits: int) -> tuple[str, ...]:
         ids = self._ids_by_bits.get(bits)

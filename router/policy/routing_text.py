@@ -80,7 +80,10 @@ def render_message(message: Any, index: int) -> str:
     role = message.get("role")
     if not isinstance(role, str) or not role:
         raise RoutingInputError(f"'{param}.role' is required", f"{param}.role")
-    fields = [role, message.get("name") or "", _render_content(message.get("content"), f"{param}.content")]
+    name = message.get("name") or ""
+    if not isinstance(name, str):
+        raise RoutingInputError(f"'{param}.name' must be a string", f"{param}.name")
+    fields = [role, name, _render_content(message.get("content"), f"{param}.content")]
     if message.get("tool_calls"):
         fields.append(_canonical(message["tool_calls"]))
     if message.get("tool_call_id"):

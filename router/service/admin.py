@@ -22,7 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from router.service.errors import error_response
-from router.service.pool import Replica, ReplicaPool, replica_id
+from router.service.pool import Replica, ReplicaPool, replica_id, split_url
 from router.service.routing import RoutingCore
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -87,11 +87,15 @@ class AdminApi:
     async def add_replica(self, request: web.Request) -> web.Response:
         try:
             body = await request.json()
-        except (ValueError, json.JSONDecodeError):
+        except (ValueError, RecursionError):
             return error_response(400, 'body must be JSON: {"url": ..., "name"?: ...}', code="invalid_json")
         url = body.get("url") if isinstance(body, dict) else None
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            return error_response(400, "'url' must be an http(s) URL", param="url")
+        if not isinstance(url, str):
+            return error_response(400, "'url' must be an http:// URL", param="url")
+        try:
+            split_url(url)
+        except ValueError as exc:
+            return error_response(400, str(exc), param="url")
         name = body.get("name")
         capacity = body.get("kv_capacity_blocks")
         if name is not None and (not isinstance(name, str) or not name or "/" in name):

@@ -24,6 +24,7 @@ from router.service.pool import Replica, ReplicaPool
 from router.service.proxy import Proxy
 from router.service.routing import RoutingCore
 from router.service.settings import RouterSettings
+from router.service.upstream import UpstreamPool
 
 SETTINGS = web.AppKey("settings", RouterSettings)
 POOL = web.AppKey("pool", ReplicaPool)
@@ -75,34 +76,36 @@ def _wake(app: web.Application, replica: Replica) -> None:
 
 
 async def _services(app: web.Application) -> AsyncIterator[None]:
+    """The proxy's upstream connection pool, the probes' HTTP session, and the background tasks."""
     settings = app[SETTINGS]
     loop = asyncio.get_running_loop()
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300, enable_cleanup_closed=True)
-    timeout = aiohttp.ClientTimeout(
-        total=settings.limits.request_timeout_s, sock_connect=settings.retry.connect_timeout_s
+    upstream = UpstreamPool(
+        connect_timeout_s=settings.retry.connect_timeout_s, read_timeout_s=settings.limits.upstream_idle_timeout_s
     )
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=timeout, auto_decompress=False, skip_auto_headers=("User-Agent",)
-    ) as session:
-        core = app[CORE]
-        app[PROXY] = Proxy(
-            settings, app[POOL], core, app[METRICS], session, on_unreachable=lambda r: _wake(app, r)
-        )
-        health = HealthChecker(
-            settings.health, app[POOL], session, on_down=lambda r: core.drop_cache(r.id), clock=loop.time
-        )
-        app[HEALTH] = health
-        tasks = [asyncio.create_task(health.run(), name="health"), asyncio.create_task(_sweep(core, loop))]
-        if settings.scrape.enabled:
-            tasks.append(asyncio.create_task(MetricsScraper(settings.scrape, app[POOL], session).run(), name="scrape"))
-        try:
-            yield
-        finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+    # Probes and scrapes are off the hot path: aiohttp's client is fine there.
+    probe_session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300), skip_auto_headers=("User-Agent",)
+    )
+    core = app[CORE]
+    app[PROXY] = Proxy(settings, app[POOL], core, app[METRICS], upstream, on_unreachable=lambda r: _wake(app, r))
+    health = HealthChecker(
+        settings.health, app[POOL], probe_session, on_down=lambda r: core.drop_cache(r.id), clock=loop.time
+    )
+    app[HEALTH] = health
+    tasks = [asyncio.create_task(health.run(), name="health"), asyncio.create_task(_sweep(core, loop))]
+    if settings.scrape.enabled:
+        scraper = MetricsScraper(settings.scrape, app[POOL], probe_session)
+        tasks.append(asyncio.create_task(scraper.run(), name="scrape"))
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await probe_session.close()
+        await upstream.close()
 
 
 async def _sweep(core: RoutingCore, loop: asyncio.AbstractEventLoop) -> None:

@@ -14,12 +14,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from router.policy.prefill_rate import PrefillRate
 from router.policy.types import ReplicaState
-from router.service.settings import BreakerSettings, HealthSettings
+
+if TYPE_CHECKING:
+    from router.service.settings import BreakerSettings, HealthSettings
 
 
 class Status(enum.StrEnum):
@@ -36,11 +38,27 @@ def replica_id(url: str) -> str:
     return f"{parts.netloc}{path}"
 
 
+def split_url(url: str) -> tuple[str, int, str]:
+    """(host, port, base path) of a replica's http:// base URL; ValueError for anything else."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"replica URL must be http://host[:port][/path], got {url!r}")
+    try:
+        port = parts.port or 80
+    except ValueError as exc:
+        raise ValueError(f"replica URL has a bad port: {url!r}") from exc
+    return parts.hostname, port, parts.path.rstrip("/")
+
+
 @dataclass(slots=True)
 class Replica:
     url: str
     id: str
     state: ReplicaState
+    host: str
+    port: int
+    base_path: str
+    """Path prefix of the replica's API, usually empty (requests go to base_path + /v1/...)."""
     """The load view the policies see (in-flight split, scraped gauges, learned prefill rate)."""
     model_cards: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The replica's /v1/models entries by model id; empty until known (then it is assumed to serve any)."""
@@ -160,7 +178,15 @@ class ReplicaPool:
                 raise ValueError(f"replica id {rid!r} is already used by {existing.url}")
             existing.is_draining = False
             return existing
-        replica = Replica(url=url, id=rid, state=ReplicaState(id=rid, kv_capacity_blocks=kv_capacity_blocks))
+        host, port, base_path = split_url(url)
+        replica = Replica(
+            url=url,
+            id=rid,
+            state=ReplicaState(id=rid, kv_capacity_blocks=kv_capacity_blocks),
+            host=host,
+            port=port,
+            base_path=base_path,
+        )
         replica.probe_now = True
         self._replicas[rid] = replica
         return replica

@@ -17,12 +17,11 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 
 from router.policy.routing_text import RoutingInputError, RoutingKey, chat_routing_key, completion_routing_key
 from router.service.errors import error_response, sse_error_event
@@ -30,26 +29,35 @@ from router.service.metrics import RouterMetrics
 from router.service.pool import Replica, ReplicaPool
 from router.service.routing import Prepared, RoutingCore, Ticket
 from router.service.settings import RouterSettings
+from router.service.upstream import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamProtocolError,
+    UpstreamResponse,
+)
 
 log = logging.getLogger("shoal.router")
 request_log = logging.getLogger("shoal.router.requests")
 
+# RFC 9110 7.6.1 hop-by-hop headers, plus the framing headers each side sets for itself.
 _HOP_BY_HOP = frozenset(
-    h.lower()
-    for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
-        "TE",
-        "Trailer",
-        "Transfer-Encoding",
-        "Upgrade",
-        "Host",
-        "Content-Length",
-    )
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+    }
 )
-_UPSTREAM_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, TimeoutError)
+# Host is the replica's; aiohttp's server has already decoded a compressed request body.
+_REQUEST_DROP = _HOP_BY_HOP | {"host", "content-encoding"}
+_RESPONSE_DROP = _HOP_BY_HOP
 _RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 _ROUTED_PATHS = {"/v1/completions": completion_routing_key, "/v1/chat/completions": chat_routing_key}
 
@@ -65,14 +73,12 @@ class _Retry(Exception):
         self.headers = headers
 
 
-def _forward_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
-    connection_tokens = {t.strip().lower() for t in headers.get("Connection", "").split(",") if t.strip()}
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in headers.items():
-        lower = name.lower()
-        if lower not in _HOP_BY_HOP and lower not in connection_tokens:
-            out.add(name, value)
-    return out
+def _end_to_end(
+    headers: Iterable[tuple[str, str]], connection: str | None, drop: frozenset[str]
+) -> list[tuple[str, str]]:
+    """Headers without the hop-by-hop ones (RFC 9110 7.6.1), including those the Connection header names."""
+    tokens = {t.strip().lower() for t in connection.split(",")} if connection else ()
+    return [(name, value) for name, value in headers if (lower := name.lower()) not in drop and lower not in tokens]
 
 
 class Proxy:
@@ -82,14 +88,14 @@ class Proxy:
         pool: ReplicaPool,
         core: RoutingCore,
         metrics: RouterMetrics,
-        session: aiohttp.ClientSession,
+        upstream: UpstreamPool,
         on_unreachable: Callable[[Replica], None] = lambda replica: None,
     ) -> None:
         self.settings = settings
         self.pool = pool
         self.core = core
         self.metrics = metrics
-        self.session = session
+        self.upstream = upstream
         self.on_unreachable = on_unreachable
         """Called when passive marking takes a replica out, so the prober checks it now, not at its next tick."""
         # CLOCK_MONOTONIC at full resolution: uvloop's loop.time() ticks in milliseconds, too coarse for TTFT.
@@ -194,8 +200,8 @@ class Proxy:
         decide_start = time.perf_counter()
         prepared = self.core.prepare(key, model, session_key, max_tokens if isinstance(max_tokens, int) else None)
         is_stream = body.get("stream") is True
-        headers = _forward_headers(request.headers)
-        headers.popall("Content-Encoding", None)  # aiohttp's server has decoded the body that `raw` holds
+        # aiohttp's server has already decoded a compressed body, so `raw` goes on without Content-Encoding.
+        headers = _end_to_end(request.headers.items(), request.headers.get("Connection"), _REQUEST_DROP)
         tried: list[str] = []
         deadline = started + self.settings.retry.total_timeout_s
         last_failure: _Retry | None = None
@@ -245,58 +251,68 @@ class Proxy:
         request: web.Request,
         ticket: Ticket,
         prepared: Prepared,
-        headers: CIMultiDict[str],
+        headers: list[tuple[str, str]],
         raw: bytes,
         is_stream: bool,
     ) -> web.StreamResponse:
         replica = ticket.replica
-        url = replica.url + request.path_qs
+        limits = self.settings.limits
+        deadline = ticket.started + limits.request_timeout_s
+        upstream: UpstreamResponse | None = None
         try:
-            upstream = await self.session.request(request.method, url, data=raw, headers=headers)
-        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            if replica.mark_unreachable(str(exc)):
-                log.warning("replica %s unreachable, out of rotation: %s", replica.id, exc)
-                self.core.drop_cache(replica.id)
-                self.on_unreachable(replica)
-            raise _Retry("connect_error") from exc
-        except TimeoutError as exc:
-            self._request_failed(ticket, "timeout")
-            raise _Retry("timeout") from exc
-        except aiohttp.ClientResponseError as exc:  # the answer was not valid HTTP (bad status line, headers...)
-            self._request_failed(ticket, f"invalid response: {exc.message}")
-            raise _Retry("invalid_response") from exc
-        try:
-            if upstream.status in _RETRYABLE_STATUS:
-                body = await upstream.read()
-                self._request_failed(ticket, f"HTTP {upstream.status}")
-                raise _Retry(f"http_{upstream.status}", upstream.status, body, _response_headers(upstream))
+            async with asyncio.timeout(limits.request_timeout_s):
+                upstream = await self.upstream.request(
+                    request.method, replica.host, replica.port, replica.base_path + request.path_qs, headers, raw
+                )
+                if upstream.status in _RETRYABLE_STATUS:
+                    body = await upstream.read()
+                    self._request_failed(ticket, f"HTTP {upstream.status}")
+                    raise _Retry(f"http_{upstream.status}", upstream.status, body, _response_headers(upstream))
+                if upstream.content_type != "text/event-stream":
+                    body = await upstream.read()
             replica.request_succeeded()
             if upstream.content_type == "text/event-stream":
-                return await self._relay_stream(request, ticket, upstream)
-            body = await upstream.read()
+                return await self._relay_stream(request, ticket, upstream, deadline)
             self._first_byte(ticket, is_stream=False)
             self._observe_cached_tokens(upstream, body)
             response = web.Response(status=upstream.status, body=body, headers=_response_headers(upstream))
             self._tag(response, ticket, upstream.status)
             return response
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            # The body broke before we answered: nothing reached the client yet, so another replica may try.
-            self._request_failed(ticket, str(exc) or type(exc).__name__)
-            raise _Retry("disconnected") from exc
-        except TimeoutError as exc:
+        except UpstreamConnectError as exc:
+            if replica.mark_unreachable(str(exc)):
+                log.warning("replica %s unreachable, out of rotation: %s", replica.id, exc)
+                self.core.drop_cache(replica.id)
+                self.on_unreachable(replica)
+            raise _Retry("connect_error") from exc
+        except TimeoutError as exc:  # UpstreamTimeout (silent replica) or the request's total time
             self._request_failed(ticket, "timeout")
             raise _Retry("timeout") from exc
+        except UpstreamProtocolError as exc:
+            self._request_failed(ticket, f"invalid response: {exc}")
+            raise _Retry("invalid_response") from exc
+        except UpstreamError as exc:  # disconnected before the answer was complete: nothing reached the client
+            self._request_failed(ticket, str(exc) or type(exc).__name__)
+            raise _Retry("disconnected") from exc
         finally:
-            upstream.close()  # a no-op after a full read; mid-stream it drops the connection to stop the replica
+            if upstream is not None:
+                upstream.close()  # back to the pool when complete; otherwise aborted, which stops the replica
 
     async def _relay_stream(
-        self, request: web.Request, ticket: Ticket, upstream: aiohttp.ClientResponse
+        self, request: web.Request, ticket: Ticket, upstream: UpstreamResponse, deadline: float
     ) -> web.StreamResponse:
         response = web.StreamResponse(status=upstream.status, headers=_response_headers(upstream))
         self._tag(response, ticket, upstream.status)
-        chunks = upstream.content.iter_any()
+        chunks = upstream.iter_chunks()
         # Wait for the first chunk before answering: a replica that dies before it can still be retried.
-        first = await anext(chunks, b"")
+        try:
+            async with asyncio.timeout_at(self._loop_deadline(deadline)):
+                first = await anext(chunks, b"")
+        except TimeoutError as exc:
+            self._request_failed(ticket, "timeout")
+            raise _Retry("timeout") from exc
+        except UpstreamError as exc:
+            self._request_failed(ticket, str(exc) or type(exc).__name__)
+            raise _Retry("disconnected") from exc
         self._first_byte(ticket, is_stream=True)
         await response.prepare(request)
         try:
@@ -305,14 +321,21 @@ class Proxy:
             try:
                 async for chunk in chunks:
                     await response.write(chunk)
-            except _UPSTREAM_ERRORS as exc:
+                    if self._clock() > deadline:
+                        raise TimeoutError(f"request took longer than {self.settings.limits.request_timeout_s} s")
+            except (UpstreamError, TimeoutError) as exc:
                 self._request_failed(ticket, str(exc) or type(exc).__name__)
                 log.warning("replica %s failed mid-stream: %s", ticket.replica.id, exc)
-                await response.write(sse_error_event(f"replica {ticket.replica.id} failed mid-stream"))
+                await response.write(sse_error_event(f"replica {ticket.replica.id} failed mid-stream: {exc}"))
             await response.write_eof()
         except ConnectionResetError:
-            pass  # the client went away; `finally` in _attempt drops the upstream connection
+            pass  # the client went away; `finally` in _attempt aborts the upstream connection
         return response
+
+    def _loop_deadline(self, deadline: float) -> float:
+        """`deadline` on our monotonic clock, converted to the event loop's clock for asyncio.timeout_at."""
+        loop = asyncio.get_running_loop()
+        return loop.time() + (deadline - self._clock())
 
     # --- bookkeeping -------------------------------------------------------------------------------------
 
@@ -334,17 +357,19 @@ class Proxy:
         self.metrics.requests.labels(str(status), decision.branch.value, ticket.replica.id).inc()
         self.metrics.predicted_cached_tokens.inc(decision.predicted_cached_tokens)
 
-    def _observe_cached_tokens(self, upstream: aiohttp.ClientResponse, body: bytes) -> None:
-        if upstream.content_type != "application/json" or upstream.headers.get("Content-Encoding"):
+    def _observe_cached_tokens(self, upstream: UpstreamResponse, body: bytes) -> None:
+        if upstream.content_type != "application/json" or upstream.header("Content-Encoding"):
             return
         try:
             usage = json.loads(body).get("usage") or {}
             prompt = usage.get("prompt_tokens") or 0
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             return
-        self.metrics.prompt_tokens.inc(prompt)
-        self.metrics.observed_cached_tokens.inc(cached)
+        # A replica's figures are not trusted to be sane: counters only go up.
+        if isinstance(prompt, int) and isinstance(cached, int) and 0 <= cached <= prompt:
+            self.metrics.prompt_tokens.inc(prompt)
+            self.metrics.observed_cached_tokens.inc(cached)
 
     def _log(
         self, request: web.Request, ticket: Ticket, prepared: Prepared, status: int, started: float, attempts: int
@@ -387,5 +412,5 @@ class Proxy:
         request_log.info(json.dumps(record))
 
 
-def _response_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
-    return _forward_headers(upstream.headers)
+def _response_headers(upstream: UpstreamResponse) -> CIMultiDict[str]:
+    return CIMultiDict(_end_to_end(upstream.headers, upstream.header("Connection"), _RESPONSE_DROP))

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 
 from aiohttp import web
 
-from router.service.app import create_app
+from router.service.app import SHUTTING_DOWN, create_app
 from router.service.settings import RouterSettings
 
 log = logging.getLogger("shoal.router")
@@ -34,7 +35,8 @@ def make_runner(app: web.Application, settings: RouterSettings) -> web.AppRunner
 
 
 async def _serve(settings: RouterSettings) -> None:
-    runner = make_runner(create_app(settings), settings)
+    app = create_app(settings)
+    runner = make_runner(app, settings)
     await runner.setup()
     site = web.TCPSite(
         runner, settings.host, settings.port, backlog=1024, reuse_address=True, reuse_port=settings.reuse_port or None
@@ -47,14 +49,19 @@ async def _serve(settings: RouterSettings) -> None:
         len(settings.replicas),
         settings.policy.kind,
     )
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    import signal
-
+    received: asyncio.Future[signal.Signals] = loop.create_future()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, lambda s=sig: received.done() or received.set_result(s))
     try:
-        await stop.wait()
-        log.info("shutting down: draining in-flight requests for up to %.0f s", settings.limits.shutdown_grace_s)
+        sig = await received
+        limits = settings.limits
+        if sig == signal.SIGTERM and limits.unready_delay_s > 0:
+            # Kubernetes removes a terminating pod from its Service endpoints asynchronously: keep serving while
+            # /ready says 503, so requests already on their way here are not refused.
+            app[SHUTTING_DOWN].set()
+            log.info("SIGTERM: /ready is now 503; serving %.1f s more before draining", limits.unready_delay_s)
+            await asyncio.sleep(limits.unready_delay_s)
+        log.info("shutting down: draining in-flight requests for up to %.0f s", limits.shutdown_grace_s)
     finally:
         await runner.cleanup()

@@ -19,6 +19,7 @@ from router.policy.config import EstimatedTTFTConfig, PolicyConfig
 from router.policy.hashing import DEFAULT_TEXT_BLOCK_SIZE, DEFAULT_TOKEN_BLOCK_SIZE
 from router.policy.prefill_rate import PrefillRateEstimator
 from router.policy.prefix_index import PrefixIndexConfig
+from router.service.pool import split_url
 
 
 class _Section(BaseModel):
@@ -83,6 +84,12 @@ class LimitSettings(_Section):
     """Seconds allowed to receive a request body (408 beyond): stops slow-body clients tying up the router."""
     request_timeout_s: float = Field(1800.0, gt=0)
     """Seconds a whole request may take, streaming included; long generations need generous values."""
+    unready_delay_s: float = Field(5.0, ge=0)
+    """On SIGTERM, seconds to keep serving with /ready at 503 before draining, while load balancers (Kubernetes
+    endpoints) stop sending new requests here. SIGINT (Ctrl-C) skips it."""
+    upstream_idle_timeout_s: float = Field(600.0, gt=0)
+    """Seconds a replica may stay silent mid-response (no byte) before the attempt fails. Generous: a
+    non-streamed answer sends nothing until the whole generation is done."""
     shutdown_grace_s: float = Field(60.0, ge=0)
     """On SIGTERM, seconds to let in-flight requests finish before the process exits."""
 
@@ -104,7 +111,8 @@ class RouterSettings(BaseSettings):
     reuse_port: bool = False
     """Bind with SO_REUSEPORT so several router processes share one port (the kernel spreads connections)."""
     replicas: list[str] = Field(default_factory=list)
-    """Static replica base URLs (http://host:port). More can be added through the admin API."""
+    """Static replica base URLs (http://host:port). More can be added through the admin API. Replicas speak plain
+    HTTP/1.1 inside the cluster; TLS belongs at the router's ingress."""
     policy: PolicyConfig = Field(default_factory=EstimatedTTFTConfig)
     """Routing policy, chosen by `kind`; see router/policy/config.py for each policy's parameters."""
     index: PrefixIndexConfig = Field(default_factory=PrefixIndexConfig)
@@ -131,8 +139,7 @@ class RouterSettings(BaseSettings):
     @classmethod
     def _check_urls(cls, urls: list[str]) -> list[str]:
         for url in urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"replica URL must start with http:// or https://, got {url!r}")
+            split_url(url)
         return [url.rstrip("/") for url in urls]
 
     @classmethod
