@@ -20,7 +20,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 typecheck: install
-	$(VENV)/bin/mypy router/policy autoscaler/policy
+	$(VENV)/bin/mypy router autoscaler/policy
 
 contracts: install
 	$(VENV)/bin/lint-imports

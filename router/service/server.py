@@ -31,6 +31,7 @@ def make_runner(app: web.Application, settings: RouterSettings) -> web.AppRunner
         handler_cancellation=True,  # a client that goes away cancels its handler, and so the upstream request
         access_log=None,  # the proxy logs one structured line per request itself
         shutdown_timeout=settings.limits.shutdown_grace_s,
+        keepalive_timeout=settings.limits.keepalive_timeout_s,
     )
 
 
@@ -51,8 +52,13 @@ async def _serve(settings: RouterSettings) -> None:
     )
     loop = asyncio.get_running_loop()
     received: asyncio.Future[signal.Signals] = loop.create_future()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not received.done():
+            received.set_result(sig)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda s=sig: received.done() or received.set_result(s))
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         sig = await received
         limits = settings.limits

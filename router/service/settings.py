@@ -84,6 +84,8 @@ class LimitSettings(_Section):
     """Seconds allowed to receive a request body (408 beyond): stops slow-body clients tying up the router."""
     request_timeout_s: float = Field(1800.0, gt=0)
     """Seconds a whole request may take, streaming included; long generations need generous values."""
+    keepalive_timeout_s: float = Field(75.0, gt=0)
+    """Seconds an idle client connection is kept open (nginx's default), so idle sockets do not pile up."""
     unready_delay_s: float = Field(5.0, ge=0)
     """On SIGTERM, seconds to keep serving with /ready at 503 before draining, while load balancers (Kubernetes
     endpoints) stop sending new requests here. SIGINT (Ctrl-C) skips it."""
@@ -192,7 +194,7 @@ def settings_help(model: type[BaseModel], env_prefix: str) -> str:
     def walk(cls: type[BaseModel], path: list[str]) -> None:
         for name, info in cls.model_fields.items():
             annotation = info.annotation
-            if isinstance(annotation, type) and issubclass(annotation, BaseModel) and annotation is not SecretStr:
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
                 walk(annotation, [*path, name])
                 continue
             env = env_prefix + "__".join(p.upper() for p in [*path, name])

@@ -1,0 +1,83 @@
+"""RouterSettings: environment, YAML file and CLI precedence, validation, and the CLI's error path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from router.cli import main
+from router.service.settings import RouterSettings, settings_help
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("SHOAL_ROUTER_"):
+            monkeypatch.delenv(name)
+
+
+def test_defaults_are_safe() -> None:
+    settings = RouterSettings()
+    assert settings.host == "127.0.0.1"
+    assert settings.admin_token is None
+    assert settings.policy.kind == "estimated_ttft"
+
+
+def test_environment_nested_values_and_policy_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHOAL_ROUTER_HEALTH__INTERVAL_S", "0.5")
+    monkeypatch.setenv("SHOAL_ROUTER_POLICY", '{"kind": "sglang_cache_aware", "cache_threshold": 0.5}')
+    monkeypatch.setenv("SHOAL_ROUTER_REPLICAS", '["http://10.0.0.1:8000"]')
+    settings = RouterSettings()
+    assert settings.health.interval_s == 0.5
+    assert settings.policy.kind == "sglang_cache_aware"
+    assert settings.replicas == ["http://10.0.0.1:8000"]
+
+
+def test_yaml_is_overridden_by_environment_which_is_overridden_by_arguments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "router.yaml"
+    config.write_text("port: 9000\nseed: 3\nhealth:\n  interval_s: 7\npolicy:\n  kind: round_robin\n")
+    monkeypatch.setenv("SHOAL_ROUTER_SEED", "4")
+    settings = RouterSettings(config_file=config, port=9100)
+    assert (settings.port, settings.seed, settings.health.interval_s) == (9100, 4, 7)
+    assert settings.policy.kind == "round_robin"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"replicas": ["https://tls-replica:443"]},
+        {"replicas": ["10.0.0.1:8000"]},
+        {"port": 70000},
+        {"policy": {"kind": "nope"}},
+        {"health": {"interval_s": 0}},
+        {"unknown_setting": 1},
+    ],
+)
+def test_bad_settings_are_rejected(overrides: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        RouterSettings(**overrides)
+
+
+def test_bad_yaml_names_the_file(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("- a list, not a mapping\n")
+    with pytest.raises(ValueError, match="bad.yaml"):
+        RouterSettings(config_file=config)
+
+
+def test_cli_reports_invalid_settings_with_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["router", "--replica", "ftp://nowhere", "--port", "0"]) == 2
+    assert "replica URL" in capsys.readouterr().err
+
+
+def test_help_documents_every_setting_with_its_environment_variable() -> None:
+    text = settings_help(RouterSettings, "SHOAL_ROUTER_")
+    for env in ("SHOAL_ROUTER_PORT", "SHOAL_ROUTER_HEALTH__INTERVAL_S", "SHOAL_ROUTER_LIMITS__MAX_BODY_BYTES"):
+        assert env in text
+    assert "Seconds between probes of a healthy replica." in text
