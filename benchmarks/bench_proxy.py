@@ -1,0 +1,406 @@
+"""Proxy overhead benchmark: throughput, added latency and CPU per request of routers on loopback.
+
+Every router fronts the same backend, nginx returning a canned OpenAI answer (nginx_canned.conf), which is far
+faster than any router, so what is measured is the router. The routers are Shoal, a bare aiohttp proxy
+(bare_proxy.py, the Python floor), and `sglang-router` and `smg` from PyPI, each from its own virtual environment
+under benchmarks/.venvs/ (`--setup-peers` makes them; they are never dependencies of the project). Each router runs
+pinned to one core (`taskset`), the load generator (loadgen.py, closed loop) and nginx to another. A run straight
+at nginx is the reference for the added latency. Router CPU time per request comes from /proc/<pid>/stat
+(utime + stime of the router's process tree) before and after each point.
+
+The streaming check sends streamed requests one at a time through each router to a fake replica that writes one
+SSE chunk every 2 ms, and reports the time to the first body byte and to the end of the stream next to the same
+figures straight from the replica: a router without TCP_NODELAY adds ~40 ms stalls (Nagle and delayed ACKs).
+
+Not a test: it prints tables (and writes JSON under benchmarks/out/). Every load run is bounded by a request count
+and a time limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+VENVS = BENCH / ".venvs"
+PEER_PACKAGES = {"sglang-router": "sglang-router==0.3.2", "smg": "smg==1.13.0"}
+ROUTERS = ("shoal", "bare", "sglang-router", "smg")
+MODEL = "shoal-demo"
+CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+SHOAL_FROM_SOURCE = (
+    "import argparse, sys; from router.cli import add_router_command; "
+    "p = argparse.ArgumentParser(prog='shoal'); add_router_command(p.add_subparsers(dest='command')); "
+    "a = p.parse_args(sys.argv[1:]); sys.exit(a.run(a))"
+)
+
+CANNED_CHAT = {
+    "id": "chatcmpl-canned", "object": "chat.completion", "created": 1700000000, "model": MODEL,
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "canned answer of eight tokens here ok"},
+                 "logprobs": None, "finish_reason": "length"}],
+    "usage": {"prompt_tokens": 256, "completion_tokens": 8, "total_tokens": 264},
+}
+CANNED_COMPLETION = {
+    "id": "cmpl-canned", "object": "text_completion", "created": 1700000000, "model": MODEL,
+    "choices": [{"index": 0, "text": "canned answer of eight tokens here ok", "logprobs": None,
+                 "finish_reason": "length"}],
+    "usage": {"prompt_tokens": 256, "completion_tokens": 8, "total_tokens": 264},
+}
+CANNED_MODELS = {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 1700000000,
+                                             "owned_by": "bench"}]}
+# What SGLang-style routers may ask a worker for (/get_server_info, /get_model_info): every other path gets this.
+CANNED_INFO = {"model_path": MODEL, "served_model_name": MODEL, "tokenizer_path": None, "is_generation": True,
+               "max_total_num_tokens": 1_000_000, "status": "ok"}
+
+
+@dataclass
+class Service:
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self, num_lines: int = 15) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join("    " + line for line in lines[-num_lines:])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_service(name: str, argv: list[str], core: int, workdir: Path, env: dict[str, str] | None = None) -> Service:
+    log_path = workdir / f"{name}.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(["taskset", "-c", str(core), *argv], stdout=log, stderr=subprocess.STDOUT,
+                                   cwd=REPO, env={**os.environ, **(env or {})}, start_new_session=True)
+    return Service(name, process, log_path)
+
+
+def wait_ready(service: Service, url: str, body: bytes, timeout_s: float) -> str | None:
+    """Poll with a real request until it answers 200; the reason it never did, or None."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if service.process.poll() is not None:
+            return f"exited with status {service.process.returncode}"
+        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=2) as resp:
+                resp.read()
+                if resp.status == 200:
+                    return None
+        except urllib.error.HTTPError as exc:
+            last = f"HTTP {exc.code}: {exc.read()[:200]!r}"
+        except (OSError, ValueError) as exc:
+            last = repr(exc)
+        time.sleep(0.2)
+    return f"not ready after {timeout_s:.0f} s ({last})"
+
+
+def process_tree_cpu_s(root_pid: int) -> float:
+    """utime + stime of a process and all its descendants, in seconds."""
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # fields[0] is field 3 (state) of proc(5)
+        parents[int(entry)] = int(fields[1])
+        ticks[int(entry)] = int(fields[11]) + int(fields[12])
+    tree, frontier = {root_pid}, [root_pid]
+    while frontier:
+        pid = frontier.pop()
+        children = [child for child, parent in parents.items() if parent == pid and child not in tree]
+        tree.update(children)
+        frontier += children
+    return sum(ticks.get(pid, 0) for pid in tree) / CLOCK_TICKS_PER_S
+
+
+def run_loadgen(url: str, core: int, extra: list[str], timeout_s: float) -> dict[str, Any]:
+    """One loadgen.py run pinned to `core`: its JSON report."""
+    argv = ["taskset", "-c", str(core), sys.executable, str(BENCH / "loadgen.py"), "--url", url, *extra]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"loadgen failed: {done.stderr[-2000:]}")
+    report: dict[str, Any] = json.loads(done.stdout)
+    return report
+
+
+# -- backends and routers ------------------------------------------------------------------------------------------
+
+
+def nginx_config(workdir: Path, ports: list[int]) -> Path:
+    def quoted(value: object) -> str:
+        return json.dumps(value, separators=(",", ":")).replace("\\", "\\\\").replace("'", "\\'")
+
+    text = (BENCH / "nginx_canned.conf").read_text()
+    listen = "\n".join(f"        listen 127.0.0.1:{port} reuseport backlog=4096;" for port in ports)
+    for key, value in (("@@DIR@@", str(workdir)), ("@@LISTEN@@", listen), ("@@CHAT@@", quoted(CANNED_CHAT)),
+                       ("@@COMPLETION@@", quoted(CANNED_COMPLETION)), ("@@MODELS@@", quoted(CANNED_MODELS)),
+                       ("@@INFO@@", quoted(CANNED_INFO))):
+        text = text.replace(key, value)
+    path = workdir / "nginx.conf"
+    path.write_text(text)
+    return path
+
+
+def router_argv(name: str, port: int, upstreams: list[str], peer_policy: str) -> tuple[list[str] | None, str]:
+    """The command line of one router, or None and why it cannot run here."""
+    if name == "bare":
+        argv = [sys.executable, str(BENCH / "bare_proxy.py"), "--host", "127.0.0.1", "--port", str(port)]
+        return argv + [a for u in upstreams for a in ("--upstream", u)], ""
+    if name == "shoal":
+        shoal = REPO / ".venv" / "bin" / "shoal"
+        if shoal.exists():
+            command = [str(shoal)]
+        elif (REPO / "router" / "cli.py").exists():  # not installed (`make install`): run the source tree's CLI
+            command = [str(REPO / ".venv" / "bin" / "python"), "-c", SHOAL_FROM_SOURCE]
+        else:
+            return None, f"{shoal} not found (run `make install`)"
+        argv = [*command, "router", "--host", "127.0.0.1", "--port", str(port), "--no-request-log",
+                "--log-level", "WARNING"]
+        return argv + [a for u in upstreams for a in ("--replica", u)], ""
+    python = VENVS / name / "bin" / "python"
+    if not python.exists():
+        return None, f"{python} not found (run with --setup-peers)"
+    metrics = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *upstreams, "--policy", peer_policy,
+              "--log-level", "warn", *metrics]
+    if name == "sglang-router":
+        return [str(python), "-m", "sglang_router.launch_router", *common], ""
+    if name == "smg":
+        return [str(VENVS / name / "bin" / "smg"), "launch", *common], ""
+    return None, f"unknown router {name!r}"
+
+
+def peer_version(name: str) -> str:
+    python = VENVS / name / "bin" / "python"
+    if not python.exists():
+        return "not installed"
+    package = PEER_PACKAGES[name].split("==")[0]
+    code = f"import importlib.metadata as m; print(m.version({package!r}))"
+    return subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60).stdout.strip()
+
+
+def setup_peers() -> None:
+    for name, requirement in PEER_PACKAGES.items():
+        venv = VENVS / name
+        if not (venv / "bin" / "python").exists():
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        print(f"installing {requirement} into {venv}", flush=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", requirement], check=True)
+
+
+# -- the run -------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def running(service: Service) -> Iterator[Service]:
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+def measure_router(name: str, url: str, pid: int | None, args: argparse.Namespace,
+                   results: dict[str, dict[int, dict[str, Any]]]) -> None:
+    timeout_s = args.duration_s + 60
+    warmup = ["--concurrency", "16", "--requests", str(args.warmup_requests), "--duration-s", "10",
+              "--prompt-bytes", str(args.prompt_bytes)]
+    run_loadgen(url, args.loadgen_core, warmup, timeout_s)
+    for concurrency in args.concurrency:
+        extra = ["--concurrency", str(concurrency), "--requests", str(args.requests), "--duration-s",
+                 str(args.duration_s), "--prompt-bytes", str(args.prompt_bytes), "--client", args.client]
+        cpu_before_s = process_tree_cpu_s(pid) if pid else 0.0
+        report = run_loadgen(url, args.loadgen_core, extra, timeout_s)
+        cpu_s = process_tree_cpu_s(pid) - cpu_before_s if pid else 0.0
+        num_requests = max(1, report["num_ok"] + report["num_errors"])
+        report["router_cpu_us_per_request"] = cpu_s * 1e6 / num_requests if pid else None
+        report["loadgen_cpu_percent"] = 100 * report["cpu_s"] / max(1e-9, report["elapsed_s"])
+        results.setdefault(name, {})[concurrency] = report
+        print(f"  {name:14s} c={concurrency:<3d} {report['requests_per_s']:9.0f} req/s  "
+              f"p50 {report['p50_ms']:7.3f} ms  errors {report['num_errors']}", flush=True)
+
+
+def stream_check(name: str, url: str, args: argparse.Namespace) -> dict[str, Any]:
+    extra = ["--stream", "--requests", str(args.stream_requests), "--duration-s", "20"]
+    report = run_loadgen(url, args.loadgen_core, extra, 80)
+    print(f"  {name:14s} stream: first byte p50 {report['first_byte_p50_ms']:.1f} ms, "
+          f"end p50 {report['end_p50_ms']:.1f} ms (max {report['end_max_ms']:.1f})", flush=True)
+    return report
+
+
+def start_router(name: str, upstreams: list[str], args: argparse.Namespace,
+                 workdir: Path, ready_body: bytes) -> tuple[Service | None, str, str]:
+    port = free_port()
+    argv, why = router_argv(name, port, upstreams, args.peer_policy)
+    if argv is None:
+        return None, "", why
+    service = start_service(name, argv, args.router_core, workdir, env={"TOKIO_WORKER_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    error = wait_ready(service, url, ready_body, args.startup_timeout_s)
+    if error:
+        service.stop()
+        return None, "", f"{error}; `{shlex.join(argv)}` said:\n{service.log_tail()}"
+    return service, url, ""
+
+
+def print_tables(results: dict[str, dict[int, dict[str, Any]]], streams: dict[str, dict[str, Any]],
+                 args: argparse.Namespace) -> None:
+    for concurrency in args.concurrency:
+        print(f"\nconcurrency {concurrency}: {args.requests} requests per router or {args.duration_s:g} s, "
+              f"{args.prompt_bytes}-byte chat prompts, canned nginx backend")
+        header = (f"{'router':16s}{'req/s':>9s}{'x smg':>8s}{'p50 ms':>9s}{'p99 ms':>9s}{'+p50 ms':>9s}"
+                  f"{'CPU us/req':>12s}{'loadgen CPU':>13s}{'errors':>8s}")
+        print(header)
+        print("-" * len(header))
+        direct = results.get("direct", {}).get(concurrency)
+        smg = results.get("smg", {}).get(concurrency)
+        for name, by_concurrency in results.items():
+            row = by_concurrency.get(concurrency)
+            if row is None:
+                continue
+            ratio = f"{row['requests_per_s'] / smg['requests_per_s']:.2f}" if smg else "-"
+            added = f"{row['p50_ms'] - direct['p50_ms']:+.3f}" if direct and name != "direct" else "-"
+            cpu = row["router_cpu_us_per_request"]
+            cpu_text = f"{cpu:.0f}" if cpu is not None else "-"
+            label = "direct (nginx)" if name == "direct" else name
+            print(f"{label:16s}{row['requests_per_s']:9.0f}{ratio:>8s}{row['p50_ms']:9.3f}{row['p99_ms']:9.3f}"
+                  f"{added:>9s}{cpu_text:>12s}{row['loadgen_cpu_percent']:12.0f}%{row['num_errors']:8d}")
+    if streams:
+        print(f"\nstreaming: {args.stream_requests} sequential streamed chats of 8 tokens from a fake replica that "
+              "writes an SSE chunk every 2 ms (10 chunks, ~18 ms); Nagle shows as +40 ms steps")
+        header = f"{'router':16s}{'first byte p50':>16s}{'end p50':>10s}{'end max':>10s}{'errors':>8s}"
+        print(header)
+        print("-" * len(header))
+        for name, row in streams.items():
+            label = "direct (fake)" if name == "direct" else name
+            print(f"{label:16s}{row['first_byte_p50_ms']:14.1f}ms{row['end_p50_ms']:8.1f}ms"
+                  f"{row['end_max_ms']:8.1f}ms{row['num_errors']:8d}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--routers", default=",".join(ROUTERS), help=f"comma-separated subset of {ROUTERS}")
+    parser.add_argument("--concurrency", default="1,16,64", help="comma-separated concurrency levels")
+    parser.add_argument("--requests", type=int, default=2000, help="requests per point")
+    parser.add_argument("--duration-s", type=float, default=20.0, help="time cap per point")
+    parser.add_argument("--warmup-requests", type=int, default=300)
+    parser.add_argument("--prompt-bytes", type=int, default=1024)
+    parser.add_argument("--num-replicas", type=int, default=2, help="nginx listens on this many ports, one a replica")
+    parser.add_argument("--peer-policy", default="cache_aware", help="--policy of sglang-router and smg")
+    parser.add_argument("--client", choices=("raw", "aiohttp"), default="raw", help="loadgen.py's HTTP client")
+    parser.add_argument("--router-core", type=int, default=0)
+    parser.add_argument("--loadgen-core", type=int, default=1, help="also runs nginx and the fake replica")
+    parser.add_argument("--startup-timeout-s", type=float, default=60.0)
+    parser.add_argument("--stream-requests", type=int, default=30, help="0 skips the streaming check")
+    parser.add_argument("--setup-peers", action="store_true", help=f"create benchmarks/.venvs/ for {PEER_PACKAGES}")
+    args = parser.parse_args(argv)
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    names = [n.strip() for n in args.routers.split(",") if n.strip()]
+    unknown = set(names) - set(ROUTERS)
+    if unknown:
+        parser.error(f"unknown routers {sorted(unknown)}; known: {ROUTERS}")
+
+    print("$ " + shlex.join([sys.executable, *sys.argv]))
+    if args.setup_peers:
+        setup_peers()
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not Path(nginx).exists():
+        print("nginx not found: apt-get install -y nginx-light", file=sys.stderr)
+        return 1
+    print(f"cores: router {args.router_core}, loadgen+nginx {args.loadgen_core}; "
+          + ", ".join(f"{n} {peer_version(n)}" for n in PEER_PACKAGES), flush=True)
+
+    sys.path.insert(0, str(BENCH))
+    from loadgen import make_bodies
+
+    ready_body = make_bodies(1, 256, MODEL)[0]
+    results: dict[str, dict[int, dict[str, Any]]] = {}
+    streams: dict[str, dict[str, Any]] = {}
+    skipped: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="shoal-bench-") as tmp:
+        workdir = Path(tmp)
+        ports = [free_port() for _ in range(args.num_replicas)]
+        upstreams = [f"http://127.0.0.1:{p}" for p in ports]
+        config = nginx_config(workdir, ports)
+        fake_port = free_port()
+        fake_argv = [sys.executable, "-m", "tests.fakes.fake_replica", "--port", str(fake_port), "--name", "stream",
+                     "--per-token-delay-s", "0.002", "--num-output-tokens", "16"]
+        with running(start_service("nginx", [nginx, "-c", str(config), "-p", str(workdir)], args.loadgen_core,
+                                   workdir)) as backend, \
+             running(start_service("fake", fake_argv, args.loadgen_core, workdir)) as fake:
+            for service, url in ((backend, upstreams[0]), (fake, f"http://127.0.0.1:{fake_port}")):
+                error = wait_ready(service, url + "/v1/chat/completions", ready_body, 20)
+                if error:
+                    print(f"{service.name} did not start: {error}\n{service.log_tail()}", file=sys.stderr)
+                    return 1
+            print("direct:", flush=True)
+            measure_router("direct", upstreams[0] + "/v1/chat/completions", None, args, results)
+            if args.stream_requests:
+                streams["direct"] = stream_check("direct", f"http://127.0.0.1:{fake_port}/v1/chat/completions", args)
+            for name in names:
+                print(f"{name}:", flush=True)
+                router, url, why = start_router(name, upstreams, args, workdir, ready_body)
+                if router is None:
+                    skipped[name] = why
+                    print(f"  skipped {name}: {why}", flush=True)
+                    continue
+                with running(router):
+                    measure_router(name, url, router.process.pid, args, results)
+                if args.stream_requests:
+                    router, url, why = start_router(name, [f"http://127.0.0.1:{fake_port}"], args, workdir,
+                                                    ready_body)
+                    if router is None:
+                        print(f"  streaming check skipped: {why}", flush=True)
+                        continue
+                    with running(router):
+                        streams[name] = stream_check(name, url, args)
+
+    print_tables(results, streams, args)
+    for name, why in skipped.items():
+        print(f"\nskipped {name}: {why}")
+    out_dir = BENCH / "out"
+    out_dir.mkdir(exist_ok=True)
+    out_path = out_dir / f"bench_proxy-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out_path.write_text(json.dumps({"argv": sys.argv, "results": results, "streams": streams, "skipped": skipped},
+                                   indent=1))
+    print(f"\nJSON: {out_path.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
