@@ -4,13 +4,18 @@ Workload (approximate mode): 64 replicas; prompts of 512 blocks = a system promp
 replica) + one of 256 group prefixes (96 blocks, each group served by 4 replicas) + 384 blocks of its own. Each
 prompt is recorded on one of its group's replicas until the index holds 1,000,000 (block, replica) entries
 (`fresh`); then as many blocks again are recorded with every replica at its capacity (1M / 64 blocks), so that
-eviction and dict churn reach a steady state (`steady`). Hashes are random 64-bit ints, as xxh3 values are.
+eviction and dict churn reach a steady state (`steady`), and then twice as many again (`steady x3`), to show
+whether churn keeps growing the index. Hashes are random 64-bit ints, as xxh3 values are, and every prompt is
+built of new int objects, as the router hashes every request afresh.
 
 Memory is what tracemalloc sees allocated while the workload is built and recorded (the prompts' own lists die
 as soon as they are recorded), per entry and per distinct block; the breakdown sizes the index's parts with
 sys.getsizeof. Times are wall-clock per call on the steady index. `match` runs the binary search of
 prefix-closed replicas; `walk` rows time the same queries after every replica has seen an engine `removed`,
-which sends it to the one-look-up-per-block walk. Pin to one core for stable numbers:
+which sends it to the one-look-up-per-block walk. `record` rows record another 1M blocks, and give the slowest
+call too (dict resizes and rebuilds land there). `gc.collect()` is a full collection, median of 5, with the
+index alive and after it is gone; the difference is what the index costs every collection. Pin to one core for
+stable numbers:
 
     PYTHONPATH=. taskset -c 0 .venv/bin/python benchmarks/bench_index.py
 """
@@ -40,57 +45,79 @@ class Workload:
     """Prompt hash lists, each regenerated from its id so that the benchmark keeps none alive."""
 
     def __init__(self, num_replicas: int, prompt_blocks: int, seed: int) -> None:
-        rng = random.Random(seed)
         self.seed = seed
         self.replicas = [f"replica-{i}" for i in range(num_replicas)]
         self.prompt_blocks = prompt_blocks
-        self.system = [rng.getrandbits(64) for _ in range(SYSTEM_BLOCKS)]
-        self.groups = [self.system + [rng.getrandbits(64) for _ in range(GROUP_BLOCKS)] for _ in range(NUM_GROUPS)]
+
+    def system(self) -> list[int]:
+        rng = random.Random(self.seed * 1_000_003 - 1)
+        return [rng.getrandbits(64) for _ in range(SYSTEM_BLOCKS)]
+
+    def group(self, group: int) -> list[int]:
+        rng = random.Random(self.seed * 1_000_003 - 2 - group)
+        return self.system() + [rng.getrandbits(64) for _ in range(GROUP_BLOCKS)]
 
     def prompt(self, prompt_id: int) -> tuple[str, list[int]]:
         rng = random.Random(self.seed * 1_000_003 + prompt_id)
         group = prompt_id % NUM_GROUPS
         slot = (group * REPLICAS_PER_GROUP + rng.randrange(REPLICAS_PER_GROUP)) % len(self.replicas)
-        return self.replicas[slot], self.with_new_blocks(self.groups[group], rng)
+        return self.replicas[slot], self.with_new_blocks(self.group(group), rng)
 
     def with_new_blocks(self, prefix: list[int], rng: random.Random) -> list[int]:
         return prefix + [rng.getrandbits(64) for _ in range(self.prompt_blocks - len(prefix))]
 
 
-def fill(index: PrefixIndex, workload: Workload, first_id: int, num_entries: int) -> Iterator[float]:
-    """Record prompts from `first_id` on until `num_entries` blocks were recorded; yields seconds per block."""
+def fill(index: PrefixIndex, workload: Workload, first_id: int, num_entries: int) -> Iterator[tuple[int, float]]:
+    """Record prompts from `first_id` on until `num_entries` blocks were recorded; yields (blocks, seconds) per
+    call."""
     prompt_id = first_id
     recorded = 0
     while recorded < num_entries:
         replica, hashes = workload.prompt(prompt_id)
         t0 = time.perf_counter_ns()
         index.record(replica, hashes, now=prompt_id * 0.01)
-        yield (time.perf_counter_ns() - t0) / 1e9 / len(hashes)
+        yield len(hashes), (time.perf_counter_ns() - t0) / 1e9
         recorded += len(hashes)
         prompt_id += 1
 
 
 def breakdown(index: PrefixIndex) -> list[tuple[str, int]]:
     """Bytes by part, from sys.getsizeof; an object many entries share (a replica's single-bit mask, one
-    record's deadline) is counted once."""
-    nodes = index._nodes
+    record's deadline, a block hash int that both a shard and a replica's guesses key on) is counted once."""
+    holders = index._holders
+    bounds = index._bounds
     replicas = index._replicas.values()
     shared_masks = {id(r.bit) for r in replicas}
-    masks = {id(n.holders): n.holders for n in nodes.values() if id(n.holders) not in shared_masks}
-    deadlines = {id(d): d for r in replicas for d in r.guesses.values()}
+    masks = {id(m): m for shard in holders for m in shard.values() if id(m) not in shared_masks}
+    keys = {id(h) for shard in holders for h in shard}
+    others = {id(h): h for r in replicas for h in r.guesses if id(h) not in keys}
+    others.update((id(h), h) for shard in bounds for h in shard if id(h) not in keys)
+    floats = {id(d): d for r in replicas for d in r.guesses.values()}
+    floats.update((id(d), d) for shard in bounds for d in shard.values())
     return [
-        ("main dict table (hash -> node)", sys.getsizeof(nodes)),
-        ("block hash ints (keys, shared as node.hash)", sum(sys.getsizeof(h) for h in nodes)),
-        ("nodes (__slots__ hash, holders, expiry_s)", sum(sys.getsizeof(n) for n in nodes.values())),
-        ("multi-holder mask ints", sum(sys.getsizeof(m) for m in masks.values())),
-        ("per-replica guess dict tables (node -> deadline)", sum(sys.getsizeof(r.guesses) for r in replicas)),
-        ("deadline floats (one per record call)", sum(sys.getsizeof(d) for d in deadlines.values())),
+        ("block dict tables (hash -> holders), all shards", sum(map(sys.getsizeof, holders))),
+        ("block hash ints (their keys)", sum(sys.getsizeof(h) for shard in holders for h in shard)),
+        ("equal hash ints from later records (touch, join)", sum(map(sys.getsizeof, others.values()))),
+        ("multi-holder mask ints", sum(map(sys.getsizeof, masks.values()))),
+        ("per-replica guess dict tables (hash -> deadline)", sum(sys.getsizeof(r.guesses) for r in replicas)),
+        ("shared-block bounds tables (hash -> deadline)", sum(map(sys.getsizeof, bounds))),
+        ("deadline floats (one per record call)", sum(map(sys.getsizeof, floats.values()))),
     ]
 
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def full_gc_ms(repeat: int = 5) -> float:
+    gc.collect()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        gc.collect()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return percentile(times, 0.5)
 
 
 def timed_us(fn: Callable[[], object], repeat: int) -> str:
@@ -107,8 +134,8 @@ Snapshot = tuple[str, IndexStats, int, list[tuple[str, int]]]
 
 
 def build(workload: Workload, capacity: int, num_entries: int) -> tuple[PrefixIndex, int, list[Snapshot]]:
-    """Fill an index twice over under tracemalloc; returns it, the prompts recorded and a memory snapshot after
-    each fill."""
+    """Fill an index four times over under tracemalloc; returns it, the prompts recorded and memory snapshots
+    after the first, second and fourth fill."""
     gc.collect()
     tracemalloc.start()
     base_bytes = tracemalloc.get_traced_memory()[0]
@@ -117,22 +144,25 @@ def build(workload: Workload, capacity: int, num_entries: int) -> tuple[PrefixIn
         index.add_replica(r)
     snapshots: list[Snapshot] = []
     num_prompts = 0
-    for name in ("fresh", "steady"):
+    for name in ("fresh", "steady", "", "steady x3"):
         num_prompts += sum(1 for _ in fill(index, workload, num_prompts, num_entries))
-        gc.collect()
-        used_bytes = tracemalloc.get_traced_memory()[0] - base_bytes
-        snapshots.append((name, index.stats(), used_bytes, breakdown(index)))
+        if name:
+            gc.collect()
+            used_bytes = tracemalloc.get_traced_memory()[0] - base_bytes
+            snapshots.append((name, index.stats(), used_bytes, breakdown(index)))
     tracemalloc.stop()
     return index, num_prompts, snapshots
 
 
-def time_index(index: PrefixIndex, workload: Workload, num_prompts: int, repeat: int, rows: Rows) -> None:
+def time_index(
+    index: PrefixIndex, workload: Workload, num_prompts: int, num_entries: int, repeat: int, rows: Rows
+) -> None:
     rng = random.Random(workload.seed + 1)
     now = num_prompts * 0.01
     cases = {
         "hit (512 on 1 replica, 128 on 3, 32 on all)": workload.prompt(num_prompts - 1)[1],
-        "group prefix (128 on 4, 32 on all)": workload.with_new_blocks(workload.groups[3], rng),
-        "system prompt (32 on all 64)": workload.with_new_blocks(workload.system, rng),
+        "group prefix (128 on 4, 32 on all)": workload.with_new_blocks(workload.group(3), rng),
+        "system prompt (32 on all 64)": workload.with_new_blocks(workload.system(), rng),
         "miss": workload.with_new_blocks([], rng),
     }
     gc.collect()
@@ -145,28 +175,24 @@ def time_index(index: PrefixIndex, workload: Workload, num_prompts: int, repeat:
     for name, hashes in cases.items():
         rows.append((f"walk  {name}", timed_us(lambda h=hashes: index.match(h, now=now), repeat)))
 
-    per_block = list(fill(index, workload, num_prompts, 400 * workload.prompt_blocks))
+    calls = list(fill(index, workload, num_prompts, num_entries))
+    per_block = [seconds / num_blocks for num_blocks, seconds in calls]
     p50, p99, mean = percentile(per_block, 0.5), percentile(per_block, 0.99), sum(per_block) / len(per_block)
-    rows.append(
-        (
-            "record a new prompt, evicting as it goes",
-            f"p50 {p50 * 1e9:.0f}, p99 {p99 * 1e9:.0f}, mean {mean * 1e9:.0f} ns/block",
-        )
-    )
+    slowest_ms = max(seconds for _, seconds in calls) * 1e3
+    per_block_ns = f"p50 {p50 * 1e9:.0f}, p99 {p99 * 1e9:.0f}, mean {mean * 1e9:.0f} ns/block"
+    rows.append(("record new prompts, evicting as it goes", f"{per_block_ns}, slowest call {slowest_ms:.0f} ms"))
     replica, hashes = workload.prompt(num_prompts - 1)
     rows.append(
         ("record the same prompt again (touches)", timed_us(lambda: index.record(replica, hashes, now=now), 500))
     )
-    t0 = time.perf_counter()
-    gc.collect()
-    rows.append(("gc.collect() with the index alive", f"{(time.perf_counter() - t0) * 1e3:.0f} ms"))
 
 
 def time_sweep(workload: Workload, capacity: int, num_entries: int, rows: Rows) -> None:
     index = PrefixIndex(PrefixIndexConfig(capacity_blocks=capacity, ttl_s=10.0))
     for r in workload.replicas:
         index.add_replica(r)
-    list(fill(index, workload, 0, num_entries))
+    for _ in fill(index, workload, 0, num_entries):
+        pass
     t0 = time.perf_counter()
     removed = index.expire(1e9)
     sweep_ns = (time.perf_counter() - t0) * 1e9 / max(removed, 1)
@@ -208,9 +234,12 @@ def main() -> None:
         rows.append((f"{name}: entries / distinct blocks", f"{stats.num_entries:,} / {stats.num_blocks:,}"))
         per_entry, per_block = used_bytes / stats.num_entries, used_bytes / stats.num_blocks
         rows.append((f"{name}: bytes per entry / per distinct block", f"{per_entry:.0f} / {per_block:.0f}"))
-    time_index(index, workload, num_prompts, args.repeat, rows)
+    time_index(index, workload, num_prompts, args.entries, args.repeat, rows)
+    gc_with_ms, num_tracked = full_gc_ms(), len(gc.get_objects())
     del index
-    gc.collect()
+    gc_without_ms, num_tracked_without = full_gc_ms(), len(gc.get_objects())
+    rows.append(("gc.collect() with the index alive / without it", f"{gc_with_ms:.1f} / {gc_without_ms:.1f} ms"))
+    rows.append(("objects the GC tracks for the index", f"{num_tracked - num_tracked_without:,}"))
     time_sweep(workload, capacity, args.entries // 4, rows)
     time_events(args.prompt_blocks, rows)
 

@@ -3,7 +3,7 @@
 Shape. Block hashes are chained (`hashing`): a hash names its whole prefix, so the index needs no tree and no
 parent links. It is dicts of ints and floats, with no object per block: CPython does not track for garbage
 collection a dict whose keys and values are all ints and floats, so a full `gc.collect()` skips the index however
-many blocks it holds (with an object per block, every full collection walked them all: 160 ms at a million).
+many blocks it holds (with a node object per block, each full collection walked them all: 160 ms at a million).
   - `holders`: block hash -> bitmask of the replica slots holding the block. A single-bit mask is always the
     replica's own `bit` object, so a block held by one replica costs no mask of its own.
   - per replica, `guesses`: block hash -> deadline of each approximate or predicted entry, oldest touch first
@@ -14,10 +14,15 @@ A block held by one replica is live while its deadline there has not passed (exa
 bound has not passed costs one float comparison; one whose bound has passed is checked holder by holder and its
 bound refreshed. So an expired entry never counts, swept or not.
 
-A dict never gives back the slots of deleted entries, and one that keeps deleting and inserting (every touch is a
-delete and an insert) grows to 3x its live entries at each resize. Each churning dict is therefore rebuilt, by a
+Dict upkeep. A dict never gives back the slots of deleted entries, and one that keeps deleting and inserting
+(every touch is both) settles at twice the table a copy of it gets. A churning dict is therefore rebuilt, by a
 copy CPython sizes for its live entries, once its table has grown since the last copy and the deletions since
-then reach 1/4 of its live entries: O(1) amortised per deletion.
+then reach half its live entries: at most two entries copied per deletion, for some 125 bytes per entry in
+steady state (`benchmarks/bench_index.py`; 260 with node objects). A copy, like a resize, stalls its caller for
+as long as the dict is big, so `holders` and `bounds` are split by the hash's low bits into `_NUM_SHARDS` dicts
+each, and a call rebuilds at most `_SHARD_REBUILDS_PER_CALL` of them; a replica's own dicts are bounded by its
+capacity. Python cannot look up a dict's own key object, so an entry that a later record touches or adds keys on
+that record's int, equal to but apart from the one `holders` keeps: 36 bytes more for each such entry.
 
 Match. A replica is prefix-closed while holding a block implies holding all of its ancestors. Records, eviction
 and sweeps keep it so (below); only an engine `removed`, which may name an inner block, breaks it, until the
@@ -61,7 +66,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import TypeVar
@@ -73,11 +78,29 @@ from router.policy.kv_events import BlockRemoved, BlockStored, KVEvent
 
 _NEVER = math.inf
 _MAX_CACHED_MASKS = 4096
-_DELETIONS_PER_REBUILD = 0.25
-"""Deletions, as a fraction of a dict's live entries, that pay for rebuilding it: each deletion pays for at most
-four re-inserted entries."""
+_NUM_SHARDS = 256
+"""Shards of the block-keyed dicts: a resize or rebuild copies 1/256 of the blocks (some 40k at 10M blocks)."""
+_SHARD_MASK = _NUM_SHARDS - 1
+_SHARD_REBUILDS_PER_CALL = 2
+"""Shards rebuilt by one call at most. Shards wear out together (hashes spread evenly); the rest wait for the
+next calls, so that no call copies more than a couple of shards."""
+_DELETIONS_PER_REBUILD = 0.5
+"""Deletions, as a fraction of a dict's live entries, that pay for rebuilding it: each deletion pays for copying
+at most two entries. 0.25 saves some 5 more bytes per entry in steady state for twice the copying; 1.0 copies
+half as much and keeps some 20 more."""
 
 _V = TypeVar("_V")
+
+
+def _last_true(lo: int, hi: int, is_true: Callable[[int], bool]) -> int:
+    """The last j in [lo, hi) where `is_true`, which holds at `lo` and, past some j, never again."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if is_true(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class PrefixIndexConfig(BaseModel):
@@ -200,13 +223,16 @@ class PrefixIndex:
 
     def __init__(self, config: PrefixIndexConfig | None = None) -> None:
         self.config = config if config is not None else PrefixIndexConfig()
-        self._holders: dict[int, int] = {}
-        """Block hash -> bitmask of the replica slots holding it; a single bit is always the replica's `bit`."""
-        self._holders_churn = _Churn(self._holders)
-        self._bounds: dict[int, float] = {}
-        """Block hash of a block held by more than one replica -> at most the earliest deadline among its
-        holders' guesses; absent when none of them guesses."""
-        self._bounds_churn = _Churn(self._bounds)
+        self._holders: list[dict[int, int]] = [{} for _ in range(_NUM_SHARDS)]
+        """Per shard, block hash -> bitmask of the replica slots holding it; a single bit is always the replica's
+        `bit` object."""
+        self._bounds: list[dict[int, float]] = [{} for _ in range(_NUM_SHARDS)]
+        """Per shard, block hash of a block held by more than one replica -> at most the earliest deadline among
+        its holders' guesses; absent when none of them guesses."""
+        self._holders_churn = [_Churn(shard) for shard in self._holders]
+        self._bounds_churn = [_Churn(shard) for shard in self._bounds]
+        self._worn_shards: set[int] = set()
+        """Shards with deletions enough to pay for rebuilding their dicts; `_compact_shards` decides."""
         self._replicas: dict[str, _Replica] = {}
         self._by_bit: dict[int, _Replica] = {}
         self._all_bits = 0
@@ -255,7 +281,7 @@ class PrefixIndex:
         self._all_bits ^= rep.bit
         self._closed_bits &= ~rep.bit
         self._ids_by_bits.clear()
-        self._compact_shared()
+        self._compact_shards()
 
     # Queries --------------------------------------------------------------------------------------------------
 
@@ -286,77 +312,109 @@ class PrefixIndex:
         too, so the live holders of hashes[j] shrink as j grows: each distinct holder set is one run of
         consecutive blocks, found in O(log blocks) look-ups.
         """
-        get = self._holders.get
-        bound_of = self._bounds.get
-        only_holder = self._by_bit.get
+        holders = self._holders
+        bounds = self._bounds
+        mask = _SHARD_MASK
+        guesses: dict[int, float] = {}
 
-        def holders(j: int) -> int:
+        def is_held_by_all(j: int) -> bool:
+            """Whether every replica of `held` (several) has a live entry for block j."""
             block_hash = hashes[j]
-            held = get(block_hash)
-            if held is None:
-                return 0
-            only = only_holder(held)
-            if only is not None:
-                deadline = only.guesses.get(block_hash)
-                return held if deadline is None or deadline > now else 0
-            bound = bound_of(block_hash)
-            return held if bound is None or bound > now else self._live_holders(block_hash, held, now)
+            shard = block_hash & mask
+            present = holders[shard].get(block_hash)
+            if present is None or present & held != held:
+                return False
+            bound = bounds[shard].get(block_hash)
+            return bound is None or bound > now or self._live_holders(block_hash, present, now) & held == held
+
+        def is_held_by_one(j: int) -> bool:
+            """Whether the one replica of `held`, whose guesses are `guesses`, has a live entry for block j."""
+            block_hash = hashes[j]
+            deadline = guesses.get(block_hash)
+            if deadline is not None:
+                return deadline > now
+            present = holders[block_hash & mask].get(block_hash)
+            return present is not None and present & held != 0  # exact
 
         num_blocks = len(hashes)
-        held = holders(0) & bits
+        held = self._live_at(hashes[0], now) & bits
         lo = 0
         while held:
             # Invariant: every replica in `held` holds blocks 0..lo; find the last block they all hold.
-            hi = num_blocks
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if holders(mid) & held == held:
-                    lo = mid
-                else:
-                    hi = mid
+            only = self._by_bit.get(held)
+            if only is None:
+                lo = _last_true(lo, num_blocks, is_held_by_all)
+            else:
+                guesses = only.guesses
+                lo = _last_true(lo, num_blocks, is_held_by_one)
             depth = lo + 1
-            rest = holders(depth) & held if depth < num_blocks else 0
+            rest = self._live_at(hashes[depth], now) & held if depth < num_blocks else 0
             dropped.append((depth, held ^ rest))
             held = rest
             lo = depth
 
     def _walk(self, hashes: Sequence[int], alive: int, now: float, dropped: list[tuple[int, int]]) -> None:
         """Match for any replicas: one look-up per block, AND-ing holder masks until none is left."""
-        get = self._holders.get
-        bound_of = self._bounds.get
-        only_holder = self._by_bit.get
+        holders = self._holders
+        bounds = self._bounds
+        mask = _SHARD_MASK
+        only = self._by_bit.get(alive)
+        num_blocks = len(hashes)
         depth = 0
-        for block_hash in hashes:
-            held = get(block_hash)
+        while only is None and depth < num_blocks:  # several replicas left
+            block_hash = hashes[depth]
+            shard = block_hash & mask
+            held = holders[shard].get(block_hash)
             if held is None:
                 break
-            only = only_holder(held)
-            if only is not None:
-                deadline = only.guesses.get(block_hash)
-                if deadline is not None and deadline <= now:
-                    break
-            else:
-                bound = bound_of(block_hash)
-                if bound is not None and bound <= now:
-                    held = self._live_holders(block_hash, held, now)
-            if held is not alive and held != alive:
-                kept = held & alive
-                if kept != alive:
-                    if depth:
-                        dropped.append((depth, alive ^ kept))
-                    if not kept:
-                        return
-                    # Reuse the block's own mask object when it is the new set, so that the next blocks, which
-                    # usually share it, pass the identity test above.
-                    alive = held if kept == held else kept
+            if held is alive or held == alive:  # the usual case: a run of blocks with the same holders
+                bound = bounds[shard].get(block_hash)
+                if bound is None or bound > now:
+                    depth += 1
+                    continue
+            kept = self._live_at(block_hash, now) & alive
+            if kept != alive:
+                if depth:
+                    dropped.append((depth, alive ^ kept))
+                if not kept:
+                    return
+                # Reuse the block's own mask object when it is the new set, so that the next blocks, which
+                # usually share it, pass the identity test above.
+                alive = held if kept == held else kept
+                only = self._by_bit.get(alive)
             depth += 1
+        if only is not None:  # one replica left: its guesses answer for most blocks without `holders`
+            guesses = only.guesses
+            while depth < num_blocks:
+                block_hash = hashes[depth]
+                deadline = guesses.get(block_hash)
+                if deadline is None:
+                    held = holders[block_hash & mask].get(block_hash)
+                    if held is None or not held & alive:
+                        break
+                elif deadline <= now:
+                    break
+                depth += 1
         if depth:
             dropped.append((depth, alive))
+
+    def _live_at(self, block_hash: int, now: float) -> int:
+        """The holders of a block whose entries are live at `now` (0 when it is not indexed)."""
+        shard = block_hash & _SHARD_MASK
+        held = self._holders[shard].get(block_hash)
+        if held is None:
+            return 0
+        only = self._by_bit.get(held)
+        if only is not None:
+            deadline = only.guesses.get(block_hash)
+            return held if deadline is None or deadline > now else 0
+        bound = self._bounds[shard].get(block_hash)
+        return held if bound is None or bound > now else self._live_holders(block_hash, held, now)
 
     def stats(self) -> IndexStats:
         per_replica = {rep.id: len(rep.guesses) + rep.num_exact for rep in self._replicas.values()}
         return IndexStats(
-            num_blocks=len(self._holders),
+            num_blocks=sum(map(len, self._holders)),
             num_entries=sum(per_replica.values()),
             blocks_per_replica=per_replica,
             events_applied=self._events_applied,
@@ -377,13 +435,15 @@ class PrefixIndex:
         bit = rep.bit
         guesses = rep.guesses
         holders = self._holders
+        mask = _SHARD_MASK
         deadline = now + (self.config.predicted_ttl_s if predicted else self.config.ttl_s)
         num_touched = 0
         # Leaf first: each block ends up more recent than all of its descendants (eviction takes leaves first).
         for block_hash in reversed(hashes):
-            held = holders.get(block_hash)
+            shard = holders[block_hash & mask]
+            held = shard.get(block_hash)
             if held is None:
-                holders[block_hash] = bit
+                shard[block_hash] = bit
                 guesses[block_hash] = deadline
                 continue
             old = guesses.pop(block_hash, None)
@@ -420,7 +480,7 @@ class PrefixIndex:
             rep.guess_churn.num_deleted += len(expired)
             removed += len(expired)
             self._compact_replica(rep)
-        self._compact_shared()
+        self._compact_shards()
         return removed
 
     # Exact mode -----------------------------------------------------------------------------------------------
@@ -459,16 +519,16 @@ class PrefixIndex:
         router_hashes = hashing.hash_tokens(event.token_ids, seed, event.block_size, parent_hash=parent_hash)
         if len(router_hashes) != len(event.block_hashes):
             return False
-        holders = self._holders
         for engine_hash, block_hash in zip(event.block_hashes, router_hashes, strict=True):
             known = engine_blocks.get(engine_hash)
             if known is not None:
                 if known == block_hash:
                     continue  # the same event again
                 self._remove_engine_block(rep, engine_hash)  # the engine reused the hash for other tokens
-            held = holders.get(block_hash)
+            shard = self._holders[block_hash & _SHARD_MASK]
+            held = shard.get(block_hash)
             if held is None:
-                holders[block_hash] = rep.bit
+                shard[block_hash] = rep.bit
                 rep.num_exact += 1
             elif rep.guesses.pop(block_hash, None) is not None:
                 rep.num_exact += 1  # a guess confirmed
@@ -515,13 +575,15 @@ class PrefixIndex:
             bound = min(bound, deadline)
             if deadline > now:
                 live |= low
-        self._bounds[block_hash] = bound
+        self._bounds[block_hash & _SHARD_MASK][block_hash] = bound
         return held if live == held else self._canonical(live)
 
     def _join(self, rep: _Replica, block_hash: int, held: int, deadline: float | None) -> None:
         """Add `rep` to the holders of an indexed block it does not hold, as a guess expiring at `deadline`, or
         as an exact entry when it is None; the caller adds the entry to `rep`'s own maps."""
-        self._holders[block_hash] = held | rep.bit
+        shard = block_hash & _SHARD_MASK
+        self._holders[shard][block_hash] = held | rep.bit
+        bounds = self._bounds[shard]
         bound = _NEVER if deadline is None else deadline
         only = self._by_bit.get(held)
         if only is not None:  # the block becomes shared: its bound starts from its first holder's deadline
@@ -529,25 +591,34 @@ class PrefixIndex:
             if first is not None and first < bound:
                 bound = first
         else:
-            bound = min(bound, self._bounds.get(block_hash, _NEVER))
+            bound = min(bound, bounds.get(block_hash, _NEVER))
         if bound < _NEVER:
-            self._bounds[block_hash] = bound
+            bounds[block_hash] = bound
 
     def _release(self, rep: _Replica, block_hash: int) -> None:
         """Take `rep` off a block's holders (the caller has dropped the entry from `rep`'s own maps)."""
-        held = self._holders[block_hash]
+        shard = block_hash & _SHARD_MASK
+        holders = self._holders[shard]
+        held = holders[block_hash]
         if held == rep.bit:
-            del self._holders[block_hash]
-            self._holders_churn.num_deleted += 1
+            del holders[block_hash]
+            churn = self._holders_churn[shard]
+            churn.num_deleted += 1
+            if churn.num_deleted >= len(holders) * _DELETIONS_PER_REBUILD:
+                self._worn_shards.add(shard)
             return
         rest = held ^ rep.bit
         only = self._by_bit.get(rest)
         if only is None:
-            self._holders[block_hash] = rest
+            holders[block_hash] = rest
             return
-        self._holders[block_hash] = only.bit  # no longer shared: its holder's own deadline is its bound
-        if self._bounds.pop(block_hash, None) is not None:
-            self._bounds_churn.num_deleted += 1
+        holders[block_hash] = only.bit  # no longer shared: its holder's own deadline is its bound
+        bounds = self._bounds[shard]
+        if bounds.pop(block_hash, None) is not None:
+            churn = self._bounds_churn[shard]
+            churn.num_deleted += 1
+            if churn.num_deleted >= len(bounds) * _DELETIONS_PER_REBUILD:
+                self._worn_shards.add(shard)
 
     def _evict(self, rep: _Replica) -> None:
         target = int(rep.capacity_blocks * (1.0 - self.config.evict_fraction))
@@ -573,7 +644,7 @@ class PrefixIndex:
 
     def _compact(self, rep: _Replica) -> None:
         self._compact_replica(rep)
-        self._compact_shared()
+        self._compact_shards()
 
     def _compact_replica(self, rep: _Replica) -> None:
         if rep.guess_churn.is_due(rep.guesses):
@@ -581,11 +652,13 @@ class PrefixIndex:
         if rep.engine_churn.is_due(rep.engine_blocks):
             rep.engine_blocks = rep.engine_churn.rebuilt(rep.engine_blocks)
 
-    def _compact_shared(self) -> None:
-        if self._holders_churn.is_due(self._holders):
-            self._holders = self._holders_churn.rebuilt(self._holders)
-        if self._bounds_churn.is_due(self._bounds):
-            self._bounds = self._bounds_churn.rebuilt(self._bounds)
+    def _compact_shards(self) -> None:
+        for _ in range(min(len(self._worn_shards), _SHARD_REBUILDS_PER_CALL)):
+            shard = self._worn_shards.pop()
+            if self._holders_churn[shard].is_due(self._holders[shard]):
+                self._holders[shard] = self._holders_churn[shard].rebuilt(self._holders[shard])
+            if self._bounds_churn[shard].is_due(self._bounds[shard]):
+                self._bounds[shard] = self._bounds_churn[shard].rebuilt(self._bounds[shard])
 
     def _set_prefix_closed(self, rep: _Replica, is_closed: bool) -> None:
         rep.is_prefix_closed = is_closed

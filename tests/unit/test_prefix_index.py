@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -258,6 +259,50 @@ def test_config_is_frozen_and_strict() -> None:
     with pytest.raises(ValidationError):
         PrefixIndexConfig(evict_fraction=1.0)
     assert PrefixIndexConfig.model_fields["ttl_s"].description
+
+
+# Garbage collection -------------------------------------------------------------------------------------------
+
+
+def busy_index() -> PrefixIndex:
+    """An index through every kind of entry, shared blocks, events, sweeps and enough churn to rebuild its dicts."""
+    index = make_index("a", "b", "c", capacity_blocks=300, ttl_s=5.0, predicted_ttl_s=1.0)
+    for i in range(400):
+        index.record("abc"[i % 3], chain(i % 4, 1, 2, i, 3), now=i * 0.1, predicted=i % 7 == 0)
+        index.match(chain(i % 4, 1, 2, i - 3, 3), now=i * 0.1)
+    index.apply("a", stored([1, 2, 3], None, tokens(1, 2, 3)), seed=SEED, now=40.0)
+    index.apply("b", stored([4, 5], None, tokens(1, 2)), seed=SEED, now=40.0)
+    index.apply("b", stored([6], None, tokens(1)), seed=SEED, now=40.0)  # a second engine hash for a block
+    index.record("c", hash_tokens(tokens(1, 2, 3, 4), SEED, BLOCK), now=40.0)
+    index.apply("a", BlockRemoved((2,)), seed=SEED, now=40.0)
+    index.expire(42.0)
+    return index
+
+
+def test_the_index_keeps_its_blocks_in_containers_the_gc_does_not_track() -> None:
+    """A full collection visits every tracked container: the index's per-block dicts must not be among them."""
+    index = busy_index()
+    replicas = index._replicas.values()
+    assert all(rep.guesses for rep in replicas) and any(index._bounds)  # every kind of entry is there
+    assert any(rep.engine_blocks for rep in replicas) and any(rep.extra_engine_refs for rep in replicas)
+    containers = [*index._holders, *index._bounds]
+    for rep in replicas:
+        containers += [rep.guesses, rep.engine_blocks, rep.extra_engine_refs]
+    assert [c for c in containers if gc.is_tracked(c)] == []
+
+
+def test_the_gc_tracks_no_more_objects_for_more_blocks() -> None:
+    """So a full collection costs the same however many blocks the router indexes."""
+    index = make_index("a", "b", "c")
+    index.record("a", chain(1, 2, 3), now=0.0)
+    gc.collect()
+    num_tracked = len(gc.get_objects())
+    for i in range(300):
+        index.record("abc"[i % 3], chain(i % 5, i, *range(30)), now=i * 0.1, predicted=i % 7 == 0)
+    index.apply("a", stored([1, 2, 3], None, tokens(1, 2, 3)), seed=SEED, now=30.0)
+    assert index.stats().num_blocks > 9000
+    gc.collect()
+    assert len(gc.get_objects()) - num_tracked < 10
 
 
 # Properties ---------------------------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def test_bad_settings_are_rejected(overrides: dict[str, object]) -> None:
 def test_bad_yaml_names_the_file(tmp_path: Path) -> None:
     config = tmp_path / "bad.yaml"
     config.write_text("- a list, not a mapping\n")
-    with pytest.raises(ValueError, match="bad.yaml"):
+    with pytest.raises(ValueError, match=r"bad\.yaml"):
         RouterSettings(config_file=config)
 
 
