@@ -32,13 +32,15 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def fill_index(index: PrefixIndex, replicas: list[str], num_blocks: int, rng: random.Random) -> None:
-    num_prompts = num_blocks // BLOCKS_PER_PROMPT
+    """Record prompts until the index holds `num_blocks` distinct blocks."""
     shared = [[rng.getrandbits(64) for _ in range(64)] for _ in range(32)]  # 32 system prompts of 64 blocks
     now = 0.0
-    for i in range(num_prompts):
+    i = 0
+    while i % 64 or index.stats().num_blocks < num_blocks:
         hashes = shared[i % len(shared)] + [rng.getrandbits(64) for _ in range(BLOCKS_PER_PROMPT - 64)]
         index.record(replicas[i % len(replicas)], hashes, now=now)
         now += 0.001
+        i += 1
 
 
 def main() -> None:

@@ -80,34 +80,42 @@ class EstimatedTTFT:
         threshold = cfg.kv_pressure_threshold
         pressure_scale = cfg.kv_pressure_s / ((1.0 - threshold) ** 2)
         prompt_tokens = request.prompt_tokens
-        tokens_per_block = request.tokens_per_block
-        matched_get = request.matched_blocks.get
-        estimates: list[tuple[float, ReplicaState]] = []
-        over_cap: list[tuple[float, ReplicaState]] = []
+        # Cached tokens only for the few replicas that match at all; the rest compute the whole prompt.
+        cached_by_id = {rid: request.cached_tokens(rid) for rid in request.matched_blocks}
+        cached_get = cached_by_id.get
+        estimates: list[float] = []
+        add = estimates.append
+        under_cap: list[bool] = []
+        add_under_cap = under_cap.append
         for r in replicas:
             running = r.num_running or 0
-            cached = min(prompt_tokens, int(matched_get(r.id, 0) * tokens_per_block))
             rate = r.prefill_tokens_per_s
             if rate < _MIN_PREFILL_TOKENS_PER_S:
                 rate = _MIN_PREFILL_TOKENS_PER_S
-            estimate = (r.waiting_prompt_tokens + prompt_tokens - cached) / rate
-            estimate += step_s * (r.streaming if r.streaming > running else running)
+            streaming = r.streaming
+            estimate = (r.waiting_prompt_tokens + prompt_tokens - cached_get(r.id, 0)) / rate + step_s * (
+                streaming if streaming > running else running
+            )
             kv = r.kv_usage
             if kv is not None and kv > threshold:
                 excess = (kv if kv < 1.0 else 1.0) - threshold
                 estimate += pressure_scale * excess * excess
-            queue_depth = (
-                r.in_flight if r.in_flight > running + (r.num_waiting or 0) else running + (r.num_waiting or 0)
-            )
-            (estimates if queue_depth < cap else over_cap).append((estimate, r))
-        is_under_cap = bool(estimates)
-        if not is_under_cap:
-            estimates = over_cap
-        best_s = min(estimate for estimate, _ in estimates)
+            add(estimate)
+            engine_depth = running + (r.num_waiting or 0)
+            add_under_cap((r.in_flight if r.in_flight > engine_depth else engine_depth) < cap)
+        is_under_cap = any(under_cap)
+        candidates: Sequence[int]
+        if is_under_cap and not all(under_cap):
+            candidates = [i for i, ok in enumerate(under_cap) if ok]
+        else:
+            candidates = range(len(replicas))
+        best_s = min(estimates[i] for i in candidates)
         tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
-        chosen_s, chosen = min(
-            ((estimate, r) for estimate, r in estimates if estimate <= tied_below_s),
-            key=lambda pair: (pair[1].in_flight, pair[1].last_selected, pair[1].id),
-        )
+        tied = [i for i in candidates if estimates[i] <= tied_below_s]
+        if len(tied) == 1:
+            best = tied[0]
+        else:
+            best = min(tied, key=lambda i: (replicas[i].in_flight, replicas[i].last_selected, replicas[i].id))
+        chosen, chosen_s = replicas[best], estimates[best]
         branch = cache_branch(request, replicas, chosen.id) if is_under_cap else Branch.OVERLOADED
         return decision(request, chosen.id, branch, chosen_s)
