@@ -195,6 +195,8 @@ class ReplicaPool:
         return self._replicas.pop(replica_id, None)
 
     def eligible(self, model: str | None, exclude: Iterable[str] = ()) -> list[Replica]:
+        if not exclude:
+            return [r for r in self._replicas.values() if r.is_eligible and r.serves(model)]
         excluded = set(exclude)
         return [r for r in self._replicas.values() if r.is_eligible and r.serves(model) and r.id not in excluded]
 

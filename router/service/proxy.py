@@ -58,6 +58,7 @@ _HOP_BY_HOP = frozenset(
 # Host is the replica's; aiohttp's server has already decoded a compressed request body.
 _REQUEST_DROP = _HOP_BY_HOP | {"host", "content-encoding"}
 _RESPONSE_DROP = _HOP_BY_HOP
+_DECODER = json.JSONDecoder()
 _RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 _ROUTED_PATHS = {"/v1/completions": completion_routing_key, "/v1/chat/completions": chat_routing_key}
 
@@ -151,6 +152,8 @@ class Proxy:
                 413, f"request body is larger than {limits.max_body_bytes} bytes", code="request_too_large"
             )
         try:
+            if request.content.is_eof():  # the whole body came with the headers: no timer needed
+                return await request.read()
             async with asyncio.timeout(limits.body_read_timeout_s):
                 return await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -360,11 +363,18 @@ class Proxy:
     def _observe_cached_tokens(self, upstream: UpstreamResponse, body: bytes) -> None:
         if upstream.content_type != "application/json" or upstream.header("Content-Encoding"):
             return
+        # Decode only the `usage` object (answers can be long): it is the last key engines write.
+        start = body.rfind(b'"usage"')
+        if start < 0:
+            return
+        start = body.find(b"{", start)
         try:
-            usage = json.loads(body).get("usage") or {}
+            usage, _ = _DECODER.raw_decode(body[start:].decode())
+            if not isinstance(usage, dict):
+                return
             prompt = usage.get("prompt_tokens") or 0
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        except (ValueError, AttributeError, RecursionError):
+        except (ValueError, AttributeError, RecursionError):  # includes UnicodeDecodeError
             return
         # A replica's figures are not trusted to be sane: counters only go up.
         if isinstance(prompt, int) and isinstance(cached, int) and 0 <= cached <= prompt:
