@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -128,7 +129,7 @@ class Proxy:
             raw = read
             if request.content_type == "application/json" and raw:
                 try:
-                    decoded = json.loads(raw)
+                    decoded = orjson.loads(raw)
                 except (ValueError, RecursionError):  # RecursionError: nesting too deep for the decoder
                     return error_response(400, "request body is not valid JSON", code="invalid_json")
                 if isinstance(decoded, dict):
@@ -174,7 +175,7 @@ class Proxy:
         if isinstance(raw, web.Response):
             return raw
         try:
-            body = json.loads(raw)
+            body = orjson.loads(raw)
         except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep for the decoder
             return error_response(400, f"request body is not valid JSON: {exc}", code="invalid_json")
         if not isinstance(body, dict):
@@ -223,7 +224,7 @@ class Proxy:
                 response = await self._attempt(request, ticket, prepared, headers, raw, is_stream)
             except _Retry as failure:
                 last_failure = failure
-                self.metrics.retries.labels(failure.reason).inc()
+                self.metrics.retries.inc((failure.reason,))
                 continue
             finally:
                 self.core.finish(ticket)
@@ -239,13 +240,13 @@ class Proxy:
             # Every attempt got a 5xx: pass the last replica's answer on as it was.
             response = web.Response(status=failure.status, body=failure.body, headers=failure.headers)
             response.headers["x-shoal-replica"] = tried[-1]
-            self.metrics.requests.labels(str(failure.status), branch, tried[-1]).inc()
+            self.metrics.requests.inc((str(failure.status), branch, tried[-1]))
             return response
         if failure is None:
             message, code = "no replica is available to serve this request", "no_replica_available"
         else:
             message, code = f"all replicas tried failed ({', '.join(tried)}): {failure}", "upstream_unavailable"
-        self.metrics.requests.labels("503", branch, "none").inc()
+        self.metrics.requests.inc(("503", branch, "none"))
         self._log_line(request, 503, "none", branch, started, len(tried), error=message)
         return error_response(503, message, type_="server_error", code=code, headers={"Retry-After": "1"})
 
@@ -357,8 +358,9 @@ class Proxy:
         decision = ticket.decision
         response.headers["x-shoal-replica"] = ticket.replica.id
         response.headers["x-shoal-route-branch"] = decision.branch.value
-        self.metrics.requests.labels(str(status), decision.branch.value, ticket.replica.id).inc()
-        self.metrics.predicted_cached_tokens.inc(decision.predicted_cached_tokens)
+        self.metrics.requests.inc((str(status), decision.branch.value, ticket.replica.id))
+        if decision.predicted_cached_tokens:
+            self.metrics.predicted_cached_tokens.inc(amount=decision.predicted_cached_tokens)
 
     def _observe_cached_tokens(self, upstream: UpstreamResponse, body: bytes) -> None:
         if upstream.content_type != "application/json" or upstream.header("Content-Encoding"):
@@ -378,8 +380,8 @@ class Proxy:
             return
         # A replica's figures are not trusted to be sane: counters only go up.
         if isinstance(prompt, int) and isinstance(cached, int) and 0 <= cached <= prompt:
-            self.metrics.prompt_tokens.inc(prompt)
-            self.metrics.observed_cached_tokens.inc(cached)
+            self.metrics.prompt_tokens.inc(amount=prompt)
+            self.metrics.observed_cached_tokens.inc(amount=cached)
 
     def _log(
         self, request: web.Request, ticket: Ticket, prepared: Prepared, status: int, started: float, attempts: int
