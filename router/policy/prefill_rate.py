@@ -30,6 +30,7 @@ The state of one replica is a `PrefillRate` value, kept by the driver beside tha
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -78,9 +79,18 @@ class PrefillRateEstimator(BaseModel):
     dividing. 0 by default: `min_tokens` already keeps the observations where it matters out; set it to the
     fleet's measured TTFB of a one-token prompt to refine."""
 
-    def initial(self) -> PrefillRate:
-        """The state of a replica never observed."""
-        return PrefillRate(tokens_per_s=self.prior_tokens_per_s)
+    def initial(self, fleet: Iterable[PrefillRate] = ()) -> PrefillRate:
+        """The state of a replica never observed: the mean learned rate of the `fleet`'s observed replicas,
+        else the prior.
+
+        With the prior alone, a prior below the replicas' true rate makes every observed replica look faster than
+        every unobserved one, so all cache misses would go to the first replica that streamed, the only one that
+        learns. Drivers re-seed their unobserved replicas with this whenever an observation is taken.
+        """
+        observed = [state.tokens_per_s for state in fleet if state.num_observations > 0]
+        if not observed:
+            return PrefillRate(tokens_per_s=self.prior_tokens_per_s)
+        return PrefillRate(tokens_per_s=sum(observed) / len(observed))
 
     def update(
         self,

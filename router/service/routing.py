@@ -188,15 +188,7 @@ class RoutingCore:
         self.index.add_replica(replica.id, replica.state.kv_capacity_blocks)
 
     def _unobserved_rate(self) -> PrefillRate:
-        """Starting rate of a replica not yet observed: the mean learned rate of the fleet, else the prior.
-
-        With the prior alone, a prior below the replicas' true rate makes every observed replica look faster than
-        every unobserved one, so all cache misses go to the first replica that streamed, the only one that learns.
-        """
-        observed = [r.prefill_rate.tokens_per_s for r in self.pool if r.prefill_rate.num_observations > 0]
-        if not observed:
-            return self.prefill_rate.initial()
-        return PrefillRate(tokens_per_s=sum(observed) / len(observed))
+        return self.prefill_rate.initial(r.prefill_rate for r in self.pool)
 
     def _share_rate_with_unobserved(self) -> None:
         start = self._unobserved_rate()

@@ -110,3 +110,16 @@ def test_estimator_config_is_frozen_and_strict() -> None:
         estimator.min_tokens = 1
     for name, info in PrefillRateEstimator.model_fields.items():
         assert info.description, name
+
+
+def test_an_unobserved_replica_starts_from_the_fleets_learned_mean() -> None:
+    estimator = PrefillRateEstimator(prior_tokens_per_s=10_000.0)
+    assert estimator.initial().tokens_per_s == 10_000.0
+    fleet = [
+        PrefillRate(tokens_per_s=30_000.0, num_observations=5),
+        PrefillRate(tokens_per_s=50_000.0, num_observations=2),
+        PrefillRate(tokens_per_s=10_000.0),  # never observed: not part of the mean
+    ]
+    start = estimator.initial(fleet)
+    assert start.tokens_per_s == 40_000.0
+    assert start.num_observations == 0
