@@ -207,13 +207,15 @@ class Proxy:
         # aiohttp's server has already decoded a compressed body, so `raw` goes on without Content-Encoding.
         headers = _end_to_end(request.headers.items(), request.headers.get("Connection"), _REQUEST_DROP)
         tried: list[str] = []
+        decision_s = 0.0
         deadline = started + self.settings.retry.total_timeout_s
         last_failure: _Retry | None = None
         while len(tried) < self.settings.retry.max_attempts and (not tried or self._clock() < deadline):
             now = self._clock()
             decision = self.core.choose(prepared, tried, now)
             if not tried:
-                self.metrics.decision_seconds.observe(time.perf_counter() - decide_start)
+                decision_s = time.perf_counter() - decide_start
+                self.metrics.decision_seconds.observe(decision_s)
             if decision is None:
                 break
             replica = self.pool.get(decision.replica)
@@ -229,7 +231,7 @@ class Proxy:
             finally:
                 self.core.finish(ticket)
             self.metrics.request_seconds.observe(self._clock() - started)
-            self._log(request, ticket, prepared, response.status, started, len(tried))
+            self._log(request, ticket, prepared, response.status, started, len(tried), decision_s)
             return response
         self.metrics.request_seconds.observe(self._clock() - started)
         return self._give_up(request, last_failure, tried, started)
@@ -384,7 +386,14 @@ class Proxy:
             self.metrics.observed_cached_tokens.inc(amount=cached)
 
     def _log(
-        self, request: web.Request, ticket: Ticket, prepared: Prepared, status: int, started: float, attempts: int
+        self,
+        request: web.Request,
+        ticket: Ticket,
+        prepared: Prepared,
+        status: int,
+        started: float,
+        attempts: int,
+        decision_s: float,
     ) -> None:
         if self.settings.log_requests:
             self._log_line(
@@ -396,6 +405,10 @@ class Proxy:
                 attempts,
                 matched_blocks=ticket.decision.matched_blocks,
                 prompt_tokens=prepared.prompt_tokens,
+                predicted_cached_tokens=ticket.decision.predicted_cached_tokens,
+                predicted_ttft_ms=_ms(ticket.decision.predicted_ttft_s),
+                ttfb_ms=_ms(ticket.ttfb_s),
+                decision_us=round(decision_s * 1e6, 1),
             )
 
     def _log_line(
@@ -422,6 +435,10 @@ class Proxy:
             **extra,
         }
         request_log.info(json.dumps(record))
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
 
 
 def _response_headers(upstream: UpstreamResponse) -> CIMultiDict[str]:

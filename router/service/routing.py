@@ -54,6 +54,8 @@ class Ticket:
     """Prefill backlog on the replica when this request joined it: part of what its first byte waited for."""
     is_waiting: bool = True
     is_done: bool = False
+    ttfb_s: float | None = None
+    """Time to the replica's first byte (its whole answer when not streamed), once it came."""
 
 
 class RoutingCore:
@@ -149,6 +151,7 @@ class RoutingCore:
     def first_byte(self, ticket: Ticket, now: float, *, is_stream: bool) -> float:
         """The replica answered; returns the time to first byte. Streams teach the prefill-rate estimate."""
         ttfb_s = now - ticket.started
+        ticket.ttfb_s = ttfb_s
         if ticket.is_waiting:
             s = ticket.replica.state
             s.waiting -= 1

@@ -229,3 +229,25 @@ async def test_health_and_ready(start_fakes: StartFakes, start_router: StartRout
     assert (await router.replicas())["ghost"]["status"] == "unhealthy"
     ready = await router.request("GET", "/ready")
     assert (ready.status, ready.json()["replicas"]) == (200, 1)
+
+
+async def test_one_structured_log_line_per_request(
+    start_fakes: StartFakes, start_router: StartRouter, caplog: pytest.LogCaptureFixture
+) -> None:
+    import json
+
+    fakes = await start_fakes(2)
+    router = await start_router(fakes, log_requests=True)
+    caplog.set_level("INFO", logger="shoal.router.requests")
+    messages = [{"role": "user", "content": unique_text(LONG_PREFIX_BYTES)}]
+    first = await router.chat(messages)
+    second = await router.chat(messages)
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "shoal.router.requests"]
+    assert len(lines) == 2
+    for line, reply in zip(lines, (first, second), strict=True):
+        assert line["status"] == 200
+        assert line["replica"] == reply.headers["x-shoal-replica"]
+        assert line["branch"] == reply.headers["x-shoal-route-branch"]
+        assert line["ttfb_ms"] is not None and line["ttfb_ms"] <= line["ms"]
+        assert line["decision_us"] > 0
+    assert lines[1]["branch"] == "cache_hit" and lines[1]["matched_blocks"] > 0
