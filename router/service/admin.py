@@ -47,11 +47,12 @@ def replica_view(replica: Replica) -> dict[str, Any]:
 
 
 class AdminApi:
-    def __init__(self, token: str, pool: ReplicaPool, core: RoutingCore, on_added: Callable[[Replica], None]) -> None:
+    def __init__(self, token: str, pool: ReplicaPool, core: RoutingCore, on_changed: Callable[[Replica], None]) -> None:
         self._token = f"Bearer {token}".encode()
         self.pool = pool
         self.core = core
-        self.on_added = on_added
+        self.on_changed = on_changed
+        """Called after an add or an undrain: the replica may take traffic (held requests look again)."""
 
     def routes(self) -> list[web.RouteDef]:
         guard = self._authenticated
@@ -109,7 +110,7 @@ class AdminApi:
             return error_response(409, str(exc), code="conflict")
         if is_new:
             self.core.add_replica(replica)
-        self.on_added(replica)
+        self.on_changed(replica)
         return web.json_response(replica_view(replica), status=201 if is_new else 200)
 
     def _replica(self, request: web.Request) -> Replica:
@@ -144,6 +145,7 @@ class AdminApi:
     async def undrain_replica(self, request: web.Request) -> web.Response:
         replica = self._replica(request)
         replica.is_draining = False
+        self.on_changed(replica)
         return web.json_response(replica_view(replica))
 
     async def index_stats(self, request: web.Request) -> web.Response:

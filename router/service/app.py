@@ -62,10 +62,20 @@ def create_app(settings: RouterSettings) -> web.Application:
     app.router.add_get("/v1/models", _proxy_models)
     app.router.add_route("*", "/v1/{tail:.*}", _proxy_passthrough)
     if settings.admin_token is not None:
-        admin = AdminApi(settings.admin_token.get_secret_value(), pool, core, on_added=lambda r: _wake(app, r))
+        admin = AdminApi(
+            settings.admin_token.get_secret_value(), pool, core, on_changed=lambda r: _replica_changed(app, r)
+        )
         app.router.add_routes(admin.routes())
     app.router.add_route("*", "/{tail:.*}", _not_found)
     return app
+
+
+def _replica_changed(app: web.Application, replica: Replica) -> None:
+    """Added or undrained through the admin API: probe it now, and let held requests look again."""
+    _wake(app, replica)
+    proxy = app.get(PROXY)
+    if proxy is not None:
+        proxy.replica_ready()
 
 
 def _wake(app: web.Application, replica: Replica) -> None:
@@ -88,8 +98,14 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     )
     core = app[CORE]
     app[PROXY] = Proxy(settings, app[POOL], core, app[METRICS], upstream, on_unreachable=lambda r: _wake(app, r))
+    proxy = app[PROXY]
     health = HealthChecker(
-        settings.health, app[POOL], probe_session, on_down=lambda r: core.drop_cache(r.id), clock=loop.time
+        settings.health,
+        app[POOL],
+        probe_session,
+        on_down=lambda r: core.drop_cache(r.id),
+        clock=loop.time,
+        on_up=lambda r: proxy.replica_ready(),
     )
     app[HEALTH] = health
     tasks = [asyncio.create_task(health.run(), name="health"), asyncio.create_task(_sweep(core, loop))]
@@ -127,11 +143,16 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _ready(request: web.Request) -> web.Response:
+    """503 while shutting down, and while no replica is eligible unless requests are held meanwhile: a router
+    that holds requests for a cold start or a scale from zero must keep receiving them."""
     app = request.app
     if app[SHUTTING_DOWN].is_set():
         return web.json_response({"status": "shutting down"}, status=503)
     eligible = app[POOL].eligible(None)
     if not eligible:
+        hold = app[SETTINGS].hold
+        if hold.max_requests > 0 and hold.max_wait_s > 0:
+            return web.json_response({"status": "holding requests until a replica is ready", "replicas": 0})
         return web.json_response({"status": "no replica ready", "replicas": len(app[POOL])}, status=503)
     return web.json_response({"status": "ready", "replicas": len(eligible)})
 

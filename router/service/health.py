@@ -33,11 +33,13 @@ class HealthChecker:
         session: aiohttp.ClientSession,
         on_down: Callable[[Replica], None],
         clock: Callable[[], float],
+        on_up: Callable[[Replica], None] = lambda replica: None,
     ) -> None:
         self.settings = settings
         self.pool = pool
         self.session = session
         self.on_down = on_down
+        self.on_up = on_up
         self.clock = clock
         self.wake = asyncio.Event()
 
@@ -73,6 +75,7 @@ class HealthChecker:
         else:
             if replica.probe_succeeded(s, self.clock()):
                 log.info("replica %s is in rotation", replica.id)
+                self.on_up(replica)
         replica.next_probe_at = self.clock() + (s.interval_s if replica.is_healthy else s.unhealthy_interval_s)
 
     async def _models(self, replica: Replica, client_timeout: aiohttp.ClientTimeout) -> dict[str, dict[str, Any]]:

@@ -93,6 +93,8 @@ class RouterMetrics:
         self.prompt_tokens = Counter(
             "shoal_router_prompt_tokens", "Prompt tokens the replicas reported (usage.prompt_tokens)"
         )
+        self.held_requests = 0
+        """Requests waiting for any replica to become able to serve them (the router's own queue)."""
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_RequestCollector(self))
         self.registry.register(_PoolCollector(pool))
@@ -106,6 +108,11 @@ class _RequestCollector(Collector):
         for value in vars(self._metrics).values():
             if isinstance(value, Counter | Histogram):
                 yield value.export()
+        yield GaugeMetricFamily(
+            "shoal_router_held_requests",
+            "Requests held while no replica can serve them (cold start, restart, scale from zero)",
+            value=self._metrics.held_requests,
+        )
 
 
 class _PoolCollector(Collector):

@@ -102,6 +102,8 @@ class Proxy:
         """Called when passive marking takes a replica out, so the prober checks it now, not at its next tick."""
         # CLOCK_MONOTONIC at full resolution: uvloop's loop.time() ticks in milliseconds, too coarse for TTFT.
         self._clock = time.monotonic
+        self._replica_ready = asyncio.Event()
+        """Set (and replaced) whenever a replica joins the rotation: wakes the requests held for one."""
 
     # --- entry points -----------------------------------------------------------------------------------
 
@@ -213,11 +215,13 @@ class Proxy:
         while len(tried) < self.settings.retry.max_attempts and (not tried or self._clock() < deadline):
             now = self._clock()
             decision = self.core.choose(prepared, tried, now)
+            if decision is None:
+                if not tried and await self._hold(model, started):
+                    continue
+                break
             if not tried:
                 decision_s = time.perf_counter() - decide_start
                 self.metrics.decision_seconds.observe(decision_s)
-            if decision is None:
-                break
             replica = self.pool.get(decision.replica)
             assert replica is not None
             tried.append(replica.id)
@@ -235,6 +239,28 @@ class Proxy:
             return response
         self.metrics.request_seconds.observe(self._clock() - started)
         return self._give_up(request, last_failure, tried, started)
+
+    def replica_ready(self) -> None:
+        """A replica joined the rotation (first good probe, recovery, undrain): wake the held requests."""
+        self._replica_ready.set()
+        self._replica_ready = asyncio.Event()
+
+    async def _hold(self, model: str | None, started: float) -> bool:
+        """No replica can take the request yet: wait for one, within `hold` limits. False when the wait is over."""
+        hold = self.settings.hold
+        remaining_s = started + hold.max_wait_s - self._clock()
+        if self.metrics.held_requests >= hold.max_requests or remaining_s <= 0:
+            return False
+        self.metrics.held_requests += 1
+        try:
+            async with asyncio.timeout(remaining_s):
+                while not self.pool.eligible(model):
+                    await self._replica_ready.wait()
+        except TimeoutError:
+            return False
+        finally:
+            self.metrics.held_requests -= 1
+        return True
 
     def _give_up(self, request: web.Request, failure: _Retry | None, tried: list[str], started: float) -> web.Response:
         branch = "none"

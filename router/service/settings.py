@@ -96,6 +96,15 @@ class LimitSettings(_Section):
     """On SIGTERM, seconds to let in-flight requests finish before the process exits."""
 
 
+class HoldSettings(_Section):
+    max_requests: int = Field(1024, ge=0)
+    """Requests that may wait at once while no replica can serve them (a cold start, a fleet-wide restart, scale
+    from zero); beyond it a request gets 503 at once. 0 turns holding off."""
+    max_wait_s: float = Field(30.0, ge=0)
+    """Seconds a held request waits for a replica before it gets 503 with Retry-After. Covers a replica restart;
+    a cold start of a large model takes longer and is the autoscaler's to hide."""
+
+
 class RouterSettings(BaseSettings):
     """Settings of `shoal router`."""
 
@@ -126,6 +135,7 @@ class RouterSettings(BaseSettings):
     scrape: ScrapeSettings = Field(default_factory=ScrapeSettings)
     retry: RetrySettings = Field(default_factory=RetrySettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
+    hold: HoldSettings = Field(default_factory=HoldSettings)
     session_header: str | None = None
     """Header whose value pins a session to one replica (e.g. x-session-id); off when unset."""
     admin_token: SecretStr | None = None

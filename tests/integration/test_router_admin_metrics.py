@@ -195,15 +195,18 @@ async def test_scraped_engine_gauges_vllm_and_sglang(start_fakes: StartFakes, st
 
 
 async def test_health_and_ready(start_fakes: StartFakes, start_router: StartRouter) -> None:
-    empty = await start_router([])
+    empty = await start_router([], hold={"max_wait_s": 0.0})
     assert (await empty.request("GET", "/health")).status == 200
     ready = await empty.request("GET", "/ready")
     assert ready.status == 503
     reply = await empty.complete("nobody")
     assert reply.status == 503 and reply.json()["error"]["code"] == "no_replica_available"
 
+    holding = await start_router([])
+    assert (await holding.request("GET", "/ready")).status == 200  # it holds requests, so it must receive them
+
     (fake,) = await start_fakes(1)
-    router = await start_router([fake])
+    router = await start_router([fake], hold={"max_requests": 0})
     assert (await router.request("GET", "/ready")).status == 200
     fake.set_healthy(False)  # failure_threshold=2 failed probes at 0.2 s
 

@@ -135,7 +135,7 @@ async def test_503_is_retried_on_another_replica_never_the_same(
 
 async def test_all_replicas_failing_gives_an_openai_error(start_fakes: StartFakes, start_router: StartRouter) -> None:
     fakes = await start_fakes(2)
-    router = await start_router(fakes)
+    router = await start_router(fakes, hold={"max_wait_s": 0.2})
     for fake in fakes:
         fake.fail_next(1, 503)
     reply = await router.complete("everything is broken")

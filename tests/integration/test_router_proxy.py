@@ -227,7 +227,7 @@ async def test_models_are_the_union_of_healthy_replicas_and_route_by_model(
 ) -> None:
     (only_a,) = await start_fakes(1, models=("model-a",))
     (both,) = await start_fakes(1, models=("model-a", "model-b"))
-    router = await start_router([only_a, both])
+    router = await start_router([only_a, both], hold={"max_wait_s": 0.2})
     reply = await router.request("GET", "/v1/models")
     assert reply.status == 200
     data = reply.json()
