@@ -3,7 +3,8 @@
 The index is first filled with 1,000,000 blocks (prompts of 512 blocks sharing system-prompt prefixes, spread
 over the replicas), then each measured decision hashes a fresh ~8k-token prompt (32 KiB of text in text mode,
 8,192 token ids in token mode) whose first half is cached on a few replicas, matches it, and asks the policy.
-Prints p50/p99 in microseconds per step. Run pinned to one core:
+Hashing goes through a `ChainMemo` as in the router, so the shared first half is hashed once; `--no-memo`
+hashes every block afresh. Prints p50/p99 in microseconds per step. Run pinned to one core:
 
     taskset -c 0 .venv/bin/python benchmarks/bench_routing.py
 """
@@ -17,7 +18,7 @@ import random
 import time
 
 from router.policy.config import POLICY_NAMES, build_policy, parse_policy_config
-from router.policy.hashing import hash_text, hash_tokens, namespace_seed
+from router.policy.hashing import ChainMemo, hash_text, hash_tokens, namespace_seed
 from router.policy.prefix_index import PrefixIndex, PrefixIndexConfig
 from router.policy.types import ReplicaState, RouteRequest
 
@@ -48,6 +49,9 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=64)
     parser.add_argument("--blocks", type=int, default=1_000_000)
     parser.add_argument("--decisions", type=int, default=2000)
+    parser.add_argument(
+        "--no-memo", action="store_true", help="hash every block afresh, without the router's ChainMemo"
+    )
     parser.add_argument("--policies", default="estimated_ttft,sglang_cache_aware,dynamo_kv,llmd_weighted,round_robin")
     args = parser.parse_args()
     rng = random.Random(7)
@@ -88,6 +92,14 @@ def main() -> None:
     header = f"{'policy':<20} {'mode':<6} " + " ".join(f"{c:>10}" for c in columns)
     print(header)
     print("-" * len(header))
+    memo = ChainMemo()
+    text_hasher = hash_text if args.no_memo else memo.hash_text
+    token_hasher = hash_tokens if args.no_memo else memo.hash_tokens
+    print(
+        "hashing through the router's ChainMemo (half of each prompt is a prefix seen before)"
+        if not args.no_memo
+        else "hashing every block afresh (--no-memo)"
+    )
     for name in args.policies.split(","):
         if name not in POLICY_NAMES:
             raise SystemExit(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
@@ -99,13 +111,13 @@ def main() -> None:
                 if mode == "text":
                     data = system_text + os.urandom(16 * 1024)
                     t0 = time.perf_counter()
-                    hashes = hash_text(data, seed, TEXT_BLOCK)
+                    hashes = text_hasher(data, seed, TEXT_BLOCK)
                     tokens_per_block = TEXT_BLOCK / BYTES_PER_TOKEN
                     prompt_tokens = int(len(data) / BYTES_PER_TOKEN)
                 else:
                     ids = system_tokens + [rng.randrange(150_000) for _ in range(4096)]
                     t0 = time.perf_counter()
-                    hashes = hash_tokens(ids, seed)
+                    hashes = token_hasher(ids, seed)
                     tokens_per_block = 16.0
                     prompt_tokens = len(ids)
                 t1 = time.perf_counter()

@@ -2,7 +2,7 @@
 
 This is the only place the service touches the pure policy layer, so the simulator can mirror it step by step:
 
-    hashes  = hashing.hash_text / hash_tokens(routing key, seed of the model)
+    hashes  = hashing.hash_text / hash_tokens(routing key, seed of the model)   # through a ChainMemo
     matched = index.match(hashes, now)
     decision = policy.select(RouteRequest(hashes, prompt_tokens, tokens_per_block, matched), eligible, now)
     index.record(decision.replica, hashes, now)         # approximate mode: the router's own prediction
@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router.policy.hashing import hash_text, hash_tokens, namespace_seed
+from router.policy.hashing import ChainMemo, namespace_seed
 from router.policy.prefill_rate import PrefillRate, PrefillRateEstimator
 from router.policy.prefix_index import PrefixIndex
 from router.policy.routing_text import RoutingKey
@@ -73,6 +73,7 @@ class RoutingCore:
         self.policy = policy
         self.prefill_rate = prefill_rate
         self._sessions: OrderedDict[str, str] = OrderedDict()
+        self._memo = ChainMemo(max_entries=settings.hashing.memo_entries)
         self._seeds: dict[str | None, bytes] = {}
 
     def prepare(
@@ -83,12 +84,12 @@ class RoutingCore:
             seed = self._seeds[model] = namespace_seed(model or "")
         h = self.settings.hashing
         if key.token_ids is not None:
-            hashes = hash_tokens(key.token_ids, seed, h.token_block_size, max_blocks=h.max_blocks)
+            hashes = self._memo.hash_tokens(key.token_ids, seed, h.token_block_size, max_blocks=h.max_blocks)
             return Prepared(
                 hashes, len(key.token_ids), float(h.token_block_size), model, session_key, max_output_tokens
             )
         text = key.text or b""
-        hashes = hash_text(text, seed, h.text_block_size, max_blocks=h.max_blocks)
+        hashes = self._memo.hash_text(text, seed, h.text_block_size, max_blocks=h.max_blocks)
         prompt_tokens = math.ceil(len(text) / h.bytes_per_token)
         return Prepared(
             hashes, prompt_tokens, h.text_block_size / h.bytes_per_token, model, session_key, max_output_tokens

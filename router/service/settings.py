@@ -33,6 +33,9 @@ class HashingSettings(_Section):
     """Tokens per block when a prompt arrives as token ids; must equal the engines' KV block size (16 in vLLM)."""
     bytes_per_token: float = Field(4.0, gt=0)
     """Average UTF-8 bytes per token, to estimate prompt tokens from text. ~4 for English BPE vocabularies."""
+    memo_entries: int = Field(16384, ge=0)
+    """Chunks of 64 blocks whose hashes are remembered (`hashing.ChainMemo`, ~0.7 KiB each, ~11 MiB in all), so
+    a prefix seen before (a conversation's earlier turns, a system prompt) is not hashed again. 0 turns it off."""
     max_blocks: int = Field(8192, gt=0)
     """Hash at most this many leading blocks (512 KiB of text): bounds the router's CPU on huge prompts."""
 

@@ -9,7 +9,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.policy.hashing import hash_text, hash_tokens, namespace_seed, pack_tokens
+from router.policy.hashing import ChainMemo, hash_text, hash_tokens, namespace_seed, pack_tokens
 from router.policy.routing_text import chat_routing_key
 
 SEED = namespace_seed("shoal-demo")
@@ -79,3 +79,41 @@ def test_a_conversation_extended_by_one_turn_keeps_every_hash(
 def test_token_prompts_extended_keep_their_hashes(prefix: list[int], suffix: list[int]) -> None:
     short = hash_tokens(prefix, SEED, block_size=8)
     assert hash_tokens(prefix + suffix, SEED, block_size=8)[: len(short)] == short
+
+
+@given(
+    st.binary(max_size=3000),
+    st.lists(st.binary(max_size=1500), min_size=1, max_size=4),
+    st.sampled_from([8, 16, 64]),
+    st.sampled_from([1, 3, 8]),
+    st.none() | st.integers(0, 100),
+)
+def test_the_chain_memo_gives_exactly_the_direct_hashes(
+    prefix: bytes, suffixes: list[bytes], block_size: int, checkpoint_blocks: int, max_blocks: int | None
+) -> None:
+    memo = ChainMemo(checkpoint_blocks=checkpoint_blocks, max_entries=16)
+    for seed in (SEED, namespace_seed("other-model")):
+        for suffix in suffixes:  # shared prefixes: later calls hit the memo
+            data = prefix + suffix
+            expected = hash_text(data, seed, block_size, max_blocks=max_blocks)
+            assert memo.hash_text(data, seed, block_size, max_blocks=max_blocks) == expected
+    assert len(memo) <= 16
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=300), st.lists(st.integers(0, 2**32 - 1), max_size=100))
+def test_the_chain_memo_in_token_mode(prefix: list[int], suffix: list[int]) -> None:
+    memo = ChainMemo(checkpoint_blocks=2)
+    for ids in (prefix, prefix + suffix, prefix):
+        assert memo.hash_tokens(ids, SEED, block_size=4) == hash_tokens(ids, SEED, block_size=4)
+
+
+def test_the_chain_memo_reuses_shared_prefixes_and_stays_bounded() -> None:
+    memo = ChainMemo(checkpoint_blocks=4, max_entries=3)
+    system = b"s" * (64 * 8)  # two chunks of 4 blocks
+    memo.hash_text(system + b"a" * 64 * 4, SEED)
+    assert (memo.hits, memo.misses) == (0, 3)
+    memo.hash_text(system + b"b" * 64 * 4, SEED)
+    assert (memo.hits, memo.misses) == (2, 4)  # the system prompt's chunks came from the memo
+    assert len(memo) == 3  # the oldest chunk was evicted to stay within max_entries
+    memo.hash_text(system, namespace_seed("another model"))
+    assert memo.misses == 6  # another seed never shares a chunk
