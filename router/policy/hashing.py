@@ -123,7 +123,8 @@ class ChainMemo:
     fine chain, so it names the seed and the whole prefix up to the chunk's end). Since the fine hashes of a
     chunk depend on exactly that (the fine chain state before it, and its bytes), the memo maps the coarse name
     to the chunk's fine hashes. A cached chunk costs one hash call and one look-up instead of a step per block;
-    the output is identical to `hash_text` / `hash_tokens` (tests hold them equal).
+    the output is identical to `hash_text` / `hash_tokens` (tests hold them equal). A chunk is stored on its
+    second sighting only, so prompts never seen again cost little more than hashing them directly.
 
     Not thread-safe; the router keeps one per process. Memory: about 0.7 KiB per entry with 64-block chunks.
     """
@@ -134,6 +135,9 @@ class ChainMemo:
         self.checkpoint_blocks = checkpoint_blocks
         self.max_entries = max_entries
         self._chunks: OrderedDict[tuple[int, int], array[int]] = OrderedDict()
+        self._seen: OrderedDict[tuple[int, int], None] = OrderedDict()
+        """Chunks seen once and not stored yet; a second sighting stores them."""
+        self.max_seen = 4 * max_entries
         self.hits = 0
         self.misses = 0
 
@@ -176,9 +180,11 @@ class ChainMemo:
         prev: int | None = None  # the fine chain state: the last block hash so far
         coarse_head = seed
         chunks = self._chunks
+        seen = self._seen
+        append = out.append
         for start in range(0, (num_blocks // per_chunk) * chunk_bytes, chunk_bytes):
-            chunk = data[start : start + chunk_bytes]
-            coarse = _xxh3(coarse_head + chunk)
+            end = start + chunk_bytes
+            coarse = _xxh3(coarse_head + data[start:end])
             coarse_head = _pack_u64(coarse)
             key = (width, coarse)
             cached = chunks.get(key)
@@ -187,13 +193,29 @@ class ChainMemo:
                 out.extend(cached)
                 self.hits += 1
             else:
-                fine = chain_hashes([chunk[i : i + width] for i in range(0, chunk_bytes, width)], seed, prev)
-                out.extend(fine)
+                # The fine chain over this chunk, as `hash_text` computes it.
+                offset = len(out)
+                block = start
+                if prev is None:
+                    prev = _xxh3(seed + data[block : block + width])
+                    append(prev)
+                    block += width
+                while block < end:
+                    prev = _xxh3(_pack_u64(prev) + data[block : block + width])
+                    append(prev)
+                    block += width
                 self.misses += 1
-                if self.max_entries:
-                    chunks[key] = array("Q", fine)
+                # Admission on second sight: a chunk is stored only when seen before, so one-off prompts cost a
+                # cheap key, not a stored chunk.
+                if key in seen:
+                    del seen[key]
+                    chunks[key] = array("Q", out[offset:])
                     if len(chunks) > self.max_entries:
                         chunks.popitem(last=False)
+                elif self.max_entries:
+                    seen[key] = None
+                    if len(seen) > self.max_seen:
+                        seen.popitem(last=False)
             prev = out[-1]
         done = len(out)
         if done < num_blocks:

@@ -107,13 +107,20 @@ def test_the_chain_memo_in_token_mode(prefix: list[int], suffix: list[int]) -> N
         assert memo.hash_tokens(ids, SEED, block_size=4) == hash_tokens(ids, SEED, block_size=4)
 
 
-def test_the_chain_memo_reuses_shared_prefixes_and_stays_bounded() -> None:
-    memo = ChainMemo(checkpoint_blocks=4, max_entries=3)
+def test_the_chain_memo_stores_chunks_seen_twice_and_stays_bounded() -> None:
+    memo = ChainMemo(checkpoint_blocks=4, max_entries=2)
     system = b"s" * (64 * 8)  # two chunks of 4 blocks
-    memo.hash_text(system + b"a" * 64 * 4, SEED)
-    assert (memo.hits, memo.misses) == (0, 3)
-    memo.hash_text(system + b"b" * 64 * 4, SEED)
-    assert (memo.hits, memo.misses) == (2, 4)  # the system prompt's chunks came from the memo
-    assert len(memo) == 3  # the oldest chunk was evicted to stay within max_entries
+
+    def prompt(turn: bytes) -> list[int]:
+        return memo.hash_text(system + turn * 64 * 4, SEED)
+
+    prompt(b"a")
+    assert (memo.hits, memo.misses, len(memo)) == (0, 3, 0)  # seen once: nothing stored yet
+    prompt(b"b")
+    assert (memo.hits, memo.misses, len(memo)) == (0, 6, 2)  # the system prompt's chunks, seen twice, are stored
+    prompt(b"c")
+    assert (memo.hits, memo.misses) == (2, 7)  # and now come from the memo
+    prompt(b"a")  # the "a" chunk is seen a second time: stored, and the oldest chunk goes
+    assert (memo.hits, memo.misses, len(memo)) == (4, 8, 2)
     memo.hash_text(system, namespace_seed("another model"))
-    assert memo.misses == 6  # another seed never shares a chunk
+    assert memo.misses == 10  # another seed never shares a chunk
