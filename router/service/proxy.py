@@ -7,8 +7,9 @@ request to another replica (never the one that just failed), within `retry.max_a
 hang. A client that goes away cancels the handler (the server runs with handler cancellation), which closes the
 upstream connection at once, so the replica stops generating for nobody.
 
-Streams are relayed chunk by chunk as they arrive; TCP_NODELAY is on for both sockets (aiohttp's default), so
-no chunk waits on Nagle's algorithm.
+Streams are relayed chunk by chunk as they arrive; TCP_NODELAY is on for both sockets (aiohttp sets it on the
+client side, `UpstreamPool` on the replica side), so no chunk waits on Nagle's algorithm. Requests that no
+replica can serve yet are held (`hold` settings) until one joins the rotation.
 """
 
 from __future__ import annotations
