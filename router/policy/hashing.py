@@ -59,6 +59,14 @@ def chain_hashes(blocks: Sequence[bytes], seed: bytes, parent_hash: int | None =
     return out
 
 
+def _num_blocks(num_units: int, block_size: int, max_blocks: int | None) -> int:
+    """Full blocks of `block_size` units in `num_units`, at most `max_blocks`."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    num_blocks = num_units // block_size
+    return num_blocks if max_blocks is None else min(num_blocks, max_blocks)
+
+
 def hash_text(
     data: bytes,
     seed: bytes,
@@ -66,11 +74,7 @@ def hash_text(
     max_blocks: int | None = None,
 ) -> list[int]:
     """Block hashes of routing text (its UTF-8 bytes); at most `max_blocks` when given."""
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    num_blocks = len(data) // block_size
-    if max_blocks is not None:
-        num_blocks = min(num_blocks, max_blocks)
+    num_blocks = _num_blocks(len(data), block_size, max_blocks)
     if num_blocks == 0:
         return []
     out = [_xxh3(seed + data[:block_size])]
@@ -100,11 +104,7 @@ def hash_tokens(
     max_blocks: int | None = None,
 ) -> list[int]:
     """Block hashes of token ids; chains from `parent_hash` (a KV event's parent) when given."""
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    num_blocks = len(token_ids) // block_size
-    if max_blocks is not None:
-        num_blocks = min(num_blocks, max_blocks)
+    num_blocks = _num_blocks(len(token_ids), block_size, max_blocks)
     if num_blocks == 0:
         return []
     data = pack_tokens(token_ids[: num_blocks * block_size])
@@ -148,12 +148,7 @@ class ChainMemo:
         self, data: bytes, seed: bytes, block_size: int = DEFAULT_TEXT_BLOCK_SIZE, max_blocks: int | None = None
     ) -> list[int]:
         """Exactly `hash_text(data, seed, block_size, max_blocks)`."""
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        num_blocks = len(data) // block_size
-        if max_blocks is not None:
-            num_blocks = min(num_blocks, max_blocks)
-        return self._chain(data, block_size, seed, num_blocks)
+        return self._chain(data, block_size, seed, _num_blocks(len(data), block_size, max_blocks))
 
     def hash_tokens(
         self,
@@ -163,11 +158,7 @@ class ChainMemo:
         max_blocks: int | None = None,
     ) -> list[int]:
         """Exactly `hash_tokens(token_ids, seed, block_size, max_blocks=max_blocks)`."""
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        num_blocks = len(token_ids) // block_size
-        if max_blocks is not None:
-            num_blocks = min(num_blocks, max_blocks)
+        num_blocks = _num_blocks(len(token_ids), block_size, max_blocks)
         return self._chain(pack_tokens(token_ids[: num_blocks * block_size]), 4 * block_size, seed, num_blocks)
 
     def _chain(self, data: bytes, width: int, seed: bytes, num_blocks: int) -> list[int]:
