@@ -126,7 +126,8 @@ class ChainMemo:
     the output is identical to `hash_text` / `hash_tokens` (tests hold them equal). A chunk is stored on its
     second sighting only, so prompts never seen again cost little more than hashing them directly.
 
-    Not thread-safe; the router keeps one per process. Memory: about 0.7 KiB per entry with 64-block chunks.
+    Not thread-safe; the router keeps one per process. Memory, with 64-block chunks: about 0.8 KiB per stored
+    chunk, and about 180 bytes per chunk seen once (up to `4 * max_entries` of them).
     """
 
     def __init__(self, checkpoint_blocks: int = 64, max_entries: int = 16384) -> None:
