@@ -99,7 +99,8 @@ class Replica:
         return self.is_healthy and not self.is_draining and self.circuit_open_until is None
 
     def serves(self, model: str | None) -> bool:
-        return model is None or not self.models or model in self.models
+        cards = self.model_cards  # a dict look-up: this runs per replica on every request
+        return model is None or not cards or model in cards
 
     # --- health and circuit transitions -----------------------------------------------------------------
 
@@ -210,4 +211,4 @@ class ReplicaPool:
         """False only when every replica has reported its models and none serves `model`."""
         if not self._replicas:
             return False
-        return any(not r.models or model in r.models for r in self._replicas.values())
+        return any(r.serves(model) for r in self._replicas.values())
