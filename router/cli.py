@@ -33,6 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def add_router_command(subparsers: Any) -> None:
+    from router.policy.config import POLICY_NAMES
     from router.service.settings import RouterSettings, settings_help
 
     parser = subparsers.add_parser(
@@ -49,7 +50,9 @@ def add_router_command(subparsers: Any) -> None:
     parser.add_argument(
         "--replica", action="append", metavar="URL", help="replica base URL, repeatable (e.g. http://10.0.0.5:8000)"
     )
-    parser.add_argument("--policy", metavar="KIND", help="routing policy kind (default estimated_ttft)")
+    parser.add_argument(
+        "--policy", choices=POLICY_NAMES, metavar="KIND", help=f"routing policy: {', '.join(POLICY_NAMES)}"
+    )
     parser.add_argument("--session-header", metavar="NAME", help="header that pins a session to a replica")
     parser.add_argument("--seed", type=int, help="seed of the policies' random choices")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
