@@ -85,7 +85,7 @@ class PrefillRateEstimator(BaseModel):
 
         With the prior alone, a prior below the replicas' true rate makes every observed replica look faster than
         every unobserved one, so all cache misses would go to the first replica that streamed, the only one that
-        learns. Drivers re-seed their unobserved replicas with this whenever an observation is taken.
+        learns. Drivers re-seed their unobserved replicas with this when a replica takes its first observation.
         """
         observed = [state.tokens_per_s for state in fleet if state.num_observations > 0]
         if not observed:

@@ -41,7 +41,15 @@ def replica_view(replica: Replica) -> dict[str, Any]:
         "streaming": s.streaming,
         "prefill_backlog_tokens": s.waiting_prompt_tokens,
         "prefill_tokens_per_s": s.prefill_tokens_per_s,
-        "engine": replica.metrics,
+        "engine": {
+            name: value
+            for name, value in (
+                ("num_running", s.num_running),
+                ("num_waiting", s.num_waiting),
+                ("kv_usage", s.kv_usage),
+            )
+            if value is not None
+        },
         "last_error": replica.last_error,
     }
 

@@ -119,7 +119,6 @@ class MetricsScraper:
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             log.debug("scrape of %s failed: %s", replica.id, exc)
             return
-        replica.metrics = gauges
         s = replica.state
         running, waiting, kv = gauges.get("num_running"), gauges.get("num_waiting"), gauges.get("kv_usage")
         s.num_running = int(running) if running is not None else None

@@ -77,8 +77,6 @@ class Replica:
     probes_since_models: int = 0
     prefill_rate: PrefillRate = field(default_factory=lambda: PrefillRate(tokens_per_s=10_000.0))
     """Learned prefill rate (its `tokens_per_s` is mirrored into `state` for the policies)."""
-    metrics: dict[str, float] = field(default_factory=dict)
-    """Last scraped engine gauges, by our own names (num_running, num_waiting, kv_usage)."""
 
     @property
     def models(self) -> frozenset[str]:
@@ -200,12 +198,6 @@ class ReplicaPool:
             return [r for r in self._replicas.values() if r.is_eligible and r.serves(model)]
         excluded = set(exclude)
         return [r for r in self._replicas.values() if r.is_eligible and r.serves(model) and r.id not in excluded]
-
-    def models(self) -> set[str]:
-        out: set[str] = set()
-        for replica in self._replicas.values():
-            out |= replica.models
-        return out
 
     def is_model_known(self, model: str) -> bool:
         """False only when every replica has reported its models and none serves `model`."""

@@ -206,7 +206,6 @@ class Proxy:
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
         decide_start = time.perf_counter()
         prepared = self.core.prepare(key, model, session_key, max_tokens if isinstance(max_tokens, int) else None)
-        is_stream = body.get("stream") is True
         # aiohttp's server has already decoded a compressed body, so `raw` goes on without Content-Encoding.
         headers = _end_to_end(request.headers.items(), request.headers.get("Connection"), _REQUEST_DROP)
         tried: list[str] = []
@@ -228,7 +227,7 @@ class Proxy:
             tried.append(replica.id)
             ticket = self.core.begin(replica, decision, prepared, now)
             try:
-                response = await self._attempt(request, ticket, prepared, headers, raw, is_stream)
+                response = await self._attempt(request, ticket, headers, raw)
             except _Retry as failure:
                 last_failure = failure
                 self.metrics.retries.inc((failure.reason,))
@@ -283,10 +282,8 @@ class Proxy:
         self,
         request: web.Request,
         ticket: Ticket,
-        prepared: Prepared,
         headers: list[tuple[str, str]],
         raw: bytes,
-        is_stream: bool,
     ) -> web.StreamResponse:
         replica = ticket.replica
         limits = self.settings.limits

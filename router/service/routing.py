@@ -169,7 +169,9 @@ class RoutingCore:
                     queue_tokens_ahead=ticket.tokens_ahead,
                 )
                 s.prefill_tokens_per_s = replica.prefill_rate.tokens_per_s
-                if replica.prefill_rate is not before:
+                if before.num_observations == 0 and replica.prefill_rate is not before:
+                    # A replica's first observation moves the fleet mean the most: re-seed the unobserved
+                    # replicas then, not on every stream (that walk over the pool is O(replicas)).
                     self._share_rate_with_unobserved()
         return ttfb_s
 
