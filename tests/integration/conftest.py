@@ -254,3 +254,6 @@ async def start_router(http: aiohttp.ClientSession) -> AsyncIterator[StartRouter
 
 async def _at_least(handle: RouterHandle, expected: int) -> bool:
     return await handle.num_ready() >= expected
+
+
+from tests.integration.replica_support import start_replica, tiny_checkpoint  # noqa: E402, F401 - fixtures

@@ -1,0 +1,172 @@
+"""`shoal replica` (serve a model), `shoal replica build-demo`, `shoal replica calibrate`, and `shoal up`.
+
+Torch is imported only once a command runs, so `shoal --help` stays fast and the router's image never needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_replica_command(subparsers: Any) -> None:
+    from replica.settings import ReplicaSettings
+
+    parser = subparsers.add_parser(
+        "replica",
+        help="Shoal's bundled serving engine (OpenAI API)",
+        description="Serve a model with Shoal's engine. Every setting can also come from SHOAL_REPLICA_* "
+        "environment variables or a YAML file (--config).",
+        epilog=_settings_help(ReplicaSettings),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", metavar="FILE", help="YAML file of settings (SHOAL_REPLICA_CONFIG_FILE)")
+    parser.add_argument("--model", help="checkpoint folder, or `demo` (default)")
+    parser.add_argument("--served-model-name", help="model name in the API and in block hashes")
+    parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port to listen on (default 8100)")
+    parser.add_argument("--device", help="torch device (default cpu)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--quantization", choices=["none", "nvfp4", "nvfp4-w4a4"])
+    parser.add_argument("--activation-scales", metavar="FILE", help="calibration output, for nvfp4-w4a4")
+    parser.add_argument("--num-blocks", type=int, help="KV cache blocks")
+    parser.add_argument("--max-num-seqs", type=int)
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--log-level", help="logging level (default INFO)")
+    parser.set_defaults(run=_run_serve)
+    actions = parser.add_subparsers(dest="action", metavar="ACTION")
+
+    build = actions.add_parser("build-demo", help="train the demo model and tokenizer into the cache directory")
+    build.add_argument("--out", type=Path, help="output folder (default: the cache directory's demo model)")
+    build.add_argument("--max-seconds", type=float, help="training time budget in seconds (default 240)")
+    build.add_argument("--max-steps", type=int, help="training steps (default 1500)")
+    build.add_argument("--force", action="store_true", help="rebuild even if the demo model exists")
+    build.set_defaults(run=_run_build_demo)
+
+    cal = actions.add_parser(
+        "calibrate",
+        help="record per-expert activation ranges on representative chats; write W4A4 activation scales",
+    )
+    cal.add_argument("--model", default="demo", help="checkpoint folder, or `demo`")
+    cal.add_argument("--chats", type=Path, help="JSONL of chat requests (default: the demo's calibration file)")
+    cal.add_argument("--out", type=Path, required=True, help="JSON file of activation scales to write")
+    cal.add_argument("--min-tokens", type=int, default=16, help="tokens every expert must see (default 16)")
+    cal.add_argument(
+        "--allow-uncovered", action="store_true", help="write scales even if some experts saw too few tokens"
+    )
+    cal.set_defaults(run=_run_calibrate)
+
+
+def _settings_help(model: Any) -> str:
+    lines = ["settings (environment variable, default):"]
+    for name, info in model.model_fields.items():
+        lines.append(
+            f"  {name}  (SHOAL_REPLICA_{name.upper()}, default {info.get_default(call_default_factory=True)!r})"
+        )
+        if info.description:
+            lines.append("      " + " ".join(info.description.split()))
+    return "\n".join(lines)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from replica.settings import ReplicaSettings
+
+    overrides: dict[str, Any] = {}
+    if args.config:
+        overrides["config_file"] = args.config
+    for flag in (
+        "model",
+        "served_model_name",
+        "host",
+        "port",
+        "device",
+        "dtype",
+        "quantization",
+        "activation_scales",
+        "num_blocks",
+        "max_num_seqs",
+        "log_level",
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            overrides[flag] = value
+    try:
+        settings = ReplicaSettings(**overrides)
+    except (ValidationError, ValueError) as exc:
+        print(f"shoal replica: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    from replica.server.serve import serve
+
+    return serve(settings, threads=args.threads)
+
+
+def _run_build_demo(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from replica.demo.build import DemoRecipe, build_demo, demo_model_dir, is_built
+
+    out = args.out or demo_model_dir()
+    if is_built(out) and not args.force:
+        print(f"the demo model is already built at {out} (--force rebuilds it)")
+        return 0
+    recipe = DemoRecipe()
+    if args.max_seconds is not None:
+        recipe = replace(recipe, max_seconds=args.max_seconds)
+    if args.max_steps is not None:
+        recipe = replace(recipe, max_steps=args.max_steps)
+    build_demo(out, recipe=recipe)
+    return 0
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    from replica.quant.calibrate import CalibrationError, run_calibration
+
+    try:
+        run_calibration(
+            model=args.model,
+            chats=args.chats,
+            out=args.out,
+            min_tokens=args.min_tokens,
+            allow_uncovered=args.allow_uncovered,
+        )
+    except CalibrationError as exc:
+        print(f"shoal replica calibrate: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_up_command(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "up",
+        help="start a router and N local replicas of the demo model on loopback",
+        description="Start `shoal router` and N `shoal replica` processes on loopback, wait until they serve, "
+        "print the endpoint, and stop them all on Ctrl-C.",
+    )
+    parser.add_argument("--replicas", type=int, default=2, help="number of replicas (default 2)")
+    parser.add_argument("--model", default="demo", help="checkpoint folder, or `demo` (default)")
+    parser.add_argument("--port", type=int, default=8000, help="router port (default 8000)")
+    parser.add_argument("--replica-base-port", type=int, default=8100, help="first replica port (default 8100)")
+    parser.add_argument("--quantization", choices=["none", "nvfp4"], default="none")
+    parser.add_argument("--demo-requests", action="store_true", help="send a few example requests once up")
+    parser.add_argument("--exit-after-demo", action="store_true", help="stop everything after the demo requests")
+    parser.set_defaults(run=_run_up)
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from replica.up import run_up
+
+    return run_up(
+        num_replicas=args.replicas,
+        model=args.model,
+        port=args.port,
+        replica_base_port=args.replica_base_port,
+        quantization=args.quantization,
+        demo_requests=args.demo_requests,
+        exit_after_demo=args.exit_after_demo,
+    )

@@ -1,0 +1,214 @@
+"""`shoal replica build-demo`: train the demo model and its tokenizer from scratch, on the CPU, in minutes.
+
+The corpus is generated locally and deterministically (`replica.demo.corpus`: bilingual business dialogue and JSON
+tool calls), so the same seed gives the same model on any machine and nothing is downloaded. Steps:
+byte-level BPE on the rendered conversations; a small MoE (16 routed experts, top-2, one shared expert, a few
+million parameters) trained on random windows of the token stream with AdamW, a cosine schedule and a load-balancing
+loss that keeps every expert in use; the last 5% of conversations are held out and their loss reported. The result
+is written to a temporary folder and renamed into place, so an interrupted build never leaves a half model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DEMO_VERSION = "v1"
+
+
+@dataclass(frozen=True)
+class DemoRecipe:
+    num_conversations: int = 6000
+    vocab_size: int = 2048
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    num_experts: int = 16
+    experts_per_token: int = 2
+    expert_size: int = 128
+    shared_expert_size: int = 256
+    max_position_embeddings: int = 2048
+    seq_len: int = 256
+    batch_size: int = 16
+    max_steps: int = 1500
+    max_seconds: float = 240.0
+    """Training stops at whichever of max_steps and max_seconds (of training, not of corpus and tokenizer set-up)
+    comes first."""
+    learning_rate: float = 3e-3
+    aux_loss_weight: float = 0.01
+    seed: int = 0
+
+
+def cache_dir() -> Path:
+    """`$SHOAL_CACHE_DIR`, else `$XDG_CACHE_HOME/shoal`, else `~/.cache/shoal`."""
+    if os.environ.get("SHOAL_CACHE_DIR"):
+        return Path(os.environ["SHOAL_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "shoal"
+
+
+def demo_model_dir() -> Path:
+    return cache_dir() / f"demo-model-{DEMO_VERSION}"
+
+
+def is_built(path: Path) -> bool:
+    return all((path / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+def held_out_texts(path: Path) -> list[str]:
+    """Conversations the demo model never trained on (for agreement and calibration checks)."""
+    data = json.loads((path / "heldout.json").read_text(encoding="utf-8"))
+    return list(data)
+
+
+def build_demo(
+    out_dir: Path | None = None,
+    *,
+    recipe: DemoRecipe | None = None,
+    progress: Callable[[str], None] = print,
+) -> Path:
+    import torch
+
+    from replica.demo.corpus import TOOLS, generate_conversations, uses_tools
+    from replica.model.config import ModelConfig
+    from replica.model.loader import init_weights, save_checkpoint
+    from replica.model.model import MoEForCausalLM
+    from replica.tokenizer import train_bpe, training_text
+
+    recipe = recipe or DemoRecipe()
+    out = out_dir or demo_model_dir()
+    started = time.monotonic()
+    torch.manual_seed(recipe.seed)
+    conversations = generate_conversations(recipe.num_conversations, seed=recipe.seed)
+    texts = [training_text(c, TOOLS if uses_tools(c) else None) for c in conversations]
+    num_heldout = max(1, len(texts) // 20)
+    train_texts, heldout = texts[:-num_heldout], texts[-num_heldout:]
+    progress(f"corpus: {len(train_texts)} conversations for training, {len(heldout)} held out")
+    tokenizer = train_bpe(train_texts, vocab_size=recipe.vocab_size)
+    eot = tokenizer.token_to_id("<|endoftext|>")
+    stream: list[int] = []
+    for text in train_texts:
+        stream.extend(tokenizer.encode(text))
+        stream.append(eot)
+    data = torch.tensor(stream, dtype=torch.long)
+    progress(
+        f"tokenizer: {tokenizer.vocab_size} tokens; corpus {len(stream):,} tokens "
+        f"({sum(len(t.encode()) for t in train_texts) / len(stream):.2f} bytes/token)"
+    )
+
+    config = ModelConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=recipe.hidden_size,
+        num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_kv_heads,
+        head_dim=recipe.head_dim,
+        moe_intermediate_size=recipe.expert_size,
+        num_experts=recipe.num_experts,
+        num_experts_per_tok=recipe.experts_per_token,
+        shared_expert_intermediate_size=recipe.shared_expert_size,
+        max_position_embeddings=recipe.max_position_embeddings,
+        rope_theta=10000.0,
+        eos_token_id=sorted(tokenizer.eos_token_ids),
+    )
+    model = MoEForCausalLM(config)
+    init_weights(model, seed=recipe.seed)
+    num_params = sum(p.numel() for p in model.parameters())
+    progress(
+        f"model: {num_params / 1e6:.2f}M parameters ({config.num_routed_expert_params / 1e6:.2f}M in routed "
+        f"experts), {config.num_experts} experts top-{config.num_experts_per_tok} + shared"
+    )
+    model.train()
+    train_started = time.monotonic()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=0.01, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(recipe.seed)
+    warmup = 50
+    step = 0
+    loss_value = float("nan")
+    last_report = started
+    while step < recipe.max_steps and time.monotonic() - train_started < recipe.max_seconds:
+        frac = step / recipe.max_steps
+        lr = recipe.learning_rate * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        starts = torch.randint(0, len(data) - recipe.seq_len - 1, (recipe.batch_size,), generator=gen)
+        batch = torch.stack([data[s : s + recipe.seq_len + 1] for s in starts.tolist()])  # [B, S+1]
+        logits, aux = model.forward_train(batch[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        (loss + recipe.aux_loss_weight * aux).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        loss_value = loss.item()
+        now = time.monotonic()
+        if now - last_report >= 10 or step == 1:
+            last_report = now
+            progress(
+                f"step {step:5d}  loss {loss_value:.3f}  balance {aux.item():.3f}  lr {lr:.1e}  "
+                f"{now - started:5.0f} s (stops at {recipe.max_steps} steps or {recipe.max_seconds:.0f} s)"
+            )
+    model.eval()
+    heldout_loss = _heldout_loss(model, tokenizer, heldout)
+    progress(
+        f"trained {step} steps in {time.monotonic() - started:.0f} s: train loss {loss_value:.3f}, "
+        f"held-out loss {heldout_loss:.3f}"
+    )
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=out.parent))
+    try:
+        save_checkpoint(model, tmp)
+        tokenizer.save(tmp / "tokenizer.json")
+        (tmp / "heldout.json").write_text(json.dumps(heldout, ensure_ascii=False), encoding="utf-8")
+        meta = {
+            "recipe": asdict(recipe),
+            "steps": step,
+            "train_loss": loss_value,
+            "heldout_loss": heldout_loss,
+            "seconds": time.monotonic() - started,
+        }
+        (tmp / "build.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    progress(f"demo model written to {out}")
+    return out
+
+
+def _heldout_loss(model: object, tokenizer: object, texts: list[str]) -> float:
+    import torch
+
+    from replica.model.model import MoEForCausalLM
+    from replica.tokenizer import Tokenizer
+
+    assert isinstance(model, MoEForCausalLM) and isinstance(tokenizer, Tokenizer)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for text in texts[:32]:
+            ids = torch.tensor([tokenizer.encode(text)[: model.config.max_position_embeddings]])
+            logits, _ = model.forward_train(ids[:, :-1])
+            total += float(torch.nn.functional.cross_entropy(logits[0], ids[0, 1:], reduction="sum"))
+            count += ids.shape[1] - 1
+    return total / max(count, 1)
+
+
+def ensure_demo_model(progress: Callable[[str], None] = print) -> Path:
+    """The demo model's folder, built first if it is not in the cache yet."""
+    path = demo_model_dir()
+    if not is_built(path):
+        progress(f"building the demo model into {path} (first use only; a few minutes on 2 CPU cores)")
+        build_demo(path, progress=progress)
+    return path

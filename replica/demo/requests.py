@@ -1,0 +1,129 @@
+"""The requests `make demo` sends once the fleet is up: a Japanese chat, a tool call, and the same long system
+prompt twice, to show the second request's cached tokens and its lower time to first token.
+
+Stdlib HTTP only (the router's and the replica's dependencies suffice); TTFT is measured on the client from the
+request's start to the first streamed content chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from typing import Any
+
+from replica.demo.corpus import TOOLS
+
+_POLICY_LINES = [
+    "All quotes are valid for thirty days from the date of issue unless the customer agrees otherwise in writing.",
+    "見積書の有効期限は発行日から三十日間です。延長をご希望の場合は担当者までご連絡ください。",
+    "Invoices are issued at the end of each month and payment is due within forty-five days.",
+    "請求書は毎月末に発行し、お支払い期限は発行日から四十五日以内とさせていただきます。",
+    "Orders above five hundred units need approval from the regional sales manager before shipping.",
+    "五百個を超えるご注文は、出荷前に地域営業部長の承認が必要となります。",
+    "Meeting rooms on the third floor can be booked for at most two hours at a time.",
+    "三階の会議室は一回につき最大二時間までご予約いただけます。",
+    "Shipping delays of more than three business days must be reported to the customer on the same day.",
+    "三営業日を超える納期遅延が発生した場合は、当日中にお客様へご連絡いたします。",
+]
+
+
+def long_system_prompt(num_repeats: int = 6) -> str:
+    lines = [
+        "You are the assistant of Sakura Trading. Follow the company policies below. 以下の社内規定に従ってください。"
+    ]
+    for i in range(num_repeats):
+        for j, line in enumerate(_POLICY_LINES):
+            lines.append(f"{i * len(_POLICY_LINES) + j + 1}. {line}")
+    return "\n".join(lines)
+
+
+def _stream_chat(endpoint: str, body: dict[str, Any]) -> tuple[str, float, dict[str, Any], str]:
+    """-> (text, seconds to first content, usage, replica that served it)."""
+    payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(
+        endpoint + "/v1/chat/completions",
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    started = time.monotonic()
+    first = None
+    parts: list[str] = []
+    usage: dict[str, Any] = {}
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        replica = resp.headers.get("x-shoal-replica", "?")
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                content = choice.get("delta", {}).get("content")
+                if content:
+                    if first is None:
+                        first = time.monotonic() - started
+                    parts.append(content)
+    return "".join(parts), first if first is not None else float("nan"), usage, replica
+
+
+def _post(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(
+        endpoint + "/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        result: dict[str, Any] = json.load(resp)
+        return result
+
+
+def run_demo_requests(endpoint: str, model: str = "shoal-demo") -> None:
+    print("\n== 1. A chat in Japanese ==")
+    reply = _post(
+        endpoint,
+        {
+            "model": model,
+            "max_tokens": 60,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "来週の火曜日に打ち合わせの時間をいただけますか。"}],
+        },
+    )
+    print("assistant:", reply["choices"][0]["message"]["content"])
+
+    print("\n== 2. A tool call ==")
+    reply = _post(
+        endpoint,
+        {
+            "model": model,
+            "max_tokens": 80,
+            "temperature": 0,
+            "tools": TOOLS,
+            "messages": [{"role": "user", "content": "Could you check the status of order SO-48213?"}],
+        },
+    )
+    message = reply["choices"][0]["message"]
+    print("finish_reason:", reply["choices"][0]["finish_reason"])
+    print("tool_calls:", json.dumps(message.get("tool_calls"), ensure_ascii=False))
+    print("content:", message.get("content"))
+
+    print("\n== 3. The same long system prompt twice (prefix cache) ==")
+    system = long_system_prompt()
+    rows = []
+    for question in ("What is the payment term for invoices?", "見積書の有効期限を教えてください。"):
+        body = {
+            "model": model,
+            "max_tokens": 24,
+            "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        }
+        text, ttft, usage, replica = _stream_chat(endpoint, body)
+        cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        rows.append((question, replica, usage.get("prompt_tokens", 0), cached, ttft, text))
+    print(f"{'request':<10} {'replica':<16} {'prompt':>7} {'cached':>7} {'TTFT':>8}")
+    for i, (_, replica, prompt, cached, ttft, _) in enumerate(rows):
+        print(f"{'cold' if i == 0 else 'warm':<10} {replica:<16} {prompt:>7} {cached:>7} {ttft * 1000:>6.0f}ms")
+    if rows[1][4] > 0:
+        print(
+            f"time to first token {rows[0][4] / rows[1][4]:.1f}x lower with {rows[1][3]} of {rows[1][2]} prompt "
+            "tokens served from the prefix cache"
+        )

@@ -1,0 +1,1 @@
+"""The serving engine: paged KV blocks with prefix caching, continuous-batching scheduler, sampler, model runner."""

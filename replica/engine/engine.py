@@ -1,0 +1,226 @@
+"""The engine: requests in, tokens out, one `step()` at a time.
+
+`add_request` and `abort` may be called from another thread than `step` (the server calls them on its event loop
+while a step runs in the engine's worker thread): they only append to an inbox that `step` drains first. Everything
+else is touched by `step` alone, so the engine has no locks.
+
+A step: drain the inbox, schedule, run the model, sample, append tokens, check stop conditions, register newly
+computed full blocks in the prefix cache, and return each touched request's new token plus the KV events.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from replica.engine.block_manager import BlockManager
+from replica.engine.runner import ModelRunner
+from replica.engine.sampler import sample
+from replica.engine.sampling import SamplingParams
+from replica.engine.scheduler import Scheduler
+from replica.engine.sequence import FinishReason, Sequence, SequenceStatus
+from replica.model.model import MoEForCausalLM
+from router.policy.kv_events import KVEvent
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take (the server answers 400 with this message)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_blocks: int = 1024
+    """KV cache blocks; with block_size 16 the default holds 16384 tokens."""
+    block_size: int = 16
+    """Tokens per KV block; equals the router's token block size so KV events match its hashes."""
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    """Token budget of one step; longer prompts are prefilled in chunks of at most this."""
+    max_model_len: int | None = None
+    """Prompt plus output tokens; None: the model's max_position_embeddings, capped by the cache size."""
+    enable_prefix_caching: bool = True
+    hash_seed: bytes = b"shoal-demo"
+    """Namespace of the block hashes (router.policy.hashing.namespace_seed of the served model name)."""
+    seed: int = 0
+    """Seed of the generator for requests without a seed of their own."""
+
+
+@dataclass
+class RequestOutput:
+    seq_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class StepResult:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    events: list[KVEvent] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    num_preempted: int = 0
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: MoEForCausalLM,
+        config: EngineConfig,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.clock = clock
+        cache_len = config.num_blocks * config.block_size
+        model_len = config.max_model_len or model.config.max_position_embeddings
+        self.max_model_len = min(model_len, cache_len, model.config.max_position_embeddings)
+        self.block_manager = BlockManager(
+            config.num_blocks, config.block_size, config.hash_seed, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self.runner = ModelRunner(model, num_blocks=config.num_blocks, block_size=config.block_size)
+        self._inbox: deque[tuple[str, Sequence | int]] = deque()
+        self._seqs: dict[int, Sequence] = {}
+        self._ids = itertools.count()
+        self._generator = torch.Generator(device="cpu").manual_seed(config.seed)
+        self._seq_generators: dict[int, torch.Generator] = {}
+        self.num_preemptions = 0
+
+    # ---- thread-safe entry points -----------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context is {self.max_model_len} tokens "
+                "including at least one generated token"
+            )
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Queue a request; returns its id. Raises RequestError for a prompt the engine cannot serve."""
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(next(self._ids), list(prompt_token_ids), params, arrival_s=self.clock())
+        self._inbox.append(("add", seq))
+        return seq.seq_id
+
+    def abort(self, seq_id: int) -> None:
+        """Stop a request; its blocks are freed at the start of the next step. Unknown or finished ids are ignored."""
+        self._inbox.append(("abort", seq_id))
+
+    # ---- engine thread ----------------------------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_work
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def _drain_inbox(self, result: StepResult) -> None:
+        while self._inbox:
+            kind, item = self._inbox.popleft()
+            if kind == "add":
+                assert isinstance(item, Sequence)
+                self._seqs[item.seq_id] = item
+                if item.params.seed is not None:
+                    self._seq_generators[item.seq_id] = torch.Generator(device="cpu").manual_seed(item.params.seed)
+                self.scheduler.add(item)
+            else:
+                assert isinstance(item, int)
+                seq = self._seqs.get(item)
+                if seq is not None and not seq.is_finished:
+                    self._finish(seq, FinishReason.ABORT, result, [])
+
+    def _finish(self, seq: Sequence, reason: FinishReason, result: StepResult, new_tokens: list[int]) -> None:
+        self.scheduler.finish(seq, reason)
+        del self._seqs[seq.seq_id]
+        self._seq_generators.pop(seq.seq_id, None)
+        result.outputs.append(self._output(seq, new_tokens))
+
+    @staticmethod
+    def _output(seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        return RequestOutput(
+            seq_id=seq.seq_id,
+            new_token_ids=new_tokens,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=len(seq.output_token_ids),
+        )
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.STOP
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def step(self) -> StepResult:
+        result = StepResult()
+        self._drain_inbox(result)
+        batch = self.scheduler.schedule()
+        result.num_preempted = len(batch.preempted)
+        self.num_preemptions += len(batch.preempted)
+        if batch.seqs:
+            result.num_batched_tokens = batch.num_tokens
+            sample_idx, logits = self.runner.run(batch)
+            for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+                seq.num_computed_tokens += n
+                self.block_manager.register_computed(seq)
+            if logits is not None:
+                seqs = [batch.seqs[i] for i in sample_idx]
+                gens = [self._seq_generators.get(s.seq_id, self._generator) for s in seqs]
+                tokens = sample(logits, [s.params for s in seqs], gens)
+                now = self.clock()
+                for seq, token in zip(seqs, tokens, strict=True):
+                    seq.token_ids.append(token)
+                    if seq.first_token_s is None:
+                        seq.first_token_s = now
+                    reason = self._stop_reason(seq, token)
+                    if reason is not None:
+                        self._finish(seq, reason, result, [token])
+                    else:
+                        result.outputs.append(self._output(seq, [token]))
+        result.events = self.block_manager.drain_events()
+        return result
+
+    def check_invariants(self) -> None:
+        """Block accounting holds (tests call this after every step): every block is free xor referenced."""
+        bm = self.block_manager
+        refs = [0] * bm.num_blocks
+        for seq in self.scheduler.running:
+            assert seq.status is SequenceStatus.RUNNING
+            for b in seq.block_table:
+                refs[b] += 1
+        assert refs == bm.ref_counts, "reference counts disagree with the running sequences' block tables"
+        free = set(bm._free_uncached) | set(bm._free_cached)
+        assert len(free) == bm.num_free_blocks, "a block is on a free list twice"
+        for b in range(bm.num_blocks):
+            assert (b in free) == (refs[b] == 0), f"block {b}: free={b in free} refs={refs[b]}"

@@ -1,0 +1,76 @@
+"""Runs one scheduled step on the model: builds the flat token batch, the slot mapping and block tables, and
+returns the logits of the sequences whose last token was in the step.
+
+The KV cache is allocated here, once: per layer `k_cache, v_cache [num_blocks * block_size, Hkv, D]`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from replica.engine.scheduler import ScheduledBatch
+from replica.model.attention import AttentionBatch, KVCache
+from replica.model.model import MoEForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: MoEForCausalLM, *, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None):
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        c = model.config
+        dtype = kv_dtype or model.dtype
+        shape = (num_blocks * block_size, c.num_key_value_heads, c.head_dim)
+        self.kv_caches: list[KVCache] = [
+            (torch.zeros(shape, dtype=dtype, device=model.device), torch.zeros(shape, dtype=dtype, device=model.device))
+            for _ in range(c.num_hidden_layers)
+        ]
+
+    @staticmethod
+    def kv_bytes_per_block(model: MoEForCausalLM, block_size: int, dtype: torch.dtype | None = None) -> int:
+        c = model.config
+        itemsize = torch.empty((), dtype=dtype or model.dtype).element_size()
+        return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * itemsize
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor | None]:
+        """-> (indices into batch.seqs that completed their tokens and need sampling, their logits [N, V])."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        context_lens: list[int] = []
+        last_rows: list[int] = []
+        sample_idx: list[int] = []
+        max_blocks = max(len(s.block_table) for s in batch.seqs)
+        tables = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start : start + n])
+            table = seq.block_table
+            for pos in range(start, start + n):
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+            context_lens.append(start + n)
+            tables.append(table + [0] * (max_blocks - len(table)))
+            if start + n == seq.num_tokens:
+                sample_idx.append(i)
+                last_rows.append(len(input_ids) - 1)
+        device = self.model.device
+        attn = AttentionBatch(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            query_lens=list(batch.num_new_tokens),
+            context_lens=torch.tensor(context_lens, dtype=torch.long, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+            block_size=bs,
+            is_decode=batch.is_decode,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            self.kv_caches,
+            attn,
+        )
+        if not sample_idx:
+            return [], None
+        return sample_idx, self.model.compute_logits(hidden[last_rows])

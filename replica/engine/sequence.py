@@ -1,0 +1,74 @@
+"""One request's token state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from replica.engine.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    """An end-of-sequence or stop token (or, decided by the server, a stop string)."""
+    LENGTH = "length"
+    """max_tokens, or the model's context length."""
+    ABORT = "abort"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_s: float
+    token_ids: list[int] = field(default_factory=list)
+    """Prompt followed by generated tokens."""
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    """Tokens whose keys and values are in the cache (prefix hits included)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache at the first admission (reported as usage cached_tokens)."""
+    num_registered_blocks: int = 0
+    """Leading full blocks already entered into the prefix cache (or found there)."""
+    last_block_hash: int | None = None
+    """Chain hash of the last of those blocks: the parent of the next block to register."""
+    first_token_s: float | None = None
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than one token still to run: the prompt (or, after preemption, prompt and output) is not cached."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

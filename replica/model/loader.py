@@ -1,0 +1,151 @@
+"""Checkpoints: Hugging Face Qwen3-MoE safetensors in, the same layout out.
+
+A Shoal checkpoint folder is `config.json` + `*.safetensors` + `tokenizer.json`, with Hugging Face key names, so
+a Qwen3-MoE (or Qwen2-MoE / DeepSeek-style MoE) folder loads the same way. Loading builds the model on the `meta`
+device (no memory), materialises it empty on the target device, then copies each tensor once; per-expert keys
+(`mlp.experts.{e}.gate_proj.weight` ...) are written into the stacked expert tensors. Every parameter must be
+covered and every key used, else the error names them: a silent partial load serves garbage.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from replica.model.config import ModelConfig
+from replica.model.model import MoEForCausalLM
+from replica.model.moe import TopKRouter
+
+_EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_RENAMES = (
+    (re.compile(r"\.mlp\.shared_experts\."), ".mlp.shared_expert."),  # DeepSeek names
+    (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".mlp.gate.bias"),
+)
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model its config describes."""
+
+
+def _target(key: str) -> tuple[str, int | None, str | None]:
+    """HF key -> (our parameter name, expert index, projection) for routed experts, else (renamed key, None, None)."""
+    m = _EXPERT_KEY.match(key)
+    if m:
+        prefix, expert, proj = m.groups()
+        name = f"{prefix}.experts.{'down' if proj == 'down_proj' else 'gate_up'}"
+        return name, int(expert), proj
+    for pattern, replacement in _RENAMES:
+        key = pattern.sub(replacement, key)
+    return key, None, None
+
+
+def load_model(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> MoEForCausalLM:
+    """Build the model of `path/config.json` and load `path/*.safetensors` into it."""
+    from safetensors import safe_open
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{folder} has no config.json")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder} has no *.safetensors files")
+    config = ModelConfig.from_file(folder / "config.json")
+    with torch.device("meta"):
+        model = MoEForCausalLM(config, dtype=dtype, device="meta")
+    model.to_empty(device=device)
+    model.init_rope(device)
+    params = dict(model.state_dict(keep_vars=True))  # parameters and persistent buffers
+    intermediate = config.moe_intermediate_size
+    filled: dict[str, int] = {}
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if _IGNORED.search(key):
+                        continue
+                    name, expert, proj = _target(key)
+                    if config.tie_word_embeddings and name == "lm_head.weight":
+                        continue
+                    target = params.get(name)
+                    if target is None:
+                        unexpected.append(key)
+                        continue
+                    tensor = f.get_tensor(key)
+                    if expert is not None:
+                        if proj == "gate_proj":
+                            target = target[expert, :intermediate]
+                        elif proj == "up_proj":
+                            target = target[expert, intermediate:]
+                        else:
+                            target = target[expert]
+                    if tuple(tensor.shape) != tuple(target.shape):
+                        raise CheckpointError(
+                            f"{key}: shape {tuple(tensor.shape)}, model expects {tuple(target.shape)}"
+                        )
+                    target.copy_(tensor.to(target.dtype))
+                    filled[name] = filled.get(name, 0) + target.numel()
+    if unexpected:
+        raise CheckpointError(f"{len(unexpected)} checkpoint keys fit no parameter, e.g. {unexpected[:5]}")
+    model.tie_weights()
+    skip = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    missing = [n for n, p in params.items() if n not in skip and filled.get(n, 0) != p.numel()]
+    if missing:
+        raise CheckpointError(f"checkpoint leaves {len(missing)} parameters unset, e.g. {missing[:5]}")
+    return model.eval()
+
+
+def state_dict_hf(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's weights under Hugging Face key names, routed experts split per expert."""
+    out: dict[str, torch.Tensor] = {}
+    intermediate = model.config.moe_intermediate_size
+    for name, tensor in model.state_dict().items():
+        if name.endswith(".experts.gate_up"):
+            prefix = name.removesuffix(".gate_up")
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = tensor[e, :intermediate].contiguous()
+                out[f"{prefix}.{e}.up_proj.weight"] = tensor[e, intermediate:].contiguous()
+        elif name.endswith(".experts.down"):
+            prefix = name.removesuffix(".down")
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e].contiguous()
+        elif name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        else:
+            out[name] = tensor.contiguous()
+    return out
+
+
+def save_checkpoint(model: MoEForCausalLM, path: str | Path) -> None:
+    """Write `config.json` and `model.safetensors` (the tokenizer is the caller's to add)."""
+    from safetensors.torch import save_file
+
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n", encoding="utf-8")
+    save_file(state_dict_hf(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def init_weights(model: MoEForCausalLM, *, seed: int, std: float = 0.02) -> None:
+    """Random initialisation for training: normal(0, std) matrices, ones for norms, zero router bias."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
+                param.copy_(values.to(param.dtype))
+        for module in model.modules():
+            if isinstance(module, TopKRouter) and module.bias is not None:
+                module.bias.zero_()
+    model.tie_weights()

@@ -1,0 +1,116 @@
+"""The decoder: embeddings, N x (RMSNorm, attention, RMSNorm, MoE), final norm, LM head.
+
+Module names follow Hugging Face's Qwen3-MoE (`model.layers.{i}.self_attn.q_proj`, `mlp.gate`, ...) so checkpoint
+keys map one to one, except routed experts, which are stacked per layer (`mlp.experts.gate_up [E, 2I, H]`) and
+split or joined by `replica.model.loader`.
+
+Serving runs on flattened tokens of many sequences ([T, H]) against the paged cache; `forward_train` runs padded
+batches ([B, S]) without a cache for `shoal replica build-demo`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from replica.model.attention import Attention, AttentionBatch, KVCache, dense_causal_attention
+from replica.model.config import ModelConfig
+from replica.model.layers import RMSNorm, RotaryEmbedding
+from replica.model.moe import MoEBlock
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, *, layer: int, dtype: torch.dtype, device: torch.device | str | None
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.self_attn = Attention(config, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.mlp = MoEBlock(config, layer=layer, dtype=dtype, device=device)
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, layer=i, dtype=dtype, device=device) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+
+
+class MoEForCausalLM(nn.Module):
+    def __init__(
+        self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, dtype=dtype, device=device)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
+        # RoPE tables are computed, never loaded: on a meta-built model `init_rope` fills them in on the real device.
+        self.rotary: RotaryEmbedding | None = None
+        if device is None or torch.device(device).type != "meta":
+            self.init_rope(device)
+
+    def init_rope(self, device: torch.device | str | None) -> None:
+        c = self.config
+        self.rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, device=device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        batch: AttentionBatch,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, H] (the caller picks rows for `compute_logits`)."""
+        assert self.rotary is not None, "init_rope() was not called after building on the meta device"
+        cos, sin = self.rotary(positions)
+        h = self.model.embed_tokens(input_ids)  # [T, H]
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv_cache, batch)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.model.norm(h)  # type: ignore[no-any-return]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N, V] in FP32."""
+        return self.lm_head(hidden).float()  # type: ignore[no-any-return]
+
+    def forward_train(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [B, S] -> (logits [B, S, V], load-balancing loss), no cache, causal.
+
+        The balancing loss is Switch Transformer's E * sum_e(fraction of tokens to e * mean router prob of e),
+        averaged over layers; it keeps every expert in use, which calibration later requires.
+        """
+        assert self.rotary is not None
+        batch, seq = input_ids.shape
+        cos, sin = self.rotary(torch.arange(seq, device=input_ids.device))
+        h = self.model.embed_tokens(input_ids)  # [B, S, H]
+        aux = torch.zeros((), device=input_ids.device)
+        for layer in self.model.layers:
+            h = h + dense_causal_attention(layer.self_attn, layer.input_layernorm(h), cos, sin)
+            flat = layer.post_attention_layernorm(h).reshape(batch * seq, -1)  # [T, H]
+            mlp: MoEBlock = layer.mlp
+            topk_ids, topk_weights, logits = mlp.gate(flat)
+            out = mlp.experts(flat, topk_ids, topk_weights)
+            if mlp.shared_expert is not None:
+                out = out + mlp.shared_expert(flat)
+            h = h + out.view(batch, seq, -1)
+            num_experts = logits.shape[-1]
+            fraction = torch.bincount(topk_ids.flatten(), minlength=num_experts).float() / topk_ids.numel()
+            aux = aux + num_experts * (fraction * logits.softmax(-1).mean(0)).sum()
+        logits_out = self.lm_head(self.model.norm(h)).float()
+        return logits_out, aux / len(self.model.layers)

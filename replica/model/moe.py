@@ -1,0 +1,167 @@
+"""Mixture-of-experts feed-forward: router, routed experts, optional shared expert.
+
+T = tokens, H = hidden size, I = one expert's hidden size, E = routed experts, A = experts per token.
+
+The routed experts are stacked tensors (`gate_up [E, 2I, H]`, `down [E, H, I]`) and run grouped by expert: the
+(token, slot) pairs are sorted by expert id, each expert with work multiplies its rows once, and the results are
+scattered back weighted. `Experts.expert_forward(e, x)` is the one per-expert step; `replica.quant.NVFP4Experts`
+overrides only that, so quantized experts are drop-in with the same `forward(x, topk_ids, topk_weights)`.
+
+An optional `observer` sees every expert's inputs (calibration counts tokens per expert and records activation
+amax through it); it is None while serving.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from replica.model.config import ModelConfig
+
+ObservePoint = Literal["gate_up", "down"]
+
+
+class ExpertObserver(Protocol):
+    def observe(self, layer: int, expert: int, point: ObservePoint, x: torch.Tensor) -> None: ...
+
+
+class TopKRouter(nn.Module):
+    """Scores experts per token and picks the top A.
+
+    softmax (Qwen3-MoE, Mixtral): p = softmax(x W^T); pick the top A of p; optionally renormalise to sum 1.
+    sigmoid (DeepSeek-V3): s = sigmoid(x W^T); pick the top A of s + bias (the bias balances load and only
+    steers the choice); weights are the unbiased s of the chosen experts, renormalised, times a scaling factor.
+    """
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.kind = config.router_kind
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.scaling = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=dtype, device=device))
+        self.bias: torch.Tensor | None
+        if self.kind == "sigmoid":
+            self.register_buffer(
+                "bias", torch.zeros(config.num_experts, dtype=torch.float32, device=device), persistent=True
+            )
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_ids [T, A] int64, topk_weights [T, A] float32, router_logits [T, E] float32)."""
+        logits = F.linear(x, self.weight).float()  # [T, E]
+        if self.kind == "softmax":
+            scores = logits.softmax(dim=-1)
+            weights, ids = scores.topk(self.top_k, dim=-1)
+        else:
+            scores = logits.sigmoid()
+            assert self.bias is not None
+            _, ids = (scores + self.bias).topk(self.top_k, dim=-1)
+            weights = scores.gather(-1, ids)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        return ids, weights * self.scaling, logits
+
+
+class Experts(nn.Module):
+    """E routed SwiGLU experts in stacked BF16 (or FP32) tensors."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+        layer: int = 0,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.layer = layer
+        self.observer: ExpertObserver | None = None
+        self.gate_up = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device)
+        )
+        self.down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], topk_ids [T, A], topk_weights [T, A] -> [T, H] in x's dtype."""
+        num_slots = topk_ids.shape[1]
+        flat_ids = topk_ids.reshape(-1)  # [T*A]
+        order = flat_ids.argsort(stable=True)  # slots grouped by expert
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        flat_weights = topk_weights.reshape(-1, 1).float()
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            slots = order[start : start + count]
+            start += count
+            tokens = slots // num_slots
+            y = self.expert_forward(expert, x[tokens])  # [n, H]
+            out.index_add_(0, tokens, y.float() * flat_weights[slots])
+        return out.to(x.dtype)
+
+    def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """One expert's SwiGLU on its rows: x [n, H] -> [n, H]."""
+        if self.observer is not None:
+            self.observer.observe(self.layer, expert, "gate_up", x)
+        gate, up = F.linear(x, self.gate_up[expert]).chunk(2, dim=-1)  # [n, I] each
+        h = F.silu(gate) * up
+        if self.observer is not None:
+            self.observer.observe(self.layer, expert, "down", h)
+        return F.linear(h, self.down[expert])
+
+
+class SharedExpert(nn.Module):
+    """A dense SwiGLU every token goes through (Qwen2-MoE, DeepSeek-V3); stays BF16 when experts are NVFP4."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype, device: torch.device | str | None
+    ) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype, device=device)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype, device=device)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoEBlock(nn.Module):
+    """Router + routed experts (+ shared expert): the feed-forward of every decoder layer."""
+
+    def __init__(
+        self, config: ModelConfig, *, layer: int, dtype: torch.dtype, device: torch.device | str | None = None
+    ) -> None:
+        super().__init__()
+        self.gate = TopKRouter(config, dtype=dtype, device=device)
+        self.experts: Experts = Experts(
+            config.num_experts,
+            config.hidden_size,
+            config.moe_intermediate_size,
+            dtype=dtype,
+            device=device,
+            layer=layer,
+        )
+        self.shared_expert = (
+            SharedExpert(config.hidden_size, config.shared_expert_intermediate_size, dtype=dtype, device=device)
+            if config.shared_expert_intermediate_size
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        topk_ids, topk_weights, _ = self.gate(x)
+        out = self.experts(x, topk_ids, topk_weights)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        return out

@@ -1,0 +1,374 @@
+"""`create_app(settings, model, tokenizer)`: the replica's aiohttp application.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE), `GET /v1/models`, `GET /health`,
+`GET /metrics` (vLLM names), `GET /v1/kv_events` (SSE stream of KV events, snapshot first).
+
+Errors are OpenAI-shaped JSON bodies: 400 for a bad body or parameters, 404 for another model's name, 429 with
+Retry-After when the waiting queue is full, 503 once the engine has failed. A handler cancelled by its client's
+disconnect aborts its request, so the engine frees the request's blocks at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from replica.engine.engine import EngineConfig, LLMEngine, RequestError, RequestOutput, StepResult
+from replica.model.model import MoEForCausalLM
+from replica.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from replica.server.kv_events import KVEventHub
+from replica.server.metrics import ReplicaMetrics
+from replica.server.protocol import (
+    ParsedRequest,
+    ProtocolError,
+    extract_tool_calls,
+    new_id,
+    now_s,
+    parse_chat,
+    parse_completion,
+    usage,
+)
+from replica.settings import ReplicaSettings
+from replica.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReplicaState:
+    settings: ReplicaSettings
+    tokenizer: Tokenizer
+    engine: AsyncEngine
+    metrics: ReplicaMetrics
+    events: KVEventHub
+    model_name: str
+    created_s: int = field(default_factory=now_s)
+    _last_queries: int = 0
+    _last_hits: int = 0
+    _last_preemptions: int = 0
+
+    def on_step(self, result: StepResult) -> None:
+        core = self.engine.engine
+        bm = core.block_manager
+        m, name = self.metrics, self.model_name
+        m.num_running.labels(name).set(core.num_running)
+        m.num_waiting.labels(name).set(self.engine.num_waiting)
+        m.kv_usage.labels(name).set(bm.usage)
+        m.prefix_queries.labels(name).inc(bm.prefix_queried_tokens - self._last_queries)
+        m.prefix_hits.labels(name).inc(bm.prefix_hit_tokens - self._last_hits)
+        m.preemptions.labels(name).inc(core.num_preemptions - self._last_preemptions)
+        self._last_queries, self._last_hits = bm.prefix_queried_tokens, bm.prefix_hit_tokens
+        self._last_preemptions = core.num_preemptions
+        self.events.publish(result.events)
+
+
+STATE = web.AppKey("state", ReplicaState)
+
+
+def _error(
+    status: int, message: str, *, kind: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return web.json_response(body, status=status, headers=headers, dumps=lambda o: orjson.dumps(o).decode())
+
+
+async def _read_json(request: web.Request) -> Any:
+    try:
+        return orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(f"the body is not valid JSON: {exc}") from None
+
+
+def _check_model(state: ReplicaState, body: Any) -> web.Response | None:
+    model = body.get("model") if isinstance(body, dict) else None
+    if model not in (None, state.model_name):
+        return _error(
+            404,
+            f"the model '{model}' does not exist; this replica serves '{state.model_name}'",
+            kind="NotFoundError",
+            param="model",
+        )
+    return None
+
+
+class _Generation:
+    """Detokenises a request's outputs, applies stop strings and records per-request metrics."""
+
+    def __init__(self, state: ReplicaState, parsed: ParsedRequest, stream: RequestStream, arrival_s: float) -> None:
+        self.state = state
+        self.parsed = parsed
+        self.stream = stream
+        self.arrival_s = arrival_s
+        self.detok = IncrementalDetokenizer(state.tokenizer)
+        self.stops = StopChecker(list(parsed.params.stop)) if parsed.params.stop else None
+        self.finish_reason: str | None = None
+        self.num_prompt_tokens = len(parsed.prompt_token_ids)
+        self.num_cached_tokens = 0
+        self.num_output_tokens = 0
+        self._last_token_s: float | None = None
+
+    def _observe(self, out: RequestOutput) -> None:
+        m, name = self.state.metrics, self.state.model_name
+        now = time.monotonic()
+        if self._last_token_s is None:
+            m.ttft.labels(name).observe(now - self.arrival_s)
+            m.prompt_tokens.labels(name).inc(out.num_prompt_tokens)
+        else:
+            m.itl.labels(name).observe(now - self._last_token_s)
+        self._last_token_s = now
+        m.generation_tokens.labels(name).inc(len(out.new_token_ids))
+        self.num_cached_tokens = out.num_cached_tokens
+        self.num_output_tokens = out.num_output_tokens
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        m, name = self.state.metrics, self.state.model_name
+        m.e2e.labels(name).observe(time.monotonic() - self.arrival_s)
+        m.request_success.labels(name, reason).inc()
+
+    async def texts(self) -> AsyncIterator[str]:
+        """Yields text deltas (possibly empty); `finish_reason` is set when it ends."""
+        try:
+            async for out in self.stream:
+                self._observe(out)
+                text = "".join(self.detok.push(t) for t in out.new_token_ids)
+                if out.finished:
+                    text += self.detok.flush()
+                if self.stops is not None:
+                    text, stopped = self.stops.check(text)
+                    if stopped:
+                        self.stream.close()
+                        self._finish("stop")
+                        yield text
+                        return
+                    if out.finished:
+                        text += self.stops.flush()
+                if out.finished:
+                    assert out.finish_reason is not None
+                    self._finish(out.finish_reason.value)
+                yield text
+        finally:
+            self.stream.close()
+
+    def usage(self) -> dict[str, Any]:
+        return usage(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
+
+
+async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
+    state = request.app[STATE]
+    arrival_s = time.monotonic()
+    try:
+        body = await _read_json(request)
+        if (wrong_model := _check_model(state, body)) is not None:
+            return wrong_model
+        parse = parse_chat if chat else parse_completion
+        parsed = parse(
+            body, state.tokenizer, model=state.model_name, default_max_tokens=state.settings.max_tokens_default
+        )
+        stream = state.engine.submit(parsed.prompt_token_ids, parsed.params)
+    except ProtocolError as exc:
+        return _error(400, str(exc), kind="BadRequestError", param=exc.param)
+    except RequestError as exc:
+        return _error(400, str(exc), kind="BadRequestError", param="messages" if chat else "prompt")
+    except QueueFullError as exc:
+        return _error(
+            429,
+            f"the replica is at capacity ({exc}); retry shortly",
+            kind="RateLimitError",
+            headers={"Retry-After": "1"},
+        )
+    except EngineDeadError as exc:
+        return _error(503, str(exc), kind="ServiceUnavailableError")
+    gen = _Generation(state, parsed, stream, arrival_s)
+    request_id = new_id("chatcmpl" if chat else "cmpl")
+    try:
+        if parsed.stream:
+            return await _stream(request, gen, request_id, chat=chat)
+        return await _complete(gen, request_id, chat=chat)
+    except EngineDeadError as exc:
+        return _error(503, str(exc), kind="ServiceUnavailableError")
+    finally:
+        stream.close()
+
+
+async def _complete(gen: _Generation, request_id: str, *, chat: bool) -> web.Response:
+    text = "".join([t async for t in gen.texts()])
+    state = gen.state
+    choice: dict[str, Any]
+    if chat:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish = gen.finish_reason
+        if gen.parsed.has_tools:
+            content, calls = extract_tool_calls(text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish = "tool_calls"
+        choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": gen.finish_reason, "logprobs": None}
+    body = {
+        "id": request_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": now_s(),
+        "model": state.model_name,
+        "choices": [choice],
+        "usage": gen.usage(),
+    }
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+async def _stream(request: web.Request, gen: _Generation, request_id: str, *, chat: bool) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    created = now_s()
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    model = gen.state.model_name
+
+    def chunk(delta_text: str | None, finish: str | None, *, role: bool = False) -> bytes:
+        if chat:
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": ""}
+                if role
+                else ({"content": delta_text} if delta_text is not None else {})
+            )
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
+        body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice]}
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    try:
+        if chat:
+            await response.write(chunk(None, None, role=True))
+        async for text in gen.texts():
+            if text:
+                await response.write(chunk(text, None))
+        await response.write(chunk(None, gen.finish_reason))
+        if gen.parsed.include_usage:
+            body = {
+                "id": request_id,
+                "object": obj,
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": gen.usage(),
+            }
+            await response.write(b"data: " + orjson.dumps(body) + b"\n\n")
+    except EngineDeadError as exc:
+        error = {"error": {"message": str(exc), "type": "ServiceUnavailableError", "code": 503}}
+        await response.write(b"data: " + orjson.dumps(error) + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    card = {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created_s,
+        "owned_by": "shoal",
+        "max_model_len": state.engine.engine.max_model_len,
+    }
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if not state.engine.is_alive:
+        return _error(503, f"the engine is not running: {state.engine.error!r}", kind="ServiceUnavailableError")
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.Response(body=generate_latest(state.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def kv_events(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    block_manager = state.engine.engine.block_manager
+    taken: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    def take_snapshot() -> None:
+        if not taken.done():
+            taken.set_result(state.events.subscribe(block_manager.snapshot_events()))
+
+    state.engine.call_between_steps(take_snapshot)  # now if idle, else right after the running step
+    sub = await taken
+    try:
+        while True:
+            message = await sub.queue.get()
+            if message is None:
+                break
+            await response.write(b"data: " + message + b"\n\n")
+            if sub.is_dropped and sub.queue.empty():
+                break
+    finally:
+        state.events.unsubscribe(sub)
+    return response
+
+
+def create_app(settings: ReplicaSettings, model: MoEForCausalLM, tokenizer: Tokenizer) -> web.Application:
+    model_name = settings.model_name
+    from router.policy.hashing import namespace_seed
+
+    config = EngineConfig(
+        num_blocks=settings.num_blocks,
+        block_size=settings.block_size,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=settings.max_model_len,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        hash_seed=namespace_seed(model_name),
+        seed=settings.seed,
+    )
+    engine = LLMEngine(model, config, eos_token_ids=tokenizer.eos_token_ids)
+    metrics_ = ReplicaMetrics(model_name)
+    metrics_.cache_config.labels(model_name, str(settings.block_size), str(settings.num_blocks)).set(1)
+    hub = KVEventHub(settings.replica_id or f"{settings.host}:{settings.port}")
+    state_holder: list[ReplicaState] = []
+    async_engine = AsyncEngine(engine, max_waiting=settings.max_waiting, on_step=lambda r: state_holder[0].on_step(r))
+    state = ReplicaState(
+        settings=settings, tokenizer=tokenizer, engine=async_engine, metrics=metrics_, events=hub, model_name=model_name
+    )
+    state_holder.append(state)
+
+    app = web.Application(client_max_size=16 * 1024 * 1024)
+    app[STATE] = state
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        async_engine.start()
+        if settings.kv_events_redis_url:
+            await hub.start_redis(settings.kv_events_redis_url, settings.kv_events_stream)
+        yield
+        await hub.close()
+        await async_engine.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/kv_events", kv_events)
+    return app

@@ -1,0 +1,117 @@
+"""KV-event fan-out: an SSE stream per subscriber (`GET /v1/kv_events`) and, when configured, a Redis stream.
+
+A new subscriber first receives a snapshot (`cleared`, then every cached block, parents first), taken between
+engine steps, then every step's events in order, each SSE message `{"seq": n, "replica": id, "events": [...]}`
+with `seq` increasing by one, so a gap tells the reader it missed something and should reconnect. A subscriber
+that falls `max_queued` messages behind is disconnected rather than letting its backlog grow without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import orjson
+
+from router.policy.kv_events import KVEvent, to_dict
+
+log = logging.getLogger(__name__)
+
+
+class _Subscriber:
+    def __init__(self, max_queued: int) -> None:
+        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue(max_queued)
+        self.is_dropped = False
+
+
+class KVEventHub:
+    def __init__(self, replica_id: str, *, max_queued: int = 4096) -> None:
+        self.replica_id = replica_id
+        self.max_queued = max_queued
+        self._subscribers: set[_Subscriber] = set()
+        self._seq = 0
+        self._redis: Any = None
+        self._redis_stream = ""
+        self._redis_queue: asyncio.Queue[bytes] | None = None
+        self._redis_task: asyncio.Task[None] | None = None
+
+    def _message(self, events: list[KVEvent]) -> bytes:
+        self._seq += 1
+        body = {"seq": self._seq, "replica": self.replica_id, "events": [to_dict(e) for e in events]}
+        return orjson.dumps(body)
+
+    def subscribe(self, snapshot: list[KVEvent]) -> _Subscriber:
+        """Register a subscriber; `snapshot` must have been taken between steps, as this call is."""
+        sub = _Subscriber(self.max_queued)
+        sub.queue.put_nowait(
+            orjson.dumps(
+                {
+                    "seq": self._seq,
+                    "replica": self.replica_id,
+                    "snapshot": True,
+                    "events": [to_dict(e) for e in snapshot],
+                }
+            )
+        )
+        self._subscribers.add(sub)
+        return sub
+
+    def unsubscribe(self, sub: _Subscriber) -> None:
+        self._subscribers.discard(sub)
+
+    @property
+    def num_subscribers(self) -> int:
+        return len(self._subscribers)
+
+    def publish(self, events: list[KVEvent]) -> None:
+        if not events or not (self._subscribers or self._redis_queue is not None):
+            return
+        message = self._message(events)
+        for sub in list(self._subscribers):
+            try:
+                sub.queue.put_nowait(message)
+            except asyncio.QueueFull:
+                log.warning("KV-event subscriber fell %d messages behind; disconnecting it", self.max_queued)
+                sub.is_dropped = True
+                self._subscribers.discard(sub)
+        if self._redis_queue is not None:
+            try:
+                self._redis_queue.put_nowait(message)
+            except asyncio.QueueFull:
+                log.warning("Redis KV-event publisher is %d messages behind; dropping events", self.max_queued)
+
+    # ---- Redis ------------------------------------------------------------------------------------------------
+
+    async def start_redis(self, url: str, stream: str, *, max_len: int = 100_000) -> None:
+        import redis.asyncio as redis
+
+        self._redis = redis.from_url(url)
+        await self._redis.ping()
+        self._redis_stream = stream
+        self._redis_queue = asyncio.Queue(self.max_queued)
+        self._redis_task = asyncio.get_running_loop().create_task(self._pump_redis(max_len))
+
+    async def _pump_redis(self, max_len: int) -> None:
+        assert self._redis_queue is not None
+        while True:
+            message = await self._redis_queue.get()
+            try:
+                await self._redis.xadd(
+                    self._redis_stream, {"replica": self.replica_id, "data": message}, maxlen=max_len, approximate=True
+                )
+            except Exception as exc:  # the cache keeps working when Redis is away; the router falls back
+                log.warning("cannot publish KV events to Redis: %s", exc)
+
+    async def close(self) -> None:
+        for sub in list(self._subscribers):
+            try:
+                sub.queue.put_nowait(None)
+            except asyncio.QueueFull:
+                sub.is_dropped = True
+        self._subscribers.clear()
+        if self._redis_task is not None:
+            self._redis_task.cancel()
+            await asyncio.gather(self._redis_task, return_exceptions=True)
+        if self._redis is not None:
+            await self._redis.aclose()

@@ -1,0 +1,45 @@
+"""Prometheus metrics under vLLM's names, so one scraper (the router's, the autoscaler's, a Grafana board made for
+vLLM) reads Shoal's replica and vLLM alike. Each app owns its registry; nothing is global."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+_ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS_S = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+
+
+class ReplicaMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        r = self.registry
+        self.num_running = Gauge("vllm:num_requests_running", "Requests in the running batch", labels, registry=r)
+        self.num_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", labels, registry=r)
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels, registry=r
+        )
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels, registry=r
+        )
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of admitted requests", labels, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", labels, registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Sequences preempted for KV blocks", labels, registry=r)
+        self.request_success = Counter(
+            "vllm:request_success", "Finished requests by reason", [*labels, "finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Arrival to first token", labels, buckets=_TTFT_BUCKETS_S, registry=r
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Time between tokens", labels, buckets=_ITL_BUCKETS_S, registry=r
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to last token", labels, buckets=_E2E_BUCKETS_S, registry=r
+        )
+        self.cache_config = Gauge(
+            "vllm:cache_config_info", "KV cache configuration", [*labels, "block_size", "num_gpu_blocks"], registry=r
+        )
+        self.model_name = model_name

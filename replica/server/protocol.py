@@ -1,0 +1,205 @@
+"""OpenAI request parsing and response bodies for `/v1/completions` and `/v1/chat/completions`.
+
+Parsing turns a JSON body into (prompt token ids, SamplingParams, options) or raises `ProtocolError` with a message
+naming the offending field; nothing reaches the engine unchecked. Fields Shoal does not implement (n > 1, logprobs,
+echo, best_of, response formats other than text) are refused by name rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from replica.engine.sampling import SamplingError, SamplingParams
+from replica.tokenizer import Tokenizer
+
+
+class ProtocolError(ValueError):
+    """A request body that is not a valid request (400), with the field it concerns."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    model: str
+    has_tools: bool
+
+
+_UNSUPPORTED = {
+    "logprobs": lambda v: v not in (None, False, 0),
+    "top_logprobs": lambda v: v not in (None, 0),
+    "echo": lambda v: v not in (None, False),
+    "best_of": lambda v: v not in (None, 1),
+    "n": lambda v: v not in (None, 1),
+    "suffix": lambda v: v is not None,
+    "logit_bias": lambda v: v not in (None, {}),
+}
+
+
+def _get(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise ProtocolError(f"'{name}' must be {getattr(kind, '__name__', kind)}, not a boolean", name)
+    if not isinstance(value, kind):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise ProtocolError(f"'{name}' must be {names}, got {type(value).__name__}", name)
+    return value
+
+
+def _sampling(body: dict[str, Any], *, default_max_tokens: int, chat: bool) -> SamplingParams:
+    for name, is_unsupported in _UNSUPPORTED.items():
+        if name in body and is_unsupported(body[name]):
+            raise ProtocolError(f"'{name}' is not supported by this server", name)
+    max_tokens = _get(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens", int)
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = tuple(stop)
+    else:
+        raise ProtocolError("'stop' must be a string or a list of strings", "stop")
+    stop_ids = _get(body, "stop_token_ids", list, [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise ProtocolError("'stop_token_ids' must be a list of integers", "stop_token_ids")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+            temperature=float(_get(body, "temperature", (int, float), 1.0)),
+            top_p=float(_get(body, "top_p", (int, float), 1.0)),
+            top_k=_get(body, "top_k", int, 0) if body.get("top_k") != -1 else 0,
+            seed=_get(body, "seed", int),
+            stop=stops,
+            stop_token_ids=frozenset(stop_ids),
+            ignore_eos=bool(_get(body, "ignore_eos", bool, False)),
+        )
+    except SamplingError as exc:
+        raise ProtocolError(str(exc)) from None
+
+
+def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = bool(_get(body, "stream", bool, False))
+    options = _get(body, "stream_options", dict, {})
+    include_usage = bool(options.get("include_usage", False))
+    return stream, include_usage
+
+
+def parse_completion(body: Any, tokenizer: Tokenizer, *, model: str, default_max_tokens: int) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise ProtocolError("send one prompt per request (batched prompts are not supported)", "prompt")
+    else:
+        raise ProtocolError("'prompt' must be a non-empty string or a list of token ids", "prompt")
+    stream, include_usage = _stream_options(body)
+    return ParsedRequest(
+        prompt_token_ids=ids,
+        params=_sampling(body, default_max_tokens=default_max_tokens, chat=False),
+        stream=stream,
+        include_usage=include_usage,
+        model=model,
+        has_tools=False,
+    )
+
+
+def parse_chat(body: Any, tokenizer: Tokenizer, *, model: str, default_max_tokens: int) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ProtocolError("'messages' must be a non-empty list", "messages")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise ProtocolError("'tools' must be a list", "tools")
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise ProtocolError("only response_format {'type': 'text'} is supported", "response_format")
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True)
+    except ValueError as exc:
+        raise ProtocolError(str(exc), "messages") from None
+    stream, include_usage = _stream_options(body)
+    return ParsedRequest(
+        prompt_token_ids=tokenizer.encode(text),
+        params=_sampling(body, default_max_tokens=default_max_tokens, chat=True),
+        stream=stream,
+        include_usage=include_usage,
+        model=model,
+        has_tools=bool(tools),
+    )
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
+
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+
+
+def extract_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Split generated text into content and OpenAI tool calls (`<tool_call>{"name", "arguments"}</tool_call>`).
+
+    A block that is not valid JSON with a string `name` stays in the content: the client sees what the model wrote.
+    """
+    calls: list[dict[str, Any]] = []
+    kept: list[str] = []
+    last = 0
+    for m in _TOOL_CALL.finditer(text):
+        try:
+            call = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            continue
+        arguments = call.get("arguments", {})
+        calls.append(
+            {
+                "id": new_id("call"),
+                "type": "function",
+                "function": {
+                    "name": call["name"],
+                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False),
+                },
+            }
+        )
+        kept.append(text[last : m.start()])
+        last = m.end()
+    if not calls:
+        return text, []
+    kept.append(text[last:])
+    content = "".join(kept).strip()
+    return content or None, calls
+
+
+def now_s() -> int:
+    return int(time.time())

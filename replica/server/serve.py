@@ -1,0 +1,69 @@
+"""Load the model the settings name and serve it until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+from replica.settings import ReplicaSettings
+
+log = logging.getLogger(__name__)
+
+
+def load_for_serving(settings: ReplicaSettings) -> tuple[object, object]:
+    """-> (model, tokenizer), the demo model built first when `model == "demo"` and not yet cached."""
+    from pathlib import Path
+
+    import torch
+
+    from replica.model.loader import load_model
+    from replica.tokenizer import Tokenizer
+
+    if settings.model == "demo":
+        from replica.demo.build import ensure_demo_model
+
+        path = ensure_demo_model(progress=lambda line: log.info("%s", line))
+    else:
+        path = Path(settings.model)
+    dtype = getattr(torch, settings.dtype)
+    model = load_model(path, dtype=dtype, device=settings.device)
+    if settings.quantization != "none":
+        from replica.quant.experts import load_activation_scales, quantize_model_experts
+
+        mode = "w4a4" if settings.quantization == "nvfp4-w4a4" else "w4a16"
+        scales = load_activation_scales(settings.activation_scales) if settings.activation_scales else None
+        count = quantize_model_experts(model, mode=mode, activation_scales=scales)
+        log.info("quantized the routed experts of %d layers to NVFP4 (%s)", count, mode)
+    tokenizer = Tokenizer.from_file(path / "tokenizer.json")
+    return model, tokenizer
+
+
+def serve(settings: ReplicaSettings, *, threads: int | None = None) -> int:
+    import torch
+    from aiohttp import web
+
+    from replica.model.model import MoEForCausalLM
+    from replica.server.app import create_app
+    from replica.tokenizer import Tokenizer
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        model, tokenizer = load_for_serving(settings)
+    except (OSError, ValueError) as exc:
+        print(f"shoal replica: cannot load the model: {exc}", file=sys.stderr)
+        return 1
+    assert isinstance(model, MoEForCausalLM) and isinstance(tokenizer, Tokenizer)
+    app = create_app(settings, model, tokenizer)
+    ready = {"event": "ready", "model": settings.model_name, "url": f"http://{settings.host}:{settings.port}"}
+    web.run_app(
+        app,
+        host=settings.host,
+        port=settings.port,
+        handler_cancellation=True,
+        print=lambda _: print(json.dumps(ready), flush=True),
+        access_log=None,
+        shutdown_timeout=10.0,
+    )
+    return 0

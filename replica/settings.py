@@ -1,0 +1,102 @@
+"""`ReplicaSettings`: every knob of `shoal replica`, from flags, `SHOAL_REPLICA_*` environment variables (nested with
+`__`) and a YAML file (`--config` / `SHOAL_REPLICA_CONFIG_FILE`), in that order of precedence.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+Quantization = Literal["none", "nvfp4", "nvfp4-w4a4"]
+
+
+class ReplicaSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="SHOAL_REPLICA_", env_nested_delimiter="__", extra="forbid", use_attribute_docstrings=True
+    )
+
+    model: str = "demo"
+    """Checkpoint folder (config.json, *.safetensors, tokenizer.json), or `demo` for the bundled demo model, which
+    is built into the cache directory on first use."""
+    served_model_name: str | None = None
+    """Model name in the API and in the block-hash namespace; default: `shoal-demo` or the folder's name."""
+    host: str = "127.0.0.1"
+    """Address to listen on. Loopback by default: exposing a replica is a decision, not an accident."""
+    port: int = Field(8100, ge=0, le=65535)
+    device: str = "cpu"
+    """torch device: `cpu`, `cuda`, `cuda:1`."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of attention, router and shared experts. float32 on CPUs (few have fast BF16); bfloat16 on GPUs."""
+    quantization: Quantization = "none"
+    """Routed experts: `none` (model dtype), `nvfp4` (weights NVFP4, activations in the model dtype: W4A16), or
+    `nvfp4-w4a4` (activations also NVFP4, emulating Blackwell; needs `--activation-scales` from calibration)."""
+    activation_scales: Path | None = None
+    """JSON file written by `shoal replica calibrate`: per-expert activation global scales for W4A4."""
+    block_size: int = Field(16, gt=0)
+    """Tokens per KV block; equals the router's token block size (16), so KV events name blocks it can match."""
+    num_blocks: int = Field(2048, gt=0)
+    """KV cache blocks (x block_size tokens). The demo model needs 8 KiB per 16-token block at float32."""
+    max_num_seqs: int = Field(32, gt=0)
+    """Sequences decoded together in one step."""
+    max_num_batched_tokens: int = Field(512, gt=0)
+    """Tokens per step; longer prompts prefill in chunks of this, so decodes keep flowing."""
+    max_model_len: int | None = Field(None, gt=1)
+    """Prompt plus output tokens; default: the model's max_position_embeddings, capped by the cache."""
+    max_waiting: int = Field(256, ge=0)
+    """Requests queued beyond the running ones; more get 429 with Retry-After instead of waiting unboundedly."""
+    max_tokens_default: int = Field(256, gt=0)
+    """max_tokens of a request that sets none."""
+    enable_prefix_caching: bool = True
+    kv_events_redis_url: str | None = None
+    """Also publish KV events to this Redis (XADD to `kv_events_stream`); off by default. The HTTP stream
+    `GET /v1/kv_events` is always on."""
+    kv_events_stream: str = "shoal:kv_events"
+    """Redis stream key; entries carry this replica's `replica_id`."""
+    replica_id: str | None = None
+    """Name in KV events; default host:port."""
+    seed: int = 0
+    """Seed for requests without a seed of their own."""
+    log_level: str = "INFO"
+    config_file: Path | None = None
+    """YAML file with any of these settings."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ReplicaSettings:
+        if self.quantization != "nvfp4-w4a4" and self.activation_scales is not None:
+            raise ValueError("activation_scales only applies to quantization=nvfp4-w4a4")
+        if self.quantization == "nvfp4-w4a4" and self.activation_scales is None:
+            raise ValueError("quantization=nvfp4-w4a4 needs activation_scales (run `shoal replica calibrate`)")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        init_kwargs: dict[str, Any] = getattr(init_settings, "init_kwargs", {})
+        path = init_kwargs.get("config_file") or os.environ.get("SHOAL_REPLICA_CONFIG_FILE")
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if path:
+            if not Path(path).is_file():
+                raise ValueError(f"config file {path} does not exist")
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+        return tuple(sources)
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return "shoal-demo" if self.model == "demo" else Path(self.model).resolve().name

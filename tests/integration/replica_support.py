@@ -1,0 +1,63 @@
+"""Shoal replicas in-process on loopback, for the server tests and the router-in-front tests."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import pytest
+from aiohttp import web
+
+from tests.replica_checkpoint import build_tiny_checkpoint
+
+
+@dataclass
+class ReplicaHandle:
+    app: web.Application
+    runner: web.AppRunner
+    url: str
+
+    @property
+    def state(self) -> Any:
+        from replica.server.app import STATE
+
+        return self.app[STATE]
+
+
+class StartReplica(Protocol):
+    async def __call__(self, **settings: Any) -> ReplicaHandle: ...
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-ckpt"))
+
+
+@pytest.fixture
+async def start_replica(tiny_checkpoint: Path) -> AsyncIterator[StartReplica]:
+    from replica.server.app import create_app
+    from replica.server.serve import load_for_serving
+    from replica.settings import ReplicaSettings
+
+    handles: list[ReplicaHandle] = []
+
+    async def start(**overrides: Any) -> ReplicaHandle:
+        values: dict[str, Any] = {"model": str(tiny_checkpoint), "served_model_name": "shoal-demo", "port": 0}
+        values.update(overrides)
+        settings = ReplicaSettings(**values)
+        model, tokenizer = load_for_serving(settings)
+        app = create_app(settings, model, tokenizer)  # type: ignore[arg-type]
+        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        handle = ReplicaHandle(app, runner, f"http://{host}:{port}")
+        handles.append(handle)
+        return handle
+
+    yield start
+    for handle in handles:
+        await handle.runner.cleanup()

@@ -1,0 +1,223 @@
+"""`shoal replica` over HTTP: the official openai client, streaming, usage with cached tokens, metrics under vLLM's
+names, KV events, and bad input that gets a 400 and leaves the server serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from router.policy.hashing import hash_tokens, namespace_seed
+from tests.integration.conftest import eventually, metric_value
+from tests.integration.replica_support import StartReplica
+
+pytestmark = pytest.mark.integration
+
+SYSTEM = "あなたはさくら商事のアシスタントです。 You help customers with orders, invoices and meetings. " * 8
+
+
+def client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+async def test_openai_client_chat_completion_and_models(start_replica: StartReplica) -> None:
+    replica = await start_replica()
+    async with client(replica.url) as c:
+        models = await c.models.list()
+        assert [m.id for m in models.data] == ["shoal-demo"]
+        reply = await c.chat.completions.create(
+            model="shoal-demo", messages=[{"role": "user", "content": "こんにちは"}], max_tokens=8, temperature=0
+        )
+    assert reply.object == "chat.completion"
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage is not None and reply.usage.completion_tokens <= 8
+    assert reply.usage.prompt_tokens > 0
+
+
+async def test_streaming_matches_non_streaming_and_reports_usage(start_replica: StartReplica) -> None:
+    replica = await start_replica()
+    messages = [{"role": "user", "content": "Please confirm order SO-1234."}]
+    async with client(replica.url) as c:
+        whole = await c.chat.completions.create(
+            model="shoal-demo", messages=messages, max_tokens=12, temperature=0, seed=1
+        )
+        stream = await c.chat.completions.create(
+            model="shoal-demo",
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            seed=1,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        parts, finish, usage = [], None, None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                parts.append(choice.delta.content or "")
+                finish = choice.finish_reason or finish
+    assert "".join(parts) == whole.choices[0].message.content
+    assert finish == whole.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens  # type: ignore[union-attr]
+
+
+async def test_shared_prefix_reports_cached_tokens(start_replica: StartReplica) -> None:
+    replica = await start_replica()
+    async with client(replica.url) as c:
+        first = await c.chat.completions.create(
+            model="shoal-demo",
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Invoice status?"}],
+            max_tokens=2,
+        )
+        second = await c.chat.completions.create(
+            model="shoal-demo",
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "会議室の予約をお願いします"}],
+            max_tokens=2,
+        )
+    assert first.usage is not None and second.usage is not None
+    assert first.usage.prompt_tokens_details is not None and second.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and cached >= first.usage.prompt_tokens // 2, (cached, first.usage.prompt_tokens)
+    assert cached % 16 == 0  # whole blocks only
+
+
+async def test_completions_with_text_and_token_ids(start_replica: StartReplica) -> None:
+    replica = await start_replica()
+    async with client(replica.url) as c:
+        by_text = await c.completions.create(model="shoal-demo", prompt="Dear Mr. Tanaka,", max_tokens=5, temperature=0)
+        ids = replica.state.tokenizer.encode("Dear Mr. Tanaka,")
+        by_ids = await c.completions.create(model="shoal-demo", prompt=ids, max_tokens=5, temperature=0)
+    assert by_text.choices[0].text == by_ids.choices[0].text
+    assert by_text.usage is not None and by_text.usage.prompt_tokens == len(ids)
+
+
+async def test_stop_string_cuts_output(start_replica: StartReplica) -> None:
+    replica = await start_replica()
+    async with client(replica.url) as c:
+        free = await c.completions.create(model="shoal-demo", prompt="Hello", max_tokens=20, temperature=0)
+        text = free.choices[0].text
+        assert len(text) >= 4
+        stop = text[2:4]
+        cut = await c.completions.create(model="shoal-demo", prompt="Hello", max_tokens=20, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)]
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": 5}, "temperature"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "'n'"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "lots"}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": 3}, "stop"),
+        ({"messages": [{"role": "user", "content": "hi " * 3000}]}, "context"),
+    ],
+)
+async def test_bad_chat_requests_get_400_and_the_server_keeps_serving(
+    start_replica: StartReplica, body: dict[str, Any], fragment: str
+) -> None:
+    replica = await start_replica()
+    async with aiohttp.ClientSession() as http:
+        async with http.post(replica.url + "/v1/chat/completions", json={"model": "shoal-demo", **body}) as resp:
+            assert resp.status == 400
+            error = (await resp.json())["error"]
+            assert fragment in error["message"], error
+        async with http.post(replica.url + "/v1/chat/completions", data=b"{not json") as resp:
+            assert resp.status == 400
+        async with http.post(
+            replica.url + "/v1/completions", json={"model": "shoal-demo", "prompt": [10**9]}
+        ) as resp:
+            assert resp.status == 400
+            assert "vocabulary" in (await resp.json())["error"]["message"]
+        async with http.post(replica.url + "/v1/completions", json={"model": "other", "prompt": "x"}) as resp:
+            assert resp.status == 404
+        async with http.get(replica.url + "/health") as resp:
+            assert resp.status == 200
+        async with http.post(
+            replica.url + "/v1/completions", json={"model": "shoal-demo", "prompt": "ok", "max_tokens": 2}
+        ) as resp:
+            assert resp.status == 200
+
+
+async def test_full_queue_gets_429_with_retry_after(start_replica: StartReplica) -> None:
+    replica = await start_replica(max_num_seqs=1, max_waiting=0)
+    body = {"model": "shoal-demo", "prompt": "Hello", "max_tokens": 200, "ignore_eos": True}
+    async with aiohttp.ClientSession() as http:
+
+        async def send() -> tuple[int, str | None]:
+            async with http.post(replica.url + "/v1/completions", json=body) as resp:
+                await resp.read()
+                return resp.status, resp.headers.get("Retry-After")
+
+        results = await asyncio.gather(*(send() for _ in range(4)))
+    statuses = sorted(s for s, _ in results)
+    assert statuses.count(200) >= 1 and 429 in statuses, statuses
+    assert all(retry == "1" for s, retry in results if s == 429)
+
+
+async def test_client_disconnect_aborts_and_frees_blocks(start_replica: StartReplica) -> None:
+    replica = await start_replica()
+    engine = replica.state.engine.engine
+    body = {"model": "shoal-demo", "prompt": "Hello " * 50, "max_tokens": 500, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(replica.url + "/v1/completions", json=body)
+        await resp.content.readline()  # the first chunk arrived: the request is running
+        resp.close()
+    await eventually(lambda: not engine.has_work, timeout_s=10, what="the aborted request to leave the engine")
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.check_invariants()
+
+
+async def test_metrics_use_vllm_names(start_replica: StartReplica) -> None:
+    replica = await start_replica()
+    async with client(replica.url) as c:
+        for _ in range(2):
+            await c.completions.create(model="shoal-demo", prompt=SYSTEM, max_tokens=3)
+    async with aiohttp.ClientSession() as http, http.get(replica.url + "/metrics") as resp:
+        text = await resp.text()
+    labels = {"model_name": "shoal-demo"}
+    assert metric_value(text, "vllm:num_requests_running", labels) == 0
+    assert metric_value(text, "vllm:num_requests_waiting", labels) == 0
+    assert metric_value(text, "vllm:kv_cache_usage_perc", labels) == 0
+    hits = metric_value(text, "vllm:prefix_cache_hits_total", labels)
+    queries = metric_value(text, "vllm:prefix_cache_queries_total", labels)
+    assert hits is not None and queries is not None and 0 < hits < queries
+    assert metric_value(text, "vllm:generation_tokens_total", labels) == 6
+    assert metric_value(text, "vllm:time_to_first_token_seconds_count", labels) == 2
+    assert metric_value(text, "vllm:request_success_total", {**labels, "finished_reason": "length"}) == 2
+
+
+async def test_kv_events_stream_snapshot_then_stored_blocks_with_router_hashes(start_replica: StartReplica) -> None:
+    replica = await start_replica()
+    async with client(replica.url) as c:
+        await c.completions.create(model="shoal-demo", prompt=SYSTEM, max_tokens=1)
+    seed = namespace_seed("shoal-demo")
+    async with aiohttp.ClientSession() as http, http.get(replica.url + "/v1/kv_events") as resp:
+        snapshot = json.loads((await resp.content.readline()).decode()[len("data: ") :])
+        await resp.content.readline()  # blank line ending the SSE message
+        assert snapshot["snapshot"] is True
+        kinds = [e["type"] for e in snapshot["events"]]
+        assert kinds[0] == "cleared" and kinds.count("stored") >= 4
+        prompt_ids = replica.state.tokenizer.encode(SYSTEM + "more")
+        async with client(replica.url) as c:
+            await c.completions.create(model="shoal-demo", prompt=prompt_ids, max_tokens=1)
+        message = json.loads((await resp.content.readline()).decode()[len("data: ") :])
+    assert message["seq"] == snapshot["seq"] + 1
+    stored = [e for e in message["events"] if e["type"] == "stored"]
+    assert stored, message
+    event = stored[0]
+    # The replica hashes exactly as the router does: recompute from the event's tokens and parent.
+    assert event["block_hashes"] == hash_tokens(
+        event["token_ids"], seed, event["block_size"], parent_hash=event["parent_hash"]
+    )
+    known = {h for e in snapshot["events"] if e["type"] == "stored" for h in e["block_hashes"]}
+    assert event["parent_hash"] in known
