@@ -20,7 +20,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 typecheck: install
-	$(VENV)/bin/mypy router autoscaler/policy
+	$(VENV)/bin/mypy router autoscaler/policy replica
 
 contracts: install
 	$(VENV)/bin/lint-imports
@@ -30,16 +30,10 @@ unit: install
 
 test: lint typecheck contracts unit
 
-# Until the bundled replica lands, two stand-in replicas (tests/fakes/fake_replica.py, OpenAI-compatible, with
-# vLLM metric names) serve behind the router. Ctrl-C stops all three.
+# A router and two replicas of the demo model on loopback, then a few example requests; Ctrl-C stops all three.
+# The demo model is trained on first use (a few minutes on 2 CPU cores) and cached under ~/.cache/shoal.
 demo: install
-	@echo "Router on http://127.0.0.1:8000 with two stand-in replicas (the bundled engine arrives with the replica)."
-	@echo "Try: curl -s http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\"
-	@echo "       -d '{\"model\": \"shoal-demo\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'"
-	@$(PY) -m tests.fakes.fake_replica --port 8101 --name a --per-token-delay-s 0.02 & a=$$!; \
-	$(PY) -m tests.fakes.fake_replica --port 8102 --name b --per-token-delay-s 0.02 & b=$$!; \
-	trap 'kill $$a $$b 2>/dev/null' EXIT INT TERM; \
-	$(VENV)/bin/shoal router --port 8000 --replica http://127.0.0.1:8101 --replica http://127.0.0.1:8102
+	$(VENV)/bin/shoal up --replicas 2 --demo-requests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -63,6 +63,7 @@ def run_up(
         from replica.demo.build import ensure_demo_model
 
         ensure_demo_model()
+    served_name = "shoal-demo" if model == "demo" else Path(model).resolve().name
     shoal = _shoal_command()
     threads = max(1, (os.cpu_count() or 1) // num_replicas)
     procs: list[subprocess.Popen[bytes]] = []
@@ -78,11 +79,16 @@ def run_up(
             except subprocess.TimeoutExpired:
                 proc.kill()
 
-    signal.signal(signal.SIGTERM, lambda *_: (stop_all(), sys.exit(0)))
+    def on_sigterm(*_: Any) -> None:
+        stop_all()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         for i in range(num_replicas):
             replica_port = replica_base_port + i
-            cmd = [*shoal, "replica", "--model", model, "--port", str(replica_port), "--threads", str(threads)]
+            cmd = [*shoal, "replica", "--model", model, "--served-model-name", served_name]
+            cmd += ["--port", str(replica_port), "--threads", str(threads)]
             if quantization != "none":
                 cmd += ["--quantization", quantization]
             procs.append(subprocess.Popen(cmd))
@@ -100,7 +106,7 @@ def run_up(
         if demo_requests:
             from replica.demo.requests import run_demo_requests
 
-            run_demo_requests(endpoint)
+            run_demo_requests(endpoint, model=served_name)
             if exit_after_demo:
                 return 0
         print("Ctrl-C stops the router and the replicas.", flush=True)

@@ -31,7 +31,7 @@ def build_tiny_checkpoint(path: Path, *, seed: int = 0) -> Path:
         num_experts=8,
         num_experts_per_tok=2,
         shared_expert_intermediate_size=64,
-        max_position_embeddings=1024,
+        max_position_embeddings=4096,
         eos_token_id=sorted(tokenizer.eos_token_ids),
     )
     model = MoEForCausalLM(config)

@@ -94,7 +94,7 @@ def build_demo(
     train_texts, heldout = texts[:-num_heldout], texts[-num_heldout:]
     progress(f"corpus: {len(train_texts)} conversations for training, {len(heldout)} held out")
     tokenizer = train_bpe(train_texts, vocab_size=recipe.vocab_size)
-    eot = tokenizer.token_to_id("<|endoftext|>")
+    eot = tokenizer.endoftext_token_id
     stream: list[int] = []
     for text in train_texts:
         stream.extend(tokenizer.encode(text))
@@ -144,7 +144,7 @@ def build_demo(
         batch = torch.stack([data[s : s + recipe.seq_len + 1] for s in starts.tolist()])  # [B, S+1]
         logits, aux = model.forward_train(batch[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-        (loss + recipe.aux_loss_weight * aux).backward()
+        (loss + recipe.aux_loss_weight * aux).backward()  # type: ignore[no-untyped-call]
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -51,7 +51,7 @@ def _stream_chat(endpoint: str, body: dict[str, Any]) -> tuple[str, float, dict[
     parts: list[str] = []
     usage: dict[str, Any] = {}
     with urllib.request.urlopen(req, timeout=300) as resp:
-        replica = resp.headers.get("x-shoal-replica", "?")
+        replica = resp.headers.get("x-shoal-replica", "?") + " " + resp.headers.get("x-shoal-route-branch", "")
         for raw in resp:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":

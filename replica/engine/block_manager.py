@@ -109,7 +109,7 @@ class BlockManager:
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the sequence's next token fits (it needs a new block only when its last one is full)."""
-        return len(seq.block_table) * self.block_size > seq.num_tokens or self.num_free_blocks > 0
+        return len(seq.block_table) * self.block_size >= seq.num_tokens or self.num_free_blocks > 0
 
     def append_slot(self, seq: Sequence) -> None:
         """Make room for `seq.token_ids[-1]`, the token about to be computed."""
@@ -164,12 +164,18 @@ class BlockManager:
         stored: list[int] = []
         for i, h in enumerate(hashes):
             block = seq.block_table[first + i]
-            if h in self.hash_to_block:
-                # Another sequence computed the same block first; this copy stays private and is not announced.
-                existing = self.hash_to_block[h]
-                if existing != block:
-                    self.block_hashes[block] = None
-                    continue
+            existing = self.hash_to_block.get(h)
+            if existing is not None and existing != block:
+                # Another sequence computed the same block first: share its copy and free this one, so the chain
+                # stays whole (a private copy would outlive its cached parent, unreachable and unannounced).
+                if self.ref_counts[existing] == 0:
+                    del self._free_cached[existing]
+                self.ref_counts[existing] += 1
+                seq.block_table[first + i] = existing
+                self.ref_counts[block] -= 1
+                if self.ref_counts[block] == 0:
+                    self._free_uncached.append(block)
+                continue
             self.block_hashes[block] = h
             self.hash_to_block[h] = block
             self._block_tokens[block] = tuple(tokens[i * bs : (i + 1) * bs])

@@ -196,7 +196,7 @@ class LLMEngine:
                 self.block_manager.register_computed(seq)
             if logits is not None:
                 seqs = [batch.seqs[i] for i in sample_idx]
-                gens = [self._seq_generators.get(s.seq_id, self._generator) for s in seqs]
+                gens: list[torch.Generator | None] = [self._seq_generators.get(s.seq_id, self._generator) for s in seqs]
                 tokens = sample(logits, [s.params for s in seqs], gens)
                 now = self.clock()
                 for seq, token in zip(seqs, tokens, strict=True):

@@ -89,7 +89,7 @@ class Attention(nn.Module):
         k_cache[batch.slot_mapping] = k.to(k_cache.dtype)
         v_cache[batch.slot_mapping] = v.to(v_cache.dtype)
         out = self._decode(q, k_cache, v_cache, batch) if batch.is_decode else self._prefill(q, k_cache, v_cache, batch)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))  # type: ignore[no-any-return]
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch
@@ -147,4 +147,4 @@ def dense_causal_attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, 
     out = F.scaled_dot_product_attention(
         q, k, v, is_causal=True, scale=attn.scale, enable_gqa=attn.num_heads != attn.num_kv_heads
     )
-    return attn.o_proj(out.transpose(1, 2).reshape(batch, seq, attn.num_heads * attn.head_dim))
+    return attn.o_proj(out.transpose(1, 2).reshape(batch, seq, attn.num_heads * attn.head_dim))  # type: ignore[no-any-return]

@@ -35,9 +35,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, sin) [T, D/2]."""
-        cos: torch.Tensor = self.cos
-        sin: torch.Tensor = self.sin
-        return cos[positions], sin[positions]
+        return self.get_buffer("cos")[positions], self.get_buffer("sin")[positions]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -58,6 +58,10 @@ class MoEForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, device=device)
 
     @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return list(self.model.layers)  # type: ignore[arg-type]
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
@@ -80,7 +84,7 @@ class MoEForCausalLM(nn.Module):
         assert self.rotary is not None, "init_rope() was not called after building on the meta device"
         cos, sin = self.rotary(positions)
         h = self.model.embed_tokens(input_ids)  # [T, H]
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self.decoder_layers, kv_caches, strict=True):
             h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv_cache, batch)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.norm(h)  # type: ignore[no-any-return]
@@ -100,7 +104,7 @@ class MoEForCausalLM(nn.Module):
         cos, sin = self.rotary(torch.arange(seq, device=input_ids.device))
         h = self.model.embed_tokens(input_ids)  # [B, S, H]
         aux = torch.zeros((), device=input_ids.device)
-        for layer in self.model.layers:
+        for layer in self.decoder_layers:
             h = h + dense_causal_attention(layer.self_attn, layer.input_layernorm(h), cos, sin)
             flat = layer.post_attention_layernorm(h).reshape(batch * seq, -1)  # [T, H]
             mlp: MoEBlock = layer.mlp

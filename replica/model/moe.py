@@ -133,7 +133,8 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
 
 
 class MoEBlock(nn.Module):
@@ -164,4 +165,4 @@ class MoEBlock(nn.Module):
         out = self.experts(x, topk_ids, topk_weights)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
-        return out
+        return out  # type: ignore[no-any-return]

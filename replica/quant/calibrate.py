@@ -30,7 +30,7 @@ SCALES_FORMAT = "shoal-nvfp4-activation-amax/v1"
 POINTS: tuple[ObservePoint, ...] = ("gate_up", "down")
 
 
-class CalibrationError(RuntimeError):
+class CalibrationError(ValueError):
     """Calibration data that leaves experts uncovered, or a file that cannot be used."""
 
 
@@ -52,7 +52,7 @@ class ExpertStatsObserver:
 class CalibrationResult:
     token_counts: torch.Tensor
     """[L, E] tokens each expert saw."""
-    amax: dict[str, torch.Tensor]
+    amax: dict[ObservePoint, torch.Tensor]
     """point -> [L, E] activation absolute maximum."""
     min_tokens: int
     num_requests: int
@@ -143,7 +143,7 @@ def check_coverage(result: CalibrationResult, *, allow_uncovered: bool) -> None:
             amax[low] = layer_max[low]
 
 
-def load_amax(path: str | Path) -> dict[str, torch.Tensor]:
+def load_amax(path: str | Path) -> dict[ObservePoint, torch.Tensor]:
     """point -> [L, E] amax from a file `shoal replica calibrate` wrote."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))

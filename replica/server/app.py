@@ -226,6 +226,10 @@ async def _complete(gen: _Generation, request_id: str, *, chat: bool) -> web.Res
 
 
 async def _stream(request: web.Request, gen: _Generation, request_id: str, *, chat: bool) -> web.StreamResponse:
+    # Nothing is sent before the first token: a router reads the first body byte as the time to first token
+    # (it learns each replica's prefill rate from it), and an engine failure before it is still a plain 503.
+    texts = gen.texts()
+    first = await anext(texts, "")
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     created = now_s()
@@ -248,7 +252,9 @@ async def _stream(request: web.Request, gen: _Generation, request_id: str, *, ch
     try:
         if chat:
             await response.write(chunk(None, None, role=True))
-        async for text in gen.texts():
+        if first:
+            await response.write(chunk(first, None))
+        async for text in texts:
             if text:
                 await response.write(chunk(text, None))
         await response.write(chunk(None, gen.finish_reason))

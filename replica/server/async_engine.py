@@ -149,10 +149,10 @@ class AsyncEngine:
                 return
             self._in_step = False
             for out in result.outputs:
-                stream = self._streams.get(out.seq_id)
-                if stream is None:
+                target = self._streams.get(out.seq_id)
+                if target is None:
                     continue  # aborted while the step ran
-                stream._put(out)
+                target._put(out)
                 if out.finished:
                     del self._streams[out.seq_id]
             if self._on_step is not None:

@@ -11,6 +11,7 @@ import json
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ class ParsedRequest:
     has_tools: bool
 
 
-_UNSUPPORTED = {
+_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "logprobs": lambda v: v not in (None, False, 0),
     "top_logprobs": lambda v: v not in (None, 0),
     "echo": lambda v: v not in (None, False),

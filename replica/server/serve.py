@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from typing import Literal
 
 from replica.settings import ReplicaSettings
 
@@ -29,11 +30,12 @@ def load_for_serving(settings: ReplicaSettings) -> tuple[object, object]:
     dtype = getattr(torch, settings.dtype)
     model = load_model(path, dtype=dtype, device=settings.device)
     if settings.quantization != "none":
-        from replica.quant.experts import load_activation_scales, quantize_model_experts
+        from replica.quant.calibrate import load_amax
+        from replica.quant.experts import quantize_model_experts
 
-        mode = "w4a4" if settings.quantization == "nvfp4-w4a4" else "w4a16"
-        scales = load_activation_scales(settings.activation_scales) if settings.activation_scales else None
-        count = quantize_model_experts(model, mode=mode, activation_scales=scales)
+        mode: Literal["w4a16", "w4a4"] = "w4a4" if settings.quantization == "nvfp4-w4a4" else "w4a16"
+        amax = load_amax(settings.activation_scales) if settings.activation_scales else None
+        count = quantize_model_experts(model, mode=mode, activation_amax=amax)
         log.info("quantized the routed experts of %d layers to NVFP4 (%s)", count, mode)
     tokenizer = Tokenizer.from_file(path / "tokenizer.json")
     return model, tokenizer

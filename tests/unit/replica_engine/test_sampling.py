@@ -1,0 +1,187 @@
+"""Sampling parameters, seeded sampling, and how requests finish (stop tokens, EOS, max_tokens, context length)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from replica.engine.engine import EngineConfig, LLMEngine, RequestError
+from replica.engine.sampling import SamplingError, SamplingParams
+from replica.engine.sequence import FinishReason
+from replica.model.model import MoEForCausalLM
+from tests.unit.replica_engine.conftest import Run, drive, greedy
+
+PROMPT = [11, 42, 7, 99, 3, 64, 20]
+CONFIG = EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)
+
+
+def run_alone(model: MoEForCausalLM, params: SamplingParams, *, eos: tuple[int, ...] = (), **changes: Any) -> Run:
+    e = LLMEngine(model, replace(CONFIG, **changes), eos_token_ids=eos)
+    e.add_request(PROMPT, params)
+    return drive(e)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"stop": ("",)}, "empty"),
+        ({"stop": tuple("abcdefghi")}, "at most 8"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**63}, "seed"),
+    ],
+)
+def test_invalid_sampling_params(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(SamplingError, match=message):
+        SamplingParams(**changes)  # type: ignore[arg-type]
+
+
+def test_boundary_sampling_params_are_valid() -> None:
+    p = SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, top_k=0, stop=tuple("abcdefgh"), seed=0)
+    assert p.is_greedy
+    assert not SamplingParams(temperature=2.0, top_p=1e-6, top_k=1, seed=2**63 - 1).is_greedy
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_companions(model: MoEForCausalLM) -> None:
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    alone = run_alone(model, params).tokens[0]
+
+    # Another engine (another engine seed), with companions before and after it that sample from the engine's
+    # generator, one with its own seed, and a greedy one, all in the same steps.
+    e = LLMEngine(model, replace(CONFIG, seed=99))
+    e.add_request([5, 6, 7], SamplingParams(max_tokens=20, temperature=1.5, ignore_eos=True))
+    seq_id = e.add_request(PROMPT, params)
+    e.add_request(PROMPT, SamplingParams(max_tokens=20, temperature=1.0, seed=1, ignore_eos=True))
+    e.add_request([1] * 9, greedy(20))
+    batched = drive(e)
+    assert batched.tokens[seq_id] == alone
+
+    # The seed matters: another seed draws another sequence (12 draws at temperature 1 do not all coincide).
+    other = run_alone(model, replace(params, seed=4321)).tokens[0]
+    assert other != alone
+
+
+def test_unseeded_sampling_follows_the_engine_seed(model: MoEForCausalLM) -> None:
+    params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    assert run_alone(model, params, seed=3).tokens[0] == run_alone(model, params, seed=3).tokens[0]
+    assert run_alone(model, params, seed=3).tokens[0] != run_alone(model, params, seed=4).tokens[0]
+
+
+def test_top_k_one_is_greedy(model: MoEForCausalLM) -> None:
+    expected = run_alone(model, greedy(10)).tokens[0]
+    assert len(set(expected)) > 1
+    for seed in (0, 1):
+        sampled = SamplingParams(max_tokens=10, temperature=2.0, top_k=1, seed=seed, ignore_eos=True)
+        assert run_alone(model, sampled).tokens[0] == expected
+
+
+def test_tiny_top_p_is_greedy(model: MoEForCausalLM) -> None:
+    expected = run_alone(model, greedy(10)).tokens[0]
+    sampled = SamplingParams(max_tokens=10, temperature=2.0, top_p=1e-6, seed=5, ignore_eos=True)
+    assert run_alone(model, sampled).tokens[0] == expected
+
+
+@pytest.fixture(scope="module")
+def greedy_tokens(model: MoEForCausalLM) -> list[int]:
+    return run_alone(model, greedy(10)).tokens[0]
+
+
+def first_new(tokens: list[int]) -> int:
+    """An index i > 0 whose token does not occur before it (so stopping on it stops exactly there)."""
+    return next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+def test_stop_token_ids_finish_with_stop(model: MoEForCausalLM, greedy_tokens: list[int]) -> None:
+    i = first_new(greedy_tokens)
+    run = run_alone(model, greedy(10, stop_token_ids=frozenset({greedy_tokens[i]})))
+    assert run.tokens[0] == greedy_tokens[: i + 1]  # the stop token is returned; the server decides what to show
+    assert run.finals[0].finish_reason is FinishReason.STOP
+    assert run.finals[0].num_output_tokens == i + 1
+
+
+def test_stop_token_ids_apply_even_with_ignore_eos(model: MoEForCausalLM, greedy_tokens: list[int]) -> None:
+    i = first_new(greedy_tokens)
+    params = greedy(10, stop_token_ids=frozenset({greedy_tokens[i]}))
+    assert params.ignore_eos
+    run = run_alone(model, params, eos=(greedy_tokens[i],))
+    assert run.tokens[0] == greedy_tokens[: i + 1] and run.finals[0].finish_reason is FinishReason.STOP
+
+
+def test_eos_finishes_with_stop_unless_ignored(model: MoEForCausalLM, greedy_tokens: list[int]) -> None:
+    i = first_new(greedy_tokens)
+    eos = (greedy_tokens[i], 127 if greedy_tokens[i] != 127 else 126)
+    honoured = run_alone(model, SamplingParams(max_tokens=10, temperature=0.0), eos=eos)
+    assert honoured.tokens[0] == greedy_tokens[: i + 1] and honoured.finals[0].finish_reason is FinishReason.STOP
+    ignored = run_alone(model, greedy(10), eos=eos)
+    assert ignored.tokens[0] == greedy_tokens and ignored.finals[0].finish_reason is FinishReason.LENGTH
+
+
+def test_max_tokens_finishes_with_length(model: MoEForCausalLM, greedy_tokens: list[int]) -> None:
+    for max_tokens in (1, 4):
+        run = run_alone(model, greedy(max_tokens))
+        assert run.tokens[0] == greedy_tokens[:max_tokens]
+        assert run.finals[0].finish_reason is FinishReason.LENGTH
+        assert [o.finished for o in run.outputs[0]] == [False] * (max_tokens - 1) + [True]
+
+
+def test_max_model_len_caps_output(model: MoEForCausalLM, greedy_tokens: list[int]) -> None:
+    run = run_alone(model, greedy(100), max_model_len=len(PROMPT) + 3)
+    assert run.tokens[0] == greedy_tokens[:3]
+    assert run.finals[0].finish_reason is FinishReason.LENGTH
+
+
+def test_cache_size_caps_the_context(model: MoEForCausalLM) -> None:
+    e = LLMEngine(model, EngineConfig(num_blocks=4, block_size=4, max_num_batched_tokens=64, max_num_seqs=2))
+    assert e.max_model_len == 16
+    with pytest.raises(RequestError, match="context is 16 tokens"):
+        e.add_request(list(range(16)), greedy(5))
+    seq_id = e.add_request(list(range(15)), greedy(5))
+    run = drive(e)
+    assert len(run.tokens[seq_id]) == 1 and run.finals[seq_id].finish_reason is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ([], "empty"),
+        ([5, -1], "token id -1"),
+        ([5, 128], "token id 128"),
+        (list(range(20)), "context is 20 tokens"),
+    ],
+)
+def test_validate_rejects_bad_prompts(model: MoEForCausalLM, prompt: list[int], message: str) -> None:
+    e = LLMEngine(model, replace(CONFIG, max_model_len=20))
+    with pytest.raises(RequestError, match=message):
+        e.validate(prompt, greedy(1))
+    with pytest.raises(RequestError, match=message):
+        e.add_request(prompt, greedy(1))
+    assert not e.has_work
+    e.validate(list(range(19)), greedy(1))  # the longest prompt that leaves room for one token
+
+
+def test_abort_finishes_with_abort_and_frees_blocks(model: MoEForCausalLM) -> None:
+    config = replace(CONFIG, max_num_seqs=1)
+    e = LLMEngine(model, config)
+    running = e.add_request(PROMPT, greedy(50))
+    waiting = e.add_request(PROMPT, greedy(50))
+    e.step()
+    assert (e.num_running, e.num_waiting) == (1, 1)
+    queued = e.add_request(PROMPT, greedy(50))  # still in the inbox when aborted
+    for seq_id in (running, waiting, queued, 12345):  # unknown ids are ignored
+        e.abort(seq_id)
+    result = e.step()
+    assert {o.seq_id: (o.finish_reason, o.new_token_ids, o.finished) for o in result.outputs} == {
+        seq_id: (FinishReason.ABORT, [], True) for seq_id in (running, waiting, queued)
+    }
+    assert not e.has_work and e.block_manager.num_free_blocks == config.num_blocks
+    e.abort(running)  # a finished id is ignored
+    assert e.step().outputs == []
