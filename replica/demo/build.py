@@ -136,7 +136,9 @@ def build_demo(
     loss_value = float("nan")
     last_report = started
     while step < recipe.max_steps and time.monotonic() - train_started < recipe.max_seconds:
-        frac = step / recipe.max_steps
+        # Progress through the schedule is by steps or by time, whichever is further along, so a time-bound run
+        # still ends at a low learning rate.
+        frac = min(1.0, max(step / recipe.max_steps, (time.monotonic() - train_started) / recipe.max_seconds))
         lr = recipe.learning_rate * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -155,7 +157,7 @@ def build_demo(
             last_report = now
             progress(
                 f"step {step:5d}  loss {loss_value:.3f}  balance {aux.item():.3f}  lr {lr:.1e}  "
-                f"{now - started:5.0f} s (stops at {recipe.max_steps} steps or {recipe.max_seconds:.0f} s)"
+                f"{now - train_started:5.0f} s (stops at {recipe.max_steps} steps or {recipe.max_seconds:.0f} s)"
             )
     model.eval()
     heldout_loss = _heldout_loss(model, tokenizer, heldout)

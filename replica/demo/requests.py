@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 from typing import Any
 
@@ -28,7 +29,8 @@ _POLICY_LINES = [
 ]
 
 
-def long_system_prompt(num_repeats: int = 6) -> str:
+def long_system_prompt(num_repeats: int = 4) -> str:
+    """About 1,650 tokens of the demo tokenizer at the default: long, and inside the demo model's 2,048."""
     lines = [
         "You are the assistant of Sakura Trading. Follow the company policies below. 以下の社内規定に従ってください。"
     ]
@@ -78,6 +80,13 @@ def _post(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_demo_requests(endpoint: str, model: str = "shoal-demo") -> None:
+    try:
+        _run_demo_requests(endpoint, model)
+    except urllib.error.HTTPError as exc:
+        print(f"request failed: HTTP {exc.code}: {exc.read().decode(errors='replace')}")
+
+
+def _run_demo_requests(endpoint: str, model: str) -> None:
     print("\n== 1. A chat in Japanese ==")
     reply = _post(
         endpoint,

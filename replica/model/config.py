@@ -76,8 +76,11 @@ class ModelConfig:
         if rope_theta is None:
             params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
             rope_theta = params.get("rope_theta", 10000.0)
-        hidden = raw["hidden_size"]
-        heads = raw["num_attention_heads"]
+        try:
+            hidden = raw["hidden_size"]
+            heads = raw["num_attention_heads"]
+        except KeyError as exc:
+            raise ConfigError(f"config is missing {exc.args[0]!r}") from None
         shared = pick("shared_expert_intermediate_size", default=0)
         if not shared and raw.get("n_shared_experts"):
             shared = raw["n_shared_experts"] * raw["moe_intermediate_size"]
