@@ -123,12 +123,14 @@ class Attention(nn.Module):
             v = v_cache[slots].transpose(0, 1).unsqueeze(0)
             qi = q[start : start + num_new].transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, Hq, n, D]
             start += num_new
-            # Query j sits at position context - num_new + j and sees keys up to and including itself.
-            query_pos = torch.arange(context - num_new, context, device=q.device).unsqueeze(-1)
-            mask = torch.arange(context, device=q.device).unsqueeze(0) <= query_pos  # [n, L]
-            out = F.scaled_dot_product_attention(
-                qi, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
-            )
+            gqa = self.num_heads != self.num_kv_heads
+            if num_new == context:  # nothing cached before: plain causal attention, the fused kernel's best case
+                out = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
+            else:
+                # Query j sits at position context - num_new + j and sees keys up to and including itself.
+                query_pos = torch.arange(context - num_new, context, device=q.device).unsqueeze(-1)
+                mask = torch.arange(context, device=q.device).unsqueeze(0) <= query_pos  # [n, L]
+                out = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
             outs.append(out.squeeze(0).transpose(0, 1))  # [n, Hq, D]
         return torch.cat(outs).to(q.dtype)
 

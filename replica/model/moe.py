@@ -91,16 +91,30 @@ class Experts(nn.Module):
         )
         self.down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype, device=device))
 
+    has_padded_path = True
+    """Whether `forward` may run all experts as one padded batched matmul (the BF16 weights are stacked tensors);
+    subclasses that store experts otherwise (NVFP4) set it False and run expert by expert."""
+
+    padded_waste_limit = 4.0
+    """The padded path is taken while E * (most rows any expert got) <= this x the rows routed: it trades padding
+    for one matmul per projection instead of one per expert, which on a CPU saves ~30 us per expert per layer."""
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids [T, A], topk_weights [T, A] -> [T, H] in x's dtype."""
         num_slots = topk_ids.shape[1]
-        flat_ids = topk_ids.reshape(-1)  # [T*A]
+        flat_ids = topk_ids.reshape(-1)  # [S], S = T*A
         order = flat_ids.argsort(stable=True)  # slots grouped by expert
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        counts_t = torch.bincount(flat_ids, minlength=self.num_experts)  # [E]
         flat_weights = topk_weights.reshape(-1, 1).float()
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        if (
+            self.has_padded_path
+            and self.observer is None
+            and self.num_experts * int(counts_t.max()) <= self.padded_waste_limit * flat_ids.numel()
+        ):
+            return self._forward_padded(x, flat_ids, order, counts_t, flat_weights, out, num_slots)
         start = 0
-        for expert, count in enumerate(counts):
+        for expert, count in enumerate(counts_t.tolist()):
             if count == 0:
                 continue
             slots = order[start : start + count]
@@ -108,6 +122,28 @@ class Experts(nn.Module):
             tokens = slots // num_slots
             y = self.expert_forward(expert, x[tokens])  # [n, H]
             out.index_add_(0, tokens, y.float() * flat_weights[slots])
+        return out.to(x.dtype)
+
+    def _forward_padded(
+        self,
+        x: torch.Tensor,
+        flat_ids: torch.Tensor,
+        order: torch.Tensor,
+        counts: torch.Tensor,
+        flat_weights: torch.Tensor,
+        out: torch.Tensor,
+        num_slots: int,
+    ) -> torch.Tensor:
+        """All experts at once: rows scattered into [E, N, H] (N = most rows of any expert), two batched matmuls."""
+        sorted_ids = flat_ids[order]  # [S] expert of each slot, grouped
+        starts = torch.cumsum(counts, 0) - counts  # [E] first grouped slot of each expert
+        rows = torch.arange(order.numel(), device=x.device) - starts[sorted_ids]  # [S] row within its expert
+        tokens = order // num_slots  # [S]
+        padded = x.new_zeros(self.num_experts, int(counts.max()), x.shape[1])  # [E, N, H]
+        padded[sorted_ids, rows] = x[tokens]
+        gate, up = torch.bmm(padded, self.gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [E, N, I] each
+        y = torch.bmm(F.silu(gate) * up, self.down.transpose(1, 2))  # [E, N, H]
+        out.index_add_(0, tokens, y[sorted_ids, rows].float() * flat_weights[order])
         return out.to(x.dtype)
 
     def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:

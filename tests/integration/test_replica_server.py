@@ -133,9 +133,7 @@ async def test_bad_chat_requests_get_400_and_the_server_keeps_serving(
             assert fragment in error["message"], error
         async with http.post(replica.url + "/v1/chat/completions", data=b"{not json") as resp:
             assert resp.status == 400
-        async with http.post(
-            replica.url + "/v1/completions", json={"model": "shoal-demo", "prompt": [10**9]}
-        ) as resp:
+        async with http.post(replica.url + "/v1/completions", json={"model": "shoal-demo", "prompt": [10**9]}) as resp:
             assert resp.status == 400
             assert "vocabulary" in (await resp.json())["error"]["message"]
         async with http.post(replica.url + "/v1/completions", json={"model": "other", "prompt": "x"}) as resp:
@@ -221,3 +219,29 @@ async def test_kv_events_stream_snapshot_then_stored_blocks_with_router_hashes(s
     )
     known = {h for e in snapshot["events"] if e["type"] == "stored" for h in e["block_hashes"]}
     assert event["parent_hash"] in known
+
+
+async def test_kv_events_are_published_to_a_redis_stream(start_replica: StartReplica, redis_url: str) -> None:
+    import redis.asyncio as redis
+
+    replica = await start_replica(kv_events_redis_url=redis_url, kv_events_stream="test:kv", replica_id="r1")
+    async with client(replica.url) as c:
+        await c.completions.create(model="shoal-demo", prompt=SYSTEM, max_tokens=1)
+    conn = redis.from_url(redis_url)
+    try:
+
+        async def has_entries() -> bool:
+            return bool(await conn.xlen("test:kv"))
+
+        await eventually(has_entries, timeout_s=5, what="KV events in the Redis stream")
+        entries = await conn.xrange("test:kv")
+    finally:
+        await conn.aclose()
+    fields = entries[0][1]
+    assert fields[b"replica"] == b"r1"
+    message = json.loads(fields[b"data"])
+    stored = [e for e in message["events"] if e["type"] == "stored"]
+    assert stored and stored[0]["parent_hash"] is None  # the first blocks of the prompt
+    assert stored[0]["block_hashes"] == hash_tokens(
+        stored[0]["token_ids"], namespace_seed("shoal-demo"), stored[0]["block_size"]
+    )

@@ -115,5 +115,5 @@ def test_wrong_shape_is_named(tmp_path: Path) -> None:
 
 
 def test_folder_without_checkpoint(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="config.json"):
+    with pytest.raises(CheckpointError, match=r"config\.json"):
         load_model(tmp_path)
