@@ -1,1 +1,1 @@
-"""Actuators: what the controller scales. `local` (replica processes on this machine) and `kubernetes` (a Deployment)."""
+"""Actuators: what the controller scales; `local` (replica processes on this machine), `kubernetes` (a Deployment)."""
