@@ -145,8 +145,9 @@ def add_up_command(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "up",
         help="start a router and N local replicas of the demo model on loopback",
-        description="Start `shoal router` and N `shoal replica` processes on loopback, wait until they serve, "
-        "print the endpoint, and stop them all on Ctrl-C.",
+        description="Start `shoal router` and N `shoal replica` processes on loopback (or, with --autoscale, "
+        "`shoal autoscaler`, which starts and stops them with the load), wait until they serve, print the "
+        "endpoint, and stop them all on Ctrl-C.",
     )
     parser.add_argument("--replicas", type=int, default=2, help="number of replicas (default 2)")
     parser.add_argument("--model", default="demo", help="checkpoint folder, or `demo` (default)")
@@ -155,6 +156,13 @@ def add_up_command(subparsers: Any) -> None:
     parser.add_argument("--quantization", choices=["none", "nvfp4"], default="none")
     parser.add_argument("--demo-requests", action="store_true", help="send a few example requests once up")
     parser.add_argument("--exit-after-demo", action="store_true", help="stop everything after the demo requests")
+    parser.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="let `shoal autoscaler` start and stop replicas with the load (--replicas is then ignored)",
+    )
+    parser.add_argument("--min-replicas", type=int, default=1, help="with --autoscale: fewest replicas (default 1)")
+    parser.add_argument("--max-replicas", type=int, default=4, help="with --autoscale: most replicas (default 4)")
     parser.set_defaults(run=_run_up)
 
 
@@ -169,4 +177,7 @@ def _run_up(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         demo_requests=args.demo_requests,
         exit_after_demo=args.exit_after_demo,
+        autoscale=args.autoscale,
+        min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas,
     )

@@ -3,11 +3,18 @@
 The demo model is built once, in this process, before any replica starts (N replicas must not race to train it).
 Each replica gets an equal share of the CPU threads. The router starts with every replica's URL and holds requests
 until their health checks pass. Ctrl-C (or SIGTERM) stops every child; a child that dies stops the rest.
+
+With `--autoscale`, the router starts empty and `shoal autoscaler` with its local actuator owns the replicas: it
+starts `--min-replicas`, grows to `--max-replicas` under load and drains and stops them when the load goes. The two
+processes share a random admin token (passed in their environment, never on a command line). The autoscaler is run
+as `python -m autoscaler.cli`: the replica package never imports the autoscaler (DESIGN.md's layers).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -55,9 +62,15 @@ def run_up(
     quantization: str = "none",
     demo_requests: bool = False,
     exit_after_demo: bool = False,
+    autoscale: bool = False,
+    min_replicas: int = 1,
+    max_replicas: int = 4,
 ) -> int:
     if num_replicas < 1:
         print("shoal up: --replicas must be at least 1", file=sys.stderr)
+        return 2
+    if autoscale and not 1 <= min_replicas <= max_replicas:
+        print("shoal up: need 1 <= --min-replicas <= --max-replicas", file=sys.stderr)
         return 2
     if model == "demo":
         from replica.demo.build import ensure_demo_model
@@ -65,7 +78,7 @@ def run_up(
         ensure_demo_model()
     served_name = "shoal-demo" if model == "demo" else Path(model).resolve().name
     shoal = _shoal_command()
-    threads = max(1, (os.cpu_count() or 1) // num_replicas)
+    threads = max(1, (os.cpu_count() or 1) // (max_replicas if autoscale else num_replicas))
     procs: list[subprocess.Popen[bytes]] = []
     replica_urls = []
 
@@ -75,7 +88,8 @@ def run_up(
                 proc.terminate()
         for proc in procs:
             try:
-                proc.wait(timeout=15)
+                # The autoscaler first stops its replicas (each gets 15 s): give it longer than that.
+                proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
 
@@ -85,6 +99,20 @@ def run_up(
 
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
+        if autoscale:
+            endpoint = _start_autoscaled(
+                procs,
+                shoal,
+                model=model,
+                served_name=served_name,
+                port=port,
+                replica_base_port=replica_base_port,
+                quantization=quantization,
+                threads=threads,
+                min_replicas=min_replicas,
+                max_replicas=max_replicas,
+            )
+            return _serve(procs, endpoint, served_name, demo_requests, exit_after_demo)
         for i in range(num_replicas):
             replica_port = replica_base_port + i
             cmd = [*shoal, "replica", "--model", model, "--served-model-name", served_name]
@@ -103,18 +131,7 @@ def run_up(
         _wait_healthy(endpoint + "/ready", procs, timeout_s=60)
         print(f"\nShoal is up: {endpoint}/v1 (OpenAI API), {num_replicas} replica(s): {', '.join(replica_urls)}")
         print(f"  metrics: {endpoint}/metrics   replicas: {', '.join(u + '/metrics' for u in replica_urls)}")
-        if demo_requests:
-            from replica.demo.requests import run_demo_requests
-
-            run_demo_requests(endpoint, model=served_name)
-            if exit_after_demo:
-                return 0
-        print("Ctrl-C stops the router and the replicas.", flush=True)
-        while all(proc.poll() is None for proc in procs):
-            time.sleep(0.5)
-        dead = next(proc for proc in procs if proc.poll() is not None)
-        print(f"shoal up: {' '.join(map(str, dead.args))} exited with {dead.returncode}; stopping", file=sys.stderr)  # type: ignore[arg-type]
-        return 1
+        return _serve(procs, endpoint, served_name, demo_requests, exit_after_demo)
     except KeyboardInterrupt:
         return 0
     except (RuntimeError, TimeoutError) as exc:
@@ -122,3 +139,88 @@ def run_up(
         return 1
     finally:
         stop_all()
+
+
+def _serve(
+    procs: list[subprocess.Popen[bytes]], endpoint: str, served_name: str, demo_requests: bool, exit_after_demo: bool
+) -> int:
+    """Send the demo requests if asked, then wait until Ctrl-C or until a child dies."""
+    if demo_requests:
+        from replica.demo.requests import run_demo_requests
+
+        run_demo_requests(endpoint, model=served_name)
+        if exit_after_demo:
+            return 0
+    print("Ctrl-C stops the router and the replicas.", flush=True)
+    while all(proc.poll() is None for proc in procs):
+        time.sleep(0.5)
+    dead = next(proc for proc in procs if proc.poll() is not None)
+    print(f"shoal up: {' '.join(map(str, dead.args))} exited with {dead.returncode}; stopping", file=sys.stderr)  # type: ignore[arg-type]
+    return 1
+
+
+# Policy defaults for the demo, unless the environment sets them: the demo model loads in seconds, and a fleet
+# that shrinks a minute after the load stops shows the autoscaler at work.
+_DEMO_POLICY_ENV = {
+    "SHOAL_AUTOSCALER_POLICY__EXPECTED_START_S": "30",
+    "SHOAL_AUTOSCALER_POLICY__STABLE_WINDOW_S": "20",
+    "SHOAL_AUTOSCALER_POLICY__SCALE_DOWN__STABILIZATION_WINDOW_S": "60",
+    "SHOAL_AUTOSCALER_POLICY__SCALE_DOWN__PERIOD_S": "15",
+}
+
+
+def _start_autoscaled(
+    procs: list[subprocess.Popen[bytes]],
+    shoal: list[str],
+    *,
+    model: str,
+    served_name: str,
+    port: int,
+    replica_base_port: int,
+    quantization: str,
+    threads: int,
+    min_replicas: int,
+    max_replicas: int,
+) -> str:
+    """An empty router and the autoscaler that fills it; returns the router's URL once a replica serves."""
+    token = secrets.token_urlsafe(24)
+    endpoint = f"http://127.0.0.1:{port}"
+    router_env = {**os.environ, "SHOAL_ROUTER_ADMIN_TOKEN": token}
+    procs.append(subprocess.Popen([*shoal, "router", "--port", str(port), "--no-request-log"], env=router_env))
+    _wait_healthy(endpoint + "/health", procs, timeout_s=60)
+    metrics_port = port + 1
+    env = {**_DEMO_POLICY_ENV, **os.environ, "SHOAL_AUTOSCALER_ADMIN_TOKEN": token}
+    env["SHOAL_AUTOSCALER_LOCAL__MAX_REPLICAS"] = str(max_replicas)
+    env["SHOAL_AUTOSCALER_LOCAL__THREADS"] = str(threads)
+    if quantization != "none":
+        env["SHOAL_AUTOSCALER_LOCAL__REPLICA_ARGS"] = json.dumps(["--quantization", quantization])
+    cmd = [sys.executable, "-m", "autoscaler.cli", "--actuator", "local", "--router", endpoint]
+    cmd += ["--model", model, "--served-model-name", served_name, "--replica-base-port", str(replica_base_port)]
+    cmd += ["--min-replicas", str(min_replicas), "--max-replicas", str(max_replicas)]
+    cmd += ["--metrics-port", str(metrics_port)]
+    procs.append(subprocess.Popen(cmd, env=env))
+    _wait_serving(endpoint + "/ready", procs, timeout_s=300)
+    print(
+        f"\nShoal is up: {endpoint}/v1 (OpenAI API), autoscaling {min_replicas}-{max_replicas} replica(s) "
+        f"on ports from {replica_base_port}"
+    )
+    print(f"  metrics: {endpoint}/metrics   autoscaler: http://127.0.0.1:{metrics_port}/metrics")
+    return endpoint
+
+
+def _wait_serving(url: str, procs: list[subprocess.Popen[bytes]], *, timeout_s: float) -> None:
+    """Wait until the router's /ready reports a replica in rotation (it answers 200 while it holds requests)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{' '.join(map(str, proc.args))} exited with status {proc.returncode}")  # type: ignore[arg-type]
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if json.loads(resp.read()).get("status") == "ready":
+                    return
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no replica was serving behind {url} within {timeout_s:.0f} s")
+        time.sleep(0.2)

@@ -1,7 +1,8 @@
 """`create_app(settings)`: the router as an aiohttp application (STYLE.md 5).
 
-State lives under typed `web.AppKey`s; the HTTP client session and the health and scrape tasks are started
-and stopped in `cleanup_ctx`. Tests build the app with this same factory.
+State lives under typed `web.AppKey`s; the HTTP client session, the health and scrape tasks and, with
+`discovery.kind: kubernetes`, the EndpointSlice watch are started and stopped in `cleanup_ctx`. Tests build the
+app with this same factory.
 """
 
 from __future__ import annotations
@@ -112,9 +113,20 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     if settings.scrape.enabled:
         scraper = MetricsScraper(settings.scrape, app[POOL], probe_session)
         tasks.append(asyncio.create_task(scraper.run(), name="scrape"))
+    discovery = None
     try:
+        if settings.discovery.kind == "kubernetes":
+            # Imported here: only the routers that use it load the kubernetes client.
+            from router.service.discovery import KubernetesDiscovery
+
+            discovery = KubernetesDiscovery(
+                settings.discovery, app[POOL], core, on_changed=lambda r: _replica_changed(app, r)
+            )
+            discovery.start()
         yield
     finally:
+        if discovery is not None:
+            await discovery.stop()
         for task in tasks:
             task.cancel()
         for task in tasks:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from router.policy.config import EstimatedTTFTConfig, PolicyConfig
@@ -110,6 +110,30 @@ class HoldSettings(_Section):
     a cold start of a large model takes longer and is the autoscaler's to hide."""
 
 
+class DiscoverySettings(_Section):
+    kind: Literal["static", "kubernetes"] = "static"
+    """Where replicas come from besides the admin API. `static`: the `replicas` list only. `kubernetes`: the
+    EndpointSlices of `service`, watched (router/service/discovery.py; RBAC: list and watch endpointslices).
+    Static by default, so a router runs anywhere without a cluster."""
+    namespace: str = "default"
+    """Namespace of the replicas' Service. `default`, as kubectl's; the chart sets the release's namespace."""
+    service: str | None = None
+    """Name of the replicas' Service: its EndpointSlices carry the label `kubernetes.io/service-name=<service>`.
+    Required for `kubernetes`; no default, since no name fits every install."""
+    port_name: str | None = None
+    """The Service port the replicas serve HTTP on, by name (e.g. `http`). None: the slices' only port, which is
+    right for the usual one-port Service."""
+    port: int | None = Field(None, ge=1, le=65535)
+    """Replica port to use instead of the slices' own (a headless Service that lists no ports). None: take it
+    from the slices, so the Service stays the one place that says it."""
+
+    @model_validator(mode="after")
+    def _check_service(self) -> DiscoverySettings:
+        if self.kind == "kubernetes" and not self.service:
+            raise ValueError("discovery.service is required when discovery.kind is 'kubernetes'")
+        return self
+
+
 class RouterSettings(BaseSettings):
     """Settings of `shoal router`."""
 
@@ -141,6 +165,8 @@ class RouterSettings(BaseSettings):
     retry: RetrySettings = Field(default_factory=RetrySettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
     hold: HoldSettings = Field(default_factory=HoldSettings)
+    discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
+    """How replicas are found: the static list, or a Kubernetes Service's EndpointSlices."""
     session_header: str | None = None
     """Header whose value pins a session to one replica (e.g. x-session-id); off when unset."""
     admin_token: SecretStr | None = None

@@ -1,0 +1,350 @@
+"""The routers, as the autoscaler reads and steers them: fleet demand, per-replica load, drain and registration.
+
+Demand is the sum of every router's fleet gauges (`shoal_router_in_flight`, `_queue_depth`, `_held_requests`,
+`_prefill_backlog_tokens`, DESIGN.md contract 3); a round in which any router does not answer yields no demand at
+all, since a partial sum would understate the load and could shrink the fleet. TTFT is a quantile of the requests
+since the previous round: each router's `shoal_router_ttft_seconds` histogram minus its previous scrape, summed.
+Per-replica figures come from the admin API (contract 4): in-flight requests (summed over routers) and the
+prefix-index entries each router holds for the replica (its cached-prefix value), for the choice of a victim.
+Replicas are matched across routers and actuators by base URL, since each router names them its own way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from autoscaler.policy.types import Demand
+
+log = logging.getLogger(__name__)
+
+RouterSource = Callable[[], Awaitable[Sequence[str]]]
+"""Returns the base URLs of every router now (a static list, or the endpoints of a Service)."""
+
+_GAUGES = {
+    "shoal_router_in_flight": "in_flight",
+    "shoal_router_queue_depth": "queue_depth",
+    "shoal_router_held_requests": "held",
+    "shoal_router_prefill_backlog_tokens": "prefill_backlog_tokens",
+}
+_TTFT = "shoal_router_ttft_seconds"
+
+
+def static_routers(urls: Sequence[str]) -> RouterSource:
+    routers = [u.rstrip("/") for u in urls]
+
+    async def source() -> Sequence[str]:
+        return routers
+
+    return source
+
+
+class RouterError(RuntimeError):
+    """A router did not answer, or answered something unexpected."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouterReplica:
+    """One replica as one router lists it (`GET /admin/replicas`)."""
+
+    id: str
+    url: str
+    status: str
+    is_eligible: bool
+    in_flight: int
+    kv_usage: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """One replica across every router."""
+
+    url: str
+    in_flight: int
+    """Requests in flight to it, summed over routers."""
+    cached_blocks: int
+    """Prefix-index entries for it (exact and guessed), the most any router holds: its cached-prefix value."""
+    kv_usage: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class RouterFigures:
+    """One router's answer in one round."""
+
+    gauges: Mapping[str, float]
+    ttft_buckets: tuple[tuple[float, float], ...]
+    """Cumulative (upper bound, count) of its TTFT histogram, +Inf last."""
+    replicas: tuple[RouterReplica, ...] | None
+    """None without an admin token."""
+    cached_blocks: Mapping[str, int]
+    """Prefix-index entries per replica id."""
+
+
+@dataclass(frozen=True, slots=True)
+class FleetView:
+    """The routers' figures at `measured_at` (the caller's clock)."""
+
+    measured_at: float
+    demand: Demand | None
+    """None when any router failed to answer (see `errors`)."""
+    replicas: Mapping[str, ReplicaLoad] = field(default_factory=dict)
+    """By base URL; empty without an admin token."""
+    listed: Mapping[str, Mapping[str, RouterReplica]] = field(default_factory=dict)
+    """Per router URL, the replicas it lists, by base URL."""
+    errors: tuple[str, ...] = ()
+
+
+class RouterFleet:
+    """Reads and steers every router. Holds the previous TTFT histograms, so one instance serves one loop."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        routers: RouterSource,
+        *,
+        admin_token: str | None,
+        timeout_s: float = 2.0,
+        ttft_quantile: float = 0.9,
+        clock: Callable[[], float],
+    ) -> None:
+        self._session = session
+        self._routers = routers
+        self._headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else None
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._quantile = ttft_quantile
+        self._clock = clock
+        self._previous_ttft: dict[str, tuple[tuple[float, float], ...]] = {}
+        self.last_view: FleetView | None = None
+
+    # Observation ---------------------------------------------------------------------------------------------
+
+    async def observe(self) -> FleetView:
+        measured_at = self._clock()
+        try:
+            routers = list(await self._routers())
+        except Exception as exc:  # discovery is someone else's API: any failure is a missing observation
+            return self._remember(FleetView(measured_at, None, errors=(f"router discovery failed: {exc}",)))
+        if not routers:
+            return self._remember(FleetView(measured_at, None, errors=("no router to observe",)))
+        answers = await asyncio.gather(*(self._read_router(url) for url in routers), return_exceptions=True)
+        errors = tuple(
+            f"{url}: {answer}" for url, answer in zip(routers, answers, strict=True) if isinstance(answer, Exception)
+        )
+        for error in errors:
+            log.warning("router observation failed: %s", error)
+        figures = {
+            url: answer for url, answer in zip(routers, answers, strict=True) if isinstance(answer, RouterFigures)
+        }
+        listed = {url: {r.url: r for r in f.replicas} for url, f in figures.items() if f.replicas is not None}
+        replicas = _replica_loads(figures)
+        demand = None if errors else self._demand(figures, replicas)
+        for url, f in figures.items():
+            self._previous_ttft[url] = f.ttft_buckets
+        for gone in set(self._previous_ttft) - set(routers):
+            del self._previous_ttft[gone]
+        return self._remember(FleetView(measured_at, demand, replicas, listed, errors))
+
+    def _remember(self, view: FleetView) -> FleetView:
+        self.last_view = view
+        return view
+
+    def _demand(self, figures: Mapping[str, RouterFigures], replicas: Mapping[str, ReplicaLoad]) -> Demand:
+        total = dict.fromkeys(_GAUGES.values(), 0.0)
+        for f in figures.values():
+            for key in total:
+                total[key] += f.gauges.get(key, 0.0)
+        deltas = [_delta(f.ttft_buckets, self._previous_ttft.get(url)) for url, f in figures.items()]
+        ttft = histogram_quantile(self._quantile, _sum_buckets([d for d in deltas if d]))
+        eligible = {r.url for f in figures.values() if f.replicas is not None for r in f.replicas if r.is_eligible}
+        kv = [replicas[u].kv_usage for u in eligible if u in replicas]
+        kv_usage = sum(k for k in kv if k is not None) if kv and all(k is not None for k in kv) else None
+        return Demand(
+            requests=total["in_flight"] + total["held"],
+            waiting=total["queue_depth"] + total["held"],
+            prefill_backlog_tokens=total["prefill_backlog_tokens"],
+            kv_usage=kv_usage,
+            ttft_s=ttft,
+        )
+
+    async def _read_router(self, url: str) -> RouterFigures:
+        text = await self._get_text(url + "/metrics")
+        gauges: dict[str, float] = {}
+        buckets: list[tuple[float, float]] = []
+        for family in text_string_to_metric_families(text):
+            if family.name in _GAUGES:
+                gauges[_GAUGES[family.name]] = sum(s.value for s in family.samples)
+            elif family.name == _TTFT:
+                buckets = sorted(
+                    (float(s.labels["le"]), s.value) for s in family.samples if s.name == _TTFT + "_bucket"
+                )
+        if "in_flight" not in gauges:
+            raise RouterError("no shoal_router_in_flight gauge: not a Shoal router?")
+        replicas: tuple[RouterReplica, ...] | None = None
+        cached: dict[str, int] = {}
+        if self._headers is not None:
+            listing, index = await asyncio.gather(
+                self._get_json(url + "/admin/replicas"), self._get_json(url + "/admin/index")
+            )
+            replicas = tuple(_router_replica(r) for r in listing.get("replicas", []))
+            cached = {str(k): int(v) for k, v in (index.get("blocks_per_replica") or {}).items()}
+        return RouterFigures(gauges, tuple(buckets), replicas, cached)
+
+    # Steering ------------------------------------------------------------------------------------------------
+
+    async def register(self, url: str, name: str) -> None:
+        """Add a replica at every router that does not list it, and undrain it where it is listed as draining
+        (a drain that was cancelled, or left behind by an autoscaler that stopped mid-drain)."""
+        view = self.last_view
+        for router in await self._routers():
+            listed = view.listed.get(router, {}).get(url) if view else None
+            if listed is None:
+                await self._send("POST", router + "/admin/replicas", {"url": url, "name": name}, ok=(200, 201))
+                log.info("registered %s (%s) with %s", name, url, router)
+            elif listed.status == "draining":
+                await self._send("POST", f"{router}/admin/replicas/{listed.id}/undrain", ok=(200,))
+
+    async def deregister(self, url: str) -> None:
+        """Remove a replica from every router that lists it."""
+        for router, replica in await self._each_listing(url):
+            await self._send("DELETE", f"{router}/admin/replicas/{replica.id}", ok=(200, 404))
+
+    async def drain(self, url: str) -> int:
+        """Stop new requests to a replica at every router; returns how many routers list it."""
+        listings = await self._each_listing(url)
+        for router, replica in listings:
+            await self._send("POST", f"{router}/admin/replicas/{replica.id}/drain", ok=(200,))
+        return len(listings)
+
+    async def undrain(self, url: str) -> None:
+        for router, replica in await self._each_listing(url):
+            await self._send("POST", f"{router}/admin/replicas/{replica.id}/undrain", ok=(200, 404))
+
+    async def in_flight(self, url: str) -> int | None:
+        """Requests in flight to a replica over every router; None when a router cannot say."""
+        try:
+            listings = await self._each_listing(url)
+        except (RouterError, aiohttp.ClientError, TimeoutError):
+            return None
+        return sum(replica.in_flight for _, replica in listings)
+
+    async def _each_listing(self, url: str) -> list[tuple[str, RouterReplica]]:
+        """(router, its entry) for every router that lists the replica at `url`; raises if one cannot say."""
+        routers = list(await self._routers())
+        listings = await asyncio.gather(*(self._get_json(r + "/admin/replicas") for r in routers))
+        found = []
+        for router, listing in zip(routers, listings, strict=True):
+            for entry in listing.get("replicas", []):
+                replica = _router_replica(entry)
+                if replica.url == url:
+                    found.append((router, replica))
+        return found
+
+    # HTTP ----------------------------------------------------------------------------------------------------
+
+    async def _get_text(self, url: str) -> str:
+        try:
+            async with self._session.get(url, timeout=self._timeout) as resp:
+                if resp.status != 200:
+                    raise RouterError(f"GET {url}: HTTP {resp.status}")
+                return await resp.text()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise RouterError(f"GET {url}: {exc!r}") from exc
+
+    async def _get_json(self, url: str) -> dict[str, Any]:
+        if self._headers is None:
+            raise RouterError("the admin API needs an admin token")
+        try:
+            async with self._session.get(url, headers=self._headers, timeout=self._timeout) as resp:
+                if resp.status != 200:
+                    raise RouterError(f"GET {url}: HTTP {resp.status}: {(await resp.text())[:200]}")
+                body = await resp.json()
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise RouterError(f"GET {url}: {exc!r}") from exc
+        if not isinstance(body, dict):
+            raise RouterError(f"GET {url}: expected a JSON object")
+        return body
+
+    async def _send(self, method: str, url: str, body: Any = None, *, ok: tuple[int, ...]) -> None:
+        if self._headers is None:
+            raise RouterError("the admin API needs an admin token")
+        try:
+            async with self._session.request(
+                method, url, json=body, headers=self._headers, timeout=self._timeout
+            ) as resp:
+                if resp.status not in ok:
+                    raise RouterError(f"{method} {url}: HTTP {resp.status}: {(await resp.text())[:200]}")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise RouterError(f"{method} {url}: {exc!r}") from exc
+
+
+def _router_replica(entry: Mapping[str, Any]) -> RouterReplica:
+    engine = entry.get("engine") or {}
+    kv = engine.get("kv_usage")
+    return RouterReplica(
+        id=str(entry["id"]),
+        url=str(entry["url"]).rstrip("/"),
+        status=str(entry.get("status", "")),
+        is_eligible=bool(entry.get("eligible", False)),
+        in_flight=int(entry.get("in_flight", 0)),
+        kv_usage=float(kv) if kv is not None else None,
+    )
+
+
+def _replica_loads(figures: Mapping[str, RouterFigures]) -> dict[str, ReplicaLoad]:
+    loads: dict[str, ReplicaLoad] = {}
+    for f in figures.values():
+        for r in f.replicas or ():
+            before = loads.get(r.url)
+            cached = f.cached_blocks.get(r.id, 0)
+            if before is None:
+                loads[r.url] = ReplicaLoad(r.url, r.in_flight, cached, r.kv_usage)
+            else:
+                kv = r.kv_usage if r.kv_usage is not None else before.kv_usage
+                loads[r.url] = ReplicaLoad(r.url, before.in_flight + r.in_flight, max(before.cached_blocks, cached), kv)
+    return loads
+
+
+def _delta(
+    now: tuple[tuple[float, float], ...], before: tuple[tuple[float, float], ...] | None
+) -> tuple[tuple[float, float], ...]:
+    """Bucket counts since the previous scrape; empty on a first scrape. A count that went down means the
+    router restarted: its whole histogram is new."""
+    if before is None:
+        return ()
+    if [b for b, _ in before] != [b for b, _ in now] or any(c < p for (_, c), (_, p) in zip(now, before, strict=True)):
+        return now
+    return tuple((bound, c - p) for (bound, c), (_, p) in zip(now, before, strict=True))
+
+
+def _sum_buckets(histograms: list[tuple[tuple[float, float], ...]]) -> tuple[tuple[float, float], ...]:
+    if not histograms:
+        return ()
+    first = histograms[0]
+    if any([b for b, _ in h] != [b for b, _ in first] for h in histograms):
+        return max(histograms, key=lambda h: h[-1][1])  # routers of different versions: the busiest one
+    return tuple((bound, sum(h[i][1] for h in histograms)) for i, (bound, _) in enumerate(first))
+
+
+def histogram_quantile(q: float, buckets: tuple[tuple[float, float], ...]) -> float | None:
+    """Prometheus' `histogram_quantile` over cumulative (upper bound, count) buckets, +Inf last: linear
+    interpolation within the bucket that holds the rank; the highest finite bound when it falls in +Inf."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower_bound
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
+        lower_bound, lower_count = bound, count
+    return lower_bound

@@ -1,0 +1,155 @@
+"""`ScalingPolicyConfig`: every knob of Shoal's scaling policy, as one frozen pydantic model.
+
+The autoscaler's settings, the simulator's scenario files, the Helm chart's values and the tests parse the same
+model, so a policy means the same thing wherever it runs. `kind` leaves room for baseline policies (HPA, KEDA)
+beside Shoal's own; unknown fields are errors, never silently ignored. Times are seconds on the caller's clock.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class ScaleUpConfig(_Config):
+    """How fast the fleet may grow: HPA's default behaviour, the larger of a replica step and a percent step per
+    period (`selectPolicy: Max`)."""
+
+    max_replicas: int = Field(4, ge=0)
+    """Replicas that may be added per period. HPA's default (4 pods per 15 s): a fleet of one can reach five
+    within one period, which covers most bursts that panic mode sizes."""
+    max_percent: float = Field(100.0, ge=0)
+    """Percent of the fleet at the period's start that may be added per period (rounded up). HPA's default
+    (100%, doubling): large fleets grow geometrically instead of four at a time."""
+    period_s: float = Field(15.0, gt=0)
+    """Seconds over which additions are counted. HPA's default. Replicas still starting count as added, so a
+    burst cannot stack one step on another while the first step loads its weights."""
+
+
+class ScaleDownConfig(_Config):
+    """How the fleet shrinks: to the highest recommendation over a window, then at most a step per period."""
+
+    stabilization_window_s: float = Field(300.0, ge=0)
+    """Seconds of recommendations whose maximum a scale-down may go to. HPA's default (5 min): a lull shorter
+    than this never removes a replica that a cold start of minutes would have to bring back."""
+    max_replicas: int = Field(1, ge=0)
+    """Replicas that may be removed per period. One: each removal drains a replica (its in-flight requests
+    finish, its prefix cache is lost), so removals are spread out and each is observed before the next."""
+    max_percent: float = Field(10.0, ge=0)
+    """Percent of the fleet at the period's start that may be removed per period (rounded up; the larger of
+    this and `max_replicas` applies). 10% lets a large fleet shrink within minutes, not hours."""
+    period_s: float = Field(30.0, gt=0)
+    """Seconds over which removals are counted. 30 s is longer than a typical drain, so a removal is usually
+    finished and its load spread over the rest before the next one."""
+
+
+class PanicConfig(_Config):
+    """Knative's panic mode: a burst is sized on a short window, and nothing is removed while it lasts."""
+
+    enabled: bool = True
+    """Panic mode on. Without it a burst is followed only as fast as the stable window's average rises."""
+    window_s: float = Field(6.0, gt=0)
+    """Seconds of demand averaged for panic sizing. Knative's default (10% of its 60 s stable window): long
+    enough to ignore a single scrape's noise, short enough to see a burst within a few ticks."""
+    threshold: float = Field(2.0, gt=1.0)
+    """Panic when short-window demand needs at least this many times the ready replicas. Knative's default
+    (200%): twice the ready capacity cannot be absorbed by queueing, and lower values make ordinary growth
+    look like a burst. Panic ends once a stable window has passed without the condition."""
+
+
+class ScaleToZeroConfig(_Config):
+    """Removing every replica when there is no traffic, and waking on the first request."""
+
+    enabled: bool = False
+    """Off by default: a cold start of a GPU replica takes minutes, during which the routers hold requests
+    (bounded) or refuse them. Turn it on for fleets where idle GPUs cost more than a slow first request."""
+    idle_s: float = Field(600.0, gt=0)
+    """Seconds without any request (in flight, queued or held) before the fleet goes to zero. Ten minutes: a
+    few multiples of a cold start, so only real idle periods pay one. Replicas still starting are never
+    removed by it."""
+
+
+class MetricsConfig(_Config):
+    """What to do when the routers' figures are missing or old: never shrink on them."""
+
+    stale_after_s: float = Field(30.0, gt=0)
+    """Figures older than this many seconds count as missing. A few scrape intervals (the controller's default
+    is 5 s): a slow or lost scrape is tolerated, a stuck pipeline is not."""
+    hold_after_failures: int = Field(3, ge=1)
+    """Consecutive missing or stale observations after which the autoscaler says it holds (reason
+    `metrics_unavailable`) and, when set, applies `fallback_replicas`. Three: one lost scrape is noise."""
+    fallback_replicas: int | None = Field(None, ge=0)
+    """Replicas to hold once metrics have been unavailable for `hold_after_failures` observations, like
+    KEDA's fallback; only ever raises the fleet (missing metrics never cause a scale-down). Unset: hold the
+    current size."""
+
+
+class ScalingPolicyConfig(_Config):
+    """Shoal's scaling policy (see `autoscaler.policy.decide`)."""
+
+    kind: Literal["shoal"] = "shoal"
+
+    min_replicas: int = Field(1, ge=1)
+    """Fewest replicas while there is traffic (always, without scale to zero). One: a fleet that serves must
+    keep a warm replica; `scale_to_zero` is the only, explicit, way below it."""
+    max_replicas: int = Field(10, ge=1)
+    """Most replicas, whatever the demand: the budget's bound. Failed replicas being replaced count in it."""
+    target_requests_per_replica: float = Field(8.0, gt=0)
+    """Requests (waiting plus running) one replica should carry. Demand is absolute: desired replicas =
+    ceil(total requests / this). 8 is a quarter of the bundled engine's batch of 32 sequences, leaving room
+    for a burst while panic mode sizes it; tune per model and GPU (vLLM on an H100 carries 32 or more)."""
+    target_prefill_backlog_tokens_per_replica: float | None = Field(None, gt=0)
+    """Uncached prompt tokens waiting for prefill that one replica should carry: about its prefill rate
+    (tokens/s) times the queueing delay you accept. Unset (off): it depends on the model and the GPU."""
+    target_kv_usage_per_replica: float | None = Field(None, gt=0, le=1)
+    """KV cache fraction (0..1) one replica should run at; desired = ceil(sum of replicas' usage / this).
+    Unset (off): only engines that export a KV gauge can feed it. 0.8 suits long-context workloads."""
+    target_ttft_s: float | None = Field(None, gt=0)
+    """Time to first token (seconds, at `ttft_quantile`) the fleet should keep; desired = ceil(ready x observed
+    / target). Unset (off): TTFT is not additive, so it is a guard beside the absolute signals, not their
+    replacement."""
+    ttft_quantile: float = Field(0.9, gt=0, lt=1)
+    """Quantile of the routers' TTFT histogram compared with `target_ttft_s`. p90: tail enough to matter,
+    with enough samples per scrape interval to be stable."""
+    tolerance: float = Field(0.1, ge=0, lt=1)
+    """Relative band around the current size within which no change is made: HPA's default (10%), so noise
+    of a few percent never moves the fleet."""
+    stable_window_s: float = Field(60.0, gt=0)
+    """Seconds of demand averaged for normal sizing. Knative's default: per-request noise averages out,
+    while panic mode sees bursts on its own short window."""
+    expected_start_s: float = Field(120.0, gt=0)
+    """Seconds a replica usually takes from creation to ready (pull, load weights, warm up). Starting
+    replicas count as capacity on its way until `start_deadline_factor` times this."""
+    start_deadline_factor: float = Field(2.0, ge=1)
+    """A replica still not ready after this many times `expected_start_s` counts as failed: it no longer
+    counts as capacity, so another is started in its place. Twice: a slow node is not a failure."""
+    scale_up: ScaleUpConfig = Field(default_factory=ScaleUpConfig)
+    """Rate cap on growth (HPA's default behaviour)."""
+    scale_down: ScaleDownConfig = Field(default_factory=ScaleDownConfig)
+    """Stabilization window and step of shrinking."""
+    panic: PanicConfig = Field(default_factory=PanicConfig)
+    """Burst handling (Knative's panic mode)."""
+    scale_to_zero: ScaleToZeroConfig = Field(default_factory=ScaleToZeroConfig)
+    """Idle fleets to zero replicas (off by default)."""
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    """Missing and stale figures."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ScalingPolicyConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        if self.panic.window_s > self.stable_window_s:
+            raise ValueError(
+                f"panic.window_s ({self.panic.window_s}) must not exceed stable_window_s ({self.stable_window_s})"
+            )
+        return self
+
+    @property
+    def start_deadline_s(self) -> float:
+        """Seconds after creation at which a replica that is still starting counts as failed."""
+        return self.expected_start_s * self.start_deadline_factor

@@ -1,0 +1,356 @@
+"""Shoal's scaling policy: `decide(observation, state, config, *, now) -> (ScaleDecision, state)`.
+
+Per call:
+1. Starting replicas past their deadline (`start_deadline_s` after creation) count as failed; the others are
+   capacity on its way: current = ready + starting on time. Counting them is what stops a burst with slow cold
+   starts from cascading, and the deadline is what stops a stuck start from blocking the fleet forever.
+2. Missing or stale figures hold the current size, never lower it; after `hold_after_failures` such
+   observations the decision says so and applies the fallback, if any.
+3. Demand is absolute: per signal, desired = ceil(total / per-replica target), averaged over the stable window
+   and over the short panic window; the largest signal wins.
+4. Panic (Knative) when the short window needs at least `threshold` x the ready replicas: size on the short
+   window, never below the current size, until a stable window passes without the condition.
+5. Otherwise size on the stable window, unless within the tolerance band of the current size.
+6. Up at once, capped by the rate policy over its period; down to the highest recommendation over the
+   stabilization window, by at most the down step per period. To zero only after the idle window with nothing
+   starting (the idle window is its own stabilization); from zero, any waiting request wakes the fleet.
+
+Rate caps follow HPA: changes already made within the period count against it, and the period's starting size
+is the base of the percent step. Everything is a function of the arguments; `now` is the caller's clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from autoscaler.policy.config import ScaleDownConfig, ScaleUpConfig, ScalingPolicyConfig
+from autoscaler.policy.types import (
+    Action,
+    Cap,
+    Demand,
+    Observation,
+    Reason,
+    Sample,
+    ScaleDecision,
+    ScalerState,
+    Signal,
+    Window,
+)
+
+# Float demand that lands a hair above an integer number of replicas (8.000000001 / 8) must not add one.
+_CEIL_SLACK = 1e-9
+
+
+def is_start_overdue(created_at: float, config: ScalingPolicyConfig, *, now: float) -> bool:
+    """True when a replica created at `created_at` and still starting counts as failed."""
+    return now - created_at >= config.start_deadline_s
+
+
+@dataclass(frozen=True, slots=True)
+class _Verdict:
+    """What one branch of the policy settled on; `_finish` turns it into the decision."""
+
+    target: int
+    reason: Reason
+    window: Window
+    recommended: int
+    cap: Cap | None = None
+    detail: str = ""
+
+
+def decide(
+    observation: Observation, state: ScalerState, config: ScalingPolicyConfig, *, now: float
+) -> tuple[ScaleDecision, ScalerState]:
+    on_time = [t for t in observation.starting_since if not is_start_overdue(t, config, now=now)]
+    num_starting = len(on_time)
+    num_overdue = len(observation.starting_since) - num_starting
+    current = observation.num_ready + num_starting
+    demand = observation.demand
+    if demand is None or observation.metrics_age_s > config.metrics.stale_after_s:
+        verdict, state = _without_metrics(observation, state, config, now=now, current=current)
+        is_panicking = state.panic_until is not None and now < state.panic_until
+        return _finish(
+            verdict, state, config, now=now, current=current, num_overdue=num_overdue, is_panicking=is_panicking
+        )
+
+    horizon = max(config.stable_window_s, config.panic.window_s if config.panic.enabled else 0.0)
+    samples = (*(s for s in state.samples if s.at > now - horizon), Sample(now, demand))
+    last_busy_at = now if demand.is_busy else (state.last_busy_at if state.last_busy_at is not None else now)
+    stable = _raw_desired(_mean_demand(samples, now - config.stable_window_s), observation.num_ready, config)
+    stable_signal, stable_raw = _largest(stable)
+    stable_n = _ceil(stable_raw)
+
+    panic_until = state.panic_until if state.panic_until is not None and now < state.panic_until else None
+    short, short_signal, short_n = stable, stable_signal, stable_n
+    if config.panic.enabled:
+        short = _raw_desired(_mean_demand(samples, now - config.panic.window_s), observation.num_ready, config)
+        short_signal, short_raw = _largest(short)
+        short_n = _ceil(short_raw)
+        if short_n > 0 and short_n >= config.panic.threshold * max(1, observation.num_ready):
+            panic_until = now + config.stable_window_s
+    is_panicking = panic_until is not None
+
+    if is_panicking:
+        window, signal, by_signal, window_s = Window.PANIC, short_signal, short, config.panic.window_s
+        wanted = max(short_n, stable_n)
+        recommended = max(wanted, current)  # never down while panicking
+        is_within_tolerance = False
+    else:
+        window, signal, by_signal, window_s = Window.STABLE, stable_signal, stable, config.stable_window_s
+        wanted = stable_n
+        is_within_tolerance = current > 0 and abs(stable_raw / current - 1.0) <= config.tolerance
+        recommended = current if is_within_tolerance else stable_n
+    figures = (
+        f"{_figure(_mean_demand(samples, now - window_s), signal)} over the {window} window ({window_s:.0f} s) "
+        f"needs {wanted} (ready {observation.num_ready}, starting {num_starting})"
+    )
+    is_resuming = state.failed_observations > 0
+    state = ScalerState(
+        samples=samples,
+        recommendations=state.recommendations,
+        scale_steps=state.scale_steps,
+        panic_until=panic_until,
+        last_busy_at=last_busy_at,
+        failed_observations=0,
+    )
+
+    idle_s = now - last_busy_at
+    if config.scale_to_zero.enabled and not demand.is_busy and (current == 0 or idle_s >= config.scale_to_zero.idle_s):
+        if current == 0:
+            verdict = _Verdict(
+                0, Reason.IDLE_AT_ZERO, Window.IDLE, 0, detail=f"no replica and no request for {idle_s:.0f} s"
+            )
+        elif num_starting == 0:
+            verdict = _Verdict(0, Reason.SCALE_TO_ZERO, Window.IDLE, 0, detail=f"no request for {idle_s:.0f} s")
+        else:
+            verdict = _Verdict(
+                current,
+                Reason.AT_TARGET,
+                Window.IDLE,
+                current,
+                detail=f"idle for {idle_s:.0f} s, but {num_starting} replica(s) still starting",
+            )
+    else:
+        verdict, state = _size(
+            state,
+            config,
+            now=now,
+            current=current,
+            recommended=recommended,
+            wanted=wanted,
+            window=window,
+            is_panicking=is_panicking,
+            is_within_tolerance=is_within_tolerance,
+            is_wake=current == 0 and demand.is_busy,
+            is_resuming=is_resuming,
+            figures=figures,
+        )
+    return _finish(
+        verdict,
+        state,
+        config,
+        now=now,
+        current=current,
+        num_overdue=num_overdue,
+        is_panicking=is_panicking,
+        signal=signal,
+        desired_by_signal={s: _ceil(v) for s, v in by_signal.items()},
+    )
+
+
+def _size(
+    state: ScalerState,
+    config: ScalingPolicyConfig,
+    *,
+    now: float,
+    current: int,
+    recommended: int,
+    wanted: int,
+    window: Window,
+    is_panicking: bool,
+    is_within_tolerance: bool,
+    is_wake: bool,
+    is_resuming: bool,
+    figures: str,
+) -> tuple[_Verdict, ScalerState]:
+    """Clamp the recommendation, record it, and move towards it: up at once within the rate cap, down to the
+    stabilized recommendation within the down step."""
+    cap: Cap | None = None
+    if recommended < config.min_replicas:
+        recommended, cap = config.min_replicas, Cap.MIN_REPLICAS
+    if recommended > config.max_replicas:
+        recommended, cap = config.max_replicas, Cap.MAX_REPLICAS
+    since = now - config.scale_down.stabilization_window_s
+    # A fresh start, or fresh figures after a gap of missing ones longer than the window, starts the window at the
+    # current size, as HPA seeds its own: an absence of recommendations is not a window of low ones.
+    earlier = tuple((t, r) for t, r in state.recommendations if t > since)
+    if not earlier and (not state.recommendations or is_resuming):
+        earlier = ((now, current),)
+    recommendations = (*earlier, (now, recommended))
+    state = replace(state, recommendations=recommendations)
+
+    if recommended > current:
+        target = min(recommended, _up_limit(current, state.scale_steps, config.scale_up, now=now))
+        if target < recommended:
+            cap = Cap.SCALE_UP_RATE
+        reason = Reason.WAKE_FROM_ZERO if is_wake else Reason.SCALE_UP
+        return _Verdict(target, reason, window, recommended, cap, figures), state
+    if recommended < current:
+        stabilized = min(max(r for _, r in recommendations), config.max_replicas)
+        window_s = config.scale_down.stabilization_window_s
+        if stabilized >= current:
+            detail = f"{figures}; {stabilized} recommended within the last {window_s:.0f} s"
+            return _Verdict(current, Reason.STABILIZING, Window.STABILIZATION, recommended, detail=detail), state
+        target = max(stabilized, _down_limit(current, state.scale_steps, config.scale_down, now=now))
+        if target > stabilized:
+            cap = Cap.SCALE_DOWN_RATE
+        elif target != recommended:
+            cap = None  # the window, not the floor, set this target
+        detail = f"{figures}; at most {stabilized} recommended within the last {window_s:.0f} s"
+        return _Verdict(target, Reason.SCALE_DOWN, Window.STABILIZATION, recommended, cap, detail), state
+    if is_panicking and wanted < current:
+        reason = Reason.PANIC_HOLD
+    elif is_within_tolerance and wanted != current:
+        reason = Reason.WITHIN_TOLERANCE
+    else:
+        reason = Reason.AT_TARGET
+    return _Verdict(current, reason, window, recommended, cap if recommended != wanted else None, figures), state
+
+
+def _without_metrics(
+    observation: Observation, state: ScalerState, config: ScalingPolicyConfig, *, now: float, current: int
+) -> tuple[_Verdict, ScalerState]:
+    """Hold the current size (never lower it); after `hold_after_failures` observations say so and apply the
+    fallback. The floor still applies, unless the fleet is at zero by choice."""
+    failures = state.failed_observations + 1
+    if observation.demand is None:
+        what = "no figures from the routers"
+    else:
+        what = f"figures {observation.metrics_age_s:.0f} s old (limit {config.metrics.stale_after_s:.0f} s)"
+    target, cap = current, None
+    is_at_zero_by_choice = current == 0 and config.scale_to_zero.enabled
+    if target < config.min_replicas and not is_at_zero_by_choice:
+        target, cap = config.min_replicas, Cap.MIN_REPLICAS
+    reason = Reason.METRICS_STALE
+    if failures >= config.metrics.hold_after_failures:
+        reason = Reason.METRICS_UNAVAILABLE
+        fallback = config.metrics.fallback_replicas
+        if fallback is not None and min(fallback, config.max_replicas) > target:
+            target, cap = min(fallback, config.max_replicas), Cap.FALLBACK
+    recommended = target
+    if target > current:
+        limit = _up_limit(current, state.scale_steps, config.scale_up, now=now)
+        if limit < target:
+            target, cap = limit, Cap.SCALE_UP_RATE
+    held = "applying the fallback" if cap is Cap.FALLBACK else "holding the current size"
+    detail = f"{what} for {failures} observation(s); {held}"
+    return _Verdict(target, reason, Window.NONE, recommended, cap, detail), replace(state, failed_observations=failures)
+
+
+def _finish(
+    verdict: _Verdict,
+    state: ScalerState,
+    config: ScalingPolicyConfig,
+    *,
+    now: float,
+    current: int,
+    num_overdue: int,
+    is_panicking: bool,
+    signal: Signal | None = None,
+    desired_by_signal: Mapping[Signal, int] | None = None,
+) -> tuple[ScaleDecision, ScalerState]:
+    """The decision, and the state with this step recorded for the rate caps."""
+    period_s = max(config.scale_up.period_s, config.scale_down.period_s)
+    steps = tuple((t, d) for t, d in state.scale_steps if t > now - period_s)
+    target = verdict.target
+    if target != current:
+        steps += ((now, target - current),)
+    action = Action.UP if target > current else Action.DOWN if target < current else Action.HOLD
+    detail = verdict.detail
+    if verdict.cap is not None:
+        detail += f"; capped by {verdict.cap}"
+    if num_overdue:
+        detail += f"; {num_overdue} replica(s) past their start deadline count as failed"
+    decision = ScaleDecision(
+        target_replicas=target,
+        current_replicas=current,
+        action=action,
+        reason=verdict.reason,
+        window=verdict.window,
+        signal=signal,
+        cap=verdict.cap,
+        recommended_replicas=verdict.recommended,
+        desired_by_signal=dict(desired_by_signal or {}),
+        is_panicking=is_panicking,
+        num_overdue=num_overdue,
+        detail=detail,
+    )
+    return decision, replace(state, scale_steps=steps)
+
+
+def _up_limit(current: int, steps: tuple[tuple[float, int], ...], rule: ScaleUpConfig, *, now: float) -> int:
+    """Most replicas allowed now: the period's starting size plus the larger of the two steps."""
+    added = sum(d for t, d in steps if d > 0 and t > now - rule.period_s)
+    start = max(0, current - added)
+    return start + max(rule.max_replicas, math.ceil(start * rule.max_percent / 100.0))
+
+
+def _down_limit(current: int, steps: tuple[tuple[float, int], ...], rule: ScaleDownConfig, *, now: float) -> int:
+    """Fewest replicas allowed now: the period's starting size less the larger of the two steps."""
+    removed = sum(-d for t, d in steps if d < 0 and t > now - rule.period_s)
+    start = current + removed
+    return max(0, start - max(rule.max_replicas, math.ceil(start * rule.max_percent / 100.0)))
+
+
+def _mean_demand(samples: tuple[Sample, ...], since: float) -> Demand:
+    """The mean of each figure over the samples after `since` (the last sample is always included)."""
+    window = [s.demand for s in samples if s.at > since] or [samples[-1].demand]
+    kv = [d.kv_usage for d in window if d.kv_usage is not None]
+    ttft = [d.ttft_s for d in window if d.ttft_s is not None]
+    n = len(window)
+    return Demand(
+        requests=sum(d.requests for d in window) / n,
+        waiting=sum(d.waiting for d in window) / n,
+        prefill_backlog_tokens=sum(d.prefill_backlog_tokens for d in window) / n,
+        kv_usage=sum(kv) / len(kv) if kv else None,
+        ttft_s=sum(ttft) / len(ttft) if ttft else None,
+    )
+
+
+def _raw_desired(demand: Demand, num_ready: int, config: ScalingPolicyConfig) -> dict[Signal, float]:
+    """Desired replicas per configured signal, before rounding up."""
+    desired = {Signal.REQUESTS: demand.requests / config.target_requests_per_replica}
+    if config.target_prefill_backlog_tokens_per_replica is not None:
+        desired[Signal.PREFILL_BACKLOG] = (
+            demand.prefill_backlog_tokens / config.target_prefill_backlog_tokens_per_replica
+        )
+    if config.target_kv_usage_per_replica is not None and demand.kv_usage is not None:
+        desired[Signal.KV_USAGE] = demand.kv_usage / config.target_kv_usage_per_replica
+    if config.target_ttft_s is not None and demand.ttft_s is not None:
+        desired[Signal.TTFT] = num_ready * demand.ttft_s / config.target_ttft_s
+    return desired
+
+
+def _figure(mean: Demand, signal: Signal) -> str:
+    if signal is Signal.REQUESTS:
+        return f"{mean.requests:.1f} requests"
+    if signal is Signal.PREFILL_BACKLOG:
+        return f"{mean.prefill_backlog_tokens:.0f} prefill backlog tokens"
+    if signal is Signal.KV_USAGE:
+        return f"{mean.kv_usage or 0.0:.2f} summed KV usage"
+    return f"{mean.ttft_s or 0.0:.2f} s TTFT"
+
+
+def _largest(desired: Mapping[Signal, float]) -> tuple[Signal, float]:
+    """The signal that needs the most replicas; ties go to the earlier signal (requests first)."""
+    best = Signal.REQUESTS
+    for signal, value in desired.items():
+        if value > desired[best]:
+            best = signal
+    return best, desired[best]
+
+
+def _ceil(replicas: float) -> int:
+    return max(0, math.ceil(replicas - _CEIL_SLACK))

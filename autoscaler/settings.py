@@ -1,0 +1,200 @@
+"""`AutoscalerSettings`: every knob of `shoal autoscaler`, from CLI flags, the environment and a YAML file.
+
+Precedence, highest first: CLI flags, `SHOAL_AUTOSCALER_*` environment variables (nested with `__`, e.g.
+`SHOAL_AUTOSCALER_POLICY__MAX_REPLICAS=8`), the YAML file named by `--config` or `SHOAL_AUTOSCALER_CONFIG_FILE`,
+defaults. The scaling policy is the pure `ScalingPolicyConfig`, shared with the simulator and the Helm chart.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from autoscaler.policy.config import ScalingPolicyConfig
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class KubernetesSettings(_Section):
+    """The replica Deployment to scale, and the Lease that elects one active autoscaler."""
+
+    namespace: str = "default"
+    """Namespace of the Deployment, the router Service and the Lease. The Helm chart sets the release's."""
+    deployment: str = "shoal-replica"
+    """Name of the replica Deployment whose `scale` subresource is read and patched."""
+    replica_port: int = Field(8000, ge=1, le=65535)
+    """Container port of the replicas: a pod's base URL is http://<pod IP>:<port>, as the routers name it."""
+    router_service: str | None = None
+    """Service whose endpoints are the routers, so every router is scraped and told to drain; unset: only the
+    static `routers` list is used."""
+    lease_name: str = "shoal-autoscaler"
+    """`coordination.k8s.io` Lease that elects the active autoscaler; the others wait as hot standbys."""
+    lease_duration_s: float = Field(15.0, gt=0)
+    """Seconds a leader's lease lasts without renewal before a standby may take it. client-go's default."""
+    renew_deadline_s: float = Field(10.0, gt=0)
+    """Seconds the leader keeps trying to renew before it gives up and exits. client-go's default."""
+    retry_period_s: float = Field(2.0, gt=0)
+    """Seconds between attempts to acquire or renew the lease. client-go's default."""
+
+    @model_validator(mode="after")
+    def _check(self) -> KubernetesSettings:
+        if not self.retry_period_s < self.renew_deadline_s < self.lease_duration_s:
+            raise ValueError("need retry_period_s < renew_deadline_s < lease_duration_s")
+        return self
+
+
+class LocalSettings(_Section):
+    """`shoal replica` processes on this machine, on consecutive loopback ports."""
+
+    model: str = "demo"
+    """Checkpoint folder, or `demo` (built into the cache directory on first use, by the first replica)."""
+    served_model_name: str | None = None
+    """Model name in the API; default: the replica's own (`shoal-demo` or the folder's name)."""
+    host: str = "127.0.0.1"
+    """Address the replicas listen on and the routers reach them at. Loopback: this actuator is for one machine."""
+    base_port: int = Field(8100, ge=1, le=65535)
+    """Port of the first replica slot; slot i listens on base_port + i."""
+    max_replicas: int | None = Field(None, ge=1)
+    """Replica processes this machine may run (port slots base_port .. base_port + max_replicas - 1); default:
+    the policy's max_replicas. Set it to reserve a fixed port range whatever the policy's budget."""
+    threads: int | None = Field(None, ge=1)
+    """torch CPU threads per replica (`--threads`); default: the CPUs shared by the port slots."""
+    replica_args: list[str] = Field(default_factory=list)
+    """Extra arguments for every `shoal replica` (e.g. ["--quantization", "nvfp4"])."""
+    command: list[str] | None = None
+    """How to run `shoal` (e.g. ["/opt/venv/bin/shoal"]); default: the `shoal` beside this Python."""
+    stop_timeout_s: float = Field(15.0, gt=0)
+    """Seconds a replica gets to exit after SIGTERM before SIGKILL. It is drained first, so this only covers
+    its shutdown (the replica's own graceful shutdown takes up to 10 s)."""
+    log_dir: Path | None = None
+    """Folder for one log file per replica; unset: replicas write to this process's stdout and stderr."""
+
+
+class AutoscalerSettings(BaseSettings):
+    """Settings of `shoal autoscaler`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SHOAL_AUTOSCALER_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+        use_attribute_docstrings=True,
+    )
+
+    actuator: Literal["local", "kubernetes"] = "local"
+    """What is scaled: `local` replica processes on this machine, or a Kubernetes Deployment."""
+    routers: list[str] = Field(default_factory=list)
+    """Router base URLs (http://host:port) to scrape and to drain replicas through; with Kubernetes, the
+    endpoints of `kubernetes.router_service` are added to them."""
+    admin_token: SecretStr | None = None
+    """Bearer token of the routers' admin API, needed to drain replicas before removing them, to register local
+    ones and to see per-replica load. Without it `shoal autoscaler` runs only with `dry_run`."""
+    interval_s: float = Field(2.0, gt=0)
+    """Seconds between decisions. Knative's tick: the 6 s panic window then holds three observations."""
+    scrape_timeout_s: float = Field(2.0, gt=0)
+    """Seconds to wait for one router's answer; a router that does not answer makes the observation missing."""
+    drain_timeout_s: float = Field(300.0, gt=0)
+    """Seconds a drained replica may take to finish its in-flight requests before it is removed anyway. Five
+    minutes covers long generations; the scale-down step keeps removals rare enough for that."""
+    dry_run: bool = False
+    """Observe and decide, log and export every decision, but change nothing."""
+    host: str = "127.0.0.1"
+    """Address of the /metrics endpoint. Loopback by default; containers set 0.0.0.0."""
+    metrics_port: int = Field(9090, ge=0, le=65535)
+    """Port of the /metrics endpoint (Prometheus' conventional port for a component's own metrics)."""
+    log_level: str = "INFO"
+    policy: ScalingPolicyConfig = Field(default_factory=ScalingPolicyConfig)
+    """The scaling policy; see autoscaler/policy/config.py for each parameter."""
+    kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
+    """Used when `actuator` is `kubernetes`."""
+    local: LocalSettings = Field(default_factory=LocalSettings)
+    """Used when `actuator` is `local`."""
+    config_file: Path | None = None
+    """YAML file with any of these settings; environment variables override it."""
+
+    @field_validator("routers")
+    @classmethod
+    def _check_urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"router URL must be http(s)://host[:port], got {url!r}")
+        return [url.rstrip("/") for url in urls]
+
+    @model_validator(mode="after")
+    def _check(self) -> AutoscalerSettings:
+        slots = self.local.max_replicas
+        if self.actuator == "local" and slots is not None and self.policy.max_replicas > slots:
+            raise ValueError(
+                f"policy.max_replicas ({self.policy.max_replicas}) exceeds local.max_replicas "
+                f"({self.local.max_replicas}), the port slots of this machine"
+            )
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path = getattr(init_settings, "init_kwargs", {}).get("config_file") or os.environ.get(
+            "SHOAL_AUTOSCALER_CONFIG_FILE"
+        )
+        return (init_settings, env_settings, _YamlSource(settings_cls, Path(path) if path else None))
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    """The YAML file named by `config_file`; lowest precedence."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: Path | None) -> None:
+        super().__init__(settings_cls)
+        self._path = path
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        if self._path is None:
+            return {}
+        try:
+            data = yaml.safe_load(self._path.read_text())
+        except OSError as exc:
+            raise ValueError(f"cannot read config file {self._path}: {exc}") from exc
+        except yaml.YAMLError as exc:
+            raise ValueError(f"config file {self._path} is not valid YAML: {exc}") from exc
+        if data is None:
+            return {}
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {self._path} must hold a mapping of settings")
+        return data
+
+
+def settings_help() -> str:
+    """Every setting with its environment variable, default and docstring, for `--help`."""
+    lines = ["settings (environment variable, default):"]
+
+    def walk(cls: type[BaseModel], path: list[str]) -> None:
+        for name, info in cls.model_fields.items():
+            annotation = info.annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                walk(annotation, [*path, name])
+                continue
+            env = "SHOAL_AUTOSCALER_" + "__".join(p.upper() for p in [*path, name])
+            default = info.get_default(call_default_factory=True)
+            lines.append(f"  {'.'.join([*path, name])}  ({env}, default {default!r})")
+            if info.description:
+                lines.append("      " + " ".join(info.description.split()))
+
+    walk(AutoscalerSettings, [])
+    return "\n".join(lines)

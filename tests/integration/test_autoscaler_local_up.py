@@ -1,0 +1,58 @@
+"""`shoal up --autoscale` end to end: a router, the autoscaler as its own process, and the replicas it starts."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def _free_ports(count: int) -> int:
+    """A port p with p .. p + count - 1 free right now."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count < 65536 and all(_is_free(base + i) for i in range(1, count)):
+            return base
+    raise RuntimeError(f"no run of {count} free ports")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # closed connections may linger in TIME_WAIT
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_shoal_up_autoscale_serves_the_demo_requests_and_cleans_up(tiny_checkpoint: Path) -> None:
+    shoal = Path(sys.executable).parent / "shoal"
+    replica_base = _free_ports(2)
+    router_port = _free_ports(2)  # the router, and the autoscaler's /metrics on the next port
+    proc = subprocess.run(
+        [
+            str(shoal), "up", "--model", str(tiny_checkpoint), "--autoscale", "--min-replicas", "1",
+            "--max-replicas", "2", "--port", str(router_port), "--replica-base-port", str(replica_base),
+            "--demo-requests", "--exit-after-demo",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert f"Shoal is up: http://127.0.0.1:{router_port}/v1 (OpenAI API), autoscaling 1-2 replica(s)" in out
+    assert f"autoscaler: http://127.0.0.1:{router_port + 1}/metrics" in out
+    assert "finish_reason:" in out
+    assert "registered local-" in proc.stderr, "the autoscaler registered its replica with the router"
+    # The router, the autoscaler and every replica it started are gone: their ports are free again.
+    for port in (router_port, router_port + 1, replica_base, replica_base + 1):
+        assert _is_free(port), port
