@@ -1,8 +1,8 @@
 """`create_app(settings)`: the router as an aiohttp application (STYLE.md 5).
 
 State lives under typed `web.AppKey`s; the HTTP client session, the health and scrape tasks and, with
-`discovery.kind: kubernetes`, the EndpointSlice watch are started and stopped in `cleanup_ctx`. Tests build the
-app with this same factory.
+`discovery.kind: kubernetes`, the EndpointSlice watch and, with `kv_events.source` set, the replicas' KV-event
+streams are started and stopped in `cleanup_ctx`. Tests build the app with this same factory.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from router.policy.prefix_index import PrefixIndex
 from router.service.admin import AdminApi
 from router.service.errors import error_response
 from router.service.health import HealthChecker, MetricsScraper
+from router.service.kv_events import KVEventSubscribers
 from router.service.metrics import RouterMetrics
 from router.service.pool import Replica, ReplicaPool
 from router.service.proxy import Proxy
@@ -33,6 +34,7 @@ CORE = web.AppKey("core", RoutingCore)
 METRICS = web.AppKey("metrics", RouterMetrics)
 PROXY = web.AppKey("proxy", Proxy)
 HEALTH = web.AppKey("health", HealthChecker)
+KV_EVENTS = web.AppKey("kv_events", KVEventSubscribers)
 SHUTTING_DOWN = web.AppKey("shutting_down", asyncio.Event)
 
 # Index sweeps (TTL expiry) run this often; the sweep is cheap and bounded by the number of entries.
@@ -100,14 +102,21 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     core = app[CORE]
     app[PROXY] = Proxy(settings, app[POOL], core, app[METRICS], upstream, on_unreachable=lambda r: _wake(app, r))
     proxy = app[PROXY]
-    health = HealthChecker(
-        settings.health,
-        app[POOL],
-        probe_session,
-        on_down=lambda r: core.drop_cache(r.id),
-        clock=loop.time,
-        on_up=lambda r: proxy.replica_ready(),
-    )
+    kv_events = None
+    if settings.kv_events.source != "none":
+        kv_events = app[KV_EVENTS] = KVEventSubscribers(settings, app[POOL], core.index, app[METRICS], loop.time)
+
+    def on_down(replica: Replica) -> None:
+        core.drop_cache(replica.id)
+        if kv_events is not None:
+            kv_events.replica_down(replica)
+
+    def on_up(replica: Replica) -> None:
+        proxy.replica_ready()
+        if kv_events is not None:
+            kv_events.replica_up(replica)
+
+    health = HealthChecker(settings.health, app[POOL], probe_session, on_down=on_down, clock=loop.time, on_up=on_up)
     app[HEALTH] = health
     tasks = [asyncio.create_task(health.run(), name="health"), asyncio.create_task(_sweep(core, loop))]
     if settings.scrape.enabled:
@@ -115,6 +124,8 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         tasks.append(asyncio.create_task(scraper.run(), name="scrape"))
     discovery = None
     try:
+        if kv_events is not None:
+            await kv_events.start()
         if settings.discovery.kind == "kubernetes":
             # Imported here: only the routers that use it load the kubernetes client.
             from router.service.discovery import KubernetesDiscovery
@@ -127,6 +138,8 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     finally:
         if discovery is not None:
             await discovery.stop()
+        if kv_events is not None:
+            await kv_events.stop()
         for task in tasks:
             task.cancel()
         for task in tasks:

@@ -93,6 +93,26 @@ class RouterMetrics:
         self.prompt_tokens = Counter(
             "shoal_router_prompt_tokens", "Prompt tokens the replicas reported (usage.prompt_tokens)"
         )
+        self.kv_events_applied = Counter(
+            "shoal_router_kv_events_applied", "KV events applied to the prefix index, by kind", ["kind"]
+        )
+        self.kv_events_skipped = Counter(
+            "shoal_router_kv_events_skipped",
+            "KV events not applied, by reason: unknown_parent (the block they extend is not indexed), unsupported "
+            "(another medium or attention kind, a LoRA adapter without a name), malformed (a ZMQ batch that could "
+            "not be decoded)",
+            ["reason"],
+        )
+        self.kv_events_reconnects = Counter(
+            "shoal_router_kv_events_reconnects",
+            "KV-event connections ended and retried, by reason (closed, error, gap, malformed, replica_down)",
+            ["reason"],
+        )
+        self.kv_events_gaps = Counter(
+            "shoal_router_kv_events_gaps",
+            "Sequence gaps in KV-event streams: an SSE stream resyncs from a fresh snapshot, a ZMQ stream clears "
+            "the replica's index entries",
+        )
         self.held_requests = 0
         """Requests waiting for any replica to become able to serve them (the router's own queue)."""
         self.registry = CollectorRegistry(auto_describe=False)
@@ -164,6 +184,11 @@ class _PoolCollector(Collector):
             "shoal_router_prefill_backlog_tokens",
             "Uncached prompt tokens waiting, all replicas",
             value=totals["waiting_prompt_tokens"],
+        )
+        yield GaugeMetricFamily(
+            "shoal_router_kv_events_live_streams",
+            "Replicas whose KV-event stream is connected and in sync (exact mode)",
+            value=sum(replica.has_live_kv_events for replica in self._pool),
         )
         replicas = GaugeMetricFamily("shoal_router_replicas", "Replicas by status", labels=["status"])
         for status, count in by_status.items():

@@ -6,7 +6,9 @@ once instead of after the next probe, and the prober then checks it at a short i
 is back within `unhealthy_interval_s` of its first good answer. The circuit breaker opens after consecutive
 failed requests (5xx, transport errors) and closes on the first good probe after `open_s`.
 
-State transitions take `now` from the caller; nothing here sleeps or does I/O.
+State transitions take `now` from the caller; nothing here sleeps or does I/O. Listeners hear of replicas joining
+and leaving the pool, whoever adds or removes them (the static list, the admin API, discovery): what follows a
+replica's lifecycle, such as its KV-event stream, hooks in there.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from router.policy.prefill_rate import PrefillRate
@@ -77,6 +79,9 @@ class Replica:
     probes_since_models: int = 0
     prefill_rate: PrefillRate = field(default_factory=lambda: PrefillRate(tokens_per_s=10_000.0))
     """Learned prefill rate (its `tokens_per_s` is mirrored into `state` for the policies)."""
+    has_live_kv_events: bool = False
+    """True while the replica's KV-event stream is connected and in sync: its `stored` events will confirm what
+    the router sends it, so the router records its own guesses as short-lived predictions only."""
 
     @property
     def models(self) -> frozenset[str]:
@@ -150,11 +155,27 @@ class Replica:
         self.consecutive_request_failures = 0
 
 
+class PoolListener(Protocol):
+    """Told, synchronously and in order, of each replica that joins or leaves the pool. `replica_added` runs inside
+    `ReplicaPool.add`, before its caller has indexed the replica: work that needs the index belongs in a task."""
+
+    def replica_added(self, replica: Replica) -> None: ...
+
+    def replica_removed(self, replica: Replica) -> None: ...
+
+
 class ReplicaPool:
     """Replicas by id, in insertion order."""
 
     def __init__(self) -> None:
         self._replicas: dict[str, Replica] = {}
+        self._listeners: list[PoolListener] = []
+
+    def add_listener(self, listener: PoolListener) -> None:
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: PoolListener) -> None:
+        self._listeners.remove(listener)
 
     def __iter__(self) -> Iterator[Replica]:
         return iter(list(self._replicas.values()))
@@ -188,10 +209,16 @@ class ReplicaPool:
         )
         replica.probe_now = True
         self._replicas[rid] = replica
+        for listener in self._listeners:
+            listener.replica_added(replica)
         return replica
 
     def remove(self, replica_id: str) -> Replica | None:
-        return self._replicas.pop(replica_id, None)
+        replica = self._replicas.pop(replica_id, None)
+        if replica is not None:
+            for listener in self._listeners:
+                listener.replica_removed(replica)
+        return replica
 
     def eligible(self, model: str | None, exclude: Iterable[str] = ()) -> list[Replica]:
         if not exclude:

@@ -7,6 +7,10 @@ This is the only place the service touches the pure policy layer, so the simulat
     decision = policy.select(RouteRequest(hashes, prompt_tokens, tokens_per_block, matched), eligible, now)
     index.record(decision.replica, hashes, now)         # approximate mode: the router's own prediction
 
+In exact mode (a live KV-event stream from the chosen replica, `kv_events.py`), the record of a token-id prompt is
+a predicted entry, short-lived: the engine's `stored` event makes it exact, and without one it expires. A text
+prompt is hashed over bytes, which no engine event names, so its record stays approximate in either mode.
+
 Load bookkeeping is router-local and exact: `begin` counts a request as waiting for its first byte with its
 uncached prompt tokens (the prefill backlog), `first_byte` moves it to streaming and feeds the observed time to
 the replica's prefill-rate estimate, `finish` forgets it.
@@ -40,6 +44,8 @@ class Prepared:
     model: str | None
     session_key: str | None
     max_output_tokens: int | None
+    is_tokens: bool = False
+    """Hashed over token ids (token mode), the units engines' KV events name."""
 
 
 @dataclass(slots=True)
@@ -86,7 +92,13 @@ class RoutingCore:
         if key.token_ids is not None:
             hashes = self._memo.hash_tokens(key.token_ids, seed, h.token_block_size, max_blocks=h.max_blocks)
             return Prepared(
-                hashes, len(key.token_ids), float(h.token_block_size), model, session_key, max_output_tokens
+                hashes,
+                len(key.token_ids),
+                float(h.token_block_size),
+                model,
+                session_key,
+                max_output_tokens,
+                is_tokens=True,
             )
         text = key.text or b""
         hashes = self._memo.hash_text(text, seed, h.text_block_size, max_blocks=h.max_blocks)
@@ -120,7 +132,9 @@ class RoutingCore:
         if prepared.session_key is not None:
             self._remember_session(prepared.session_key, decision.replica)
         if prepared.hashes:
-            self.index.record(decision.replica, prepared.hashes, now=now)
+            chosen = self.pool.get(decision.replica)
+            is_confirmed = prepared.is_tokens and chosen is not None and chosen.has_live_kv_events
+            self.index.record(decision.replica, prepared.hashes, now=now, predicted=is_confirmed)
         return decision
 
     def _session_decision(self, request: RouteRequest, eligible: list[Replica]) -> Decision | None:

@@ -134,6 +134,44 @@ class DiscoverySettings(_Section):
         return self
 
 
+class KVEventSettings(_Section):
+    source: Literal["none", "sse", "zmq"] = "none"
+    """Where each replica's KV events come from, for the exact prefix index (router/service/kv_events.py).
+    `none`: approximate mode, the index holds the router's own routing decisions. `sse`: Shoal's replica, `GET
+    /v1/kv_events` (a snapshot, then every engine step's events). `zmq`: vLLM's ZMQ publisher
+    (`--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", ...}'`). Off by default: stock
+    engines publish nothing unless told to, and approximate mode works in front of any engine."""
+    sse_path: str = "/v1/kv_events"
+    """Path of the SSE stream on each replica's base URL; Shoal's replica serves it there."""
+    zmq_port: int = Field(5557, ge=1, le=65535)
+    """Port of each replica's ZMQ PUB socket, on the replica's own host. 5557: the port of vLLM's examples and of
+    the chart's vLLM flags (`"endpoint": "tcp://*:5557"`)."""
+    zmq_topic: str = "kv-events"
+    """Topic the router subscribes to (ZMQ matches it as a prefix); must be the engine's `topic`. `kv-events`, as
+    the chart configures vLLM. vLLM's own default topic is empty: set "" for engines started without one."""
+    reconnect_min_s: float = Field(0.2, gt=0)
+    """Seconds before the first reconnection after a stream is lost; doubled (with jitter) per failed attempt. A
+    replica that comes back into rotation is reconnected at once, so this only paces streams that fail while
+    their replica answers its probes."""
+    reconnect_max_s: float = Field(10.0, gt=0)
+    """Upper bound, in seconds, on the wait between reconnection attempts: a replica that is down for long is
+    retried every 10 s, a cost of nothing while exact mode stays at most that stale after it returns."""
+    max_blocks_per_s: float = Field(20_000.0, gt=0)
+    """Blocks per second one replica's events may apply to the index; beyond it the stream is read more slowly
+    (TCP or ZMQ backpressure, then a gap and a resync) rather than stall the router's event loop. A block costs
+    some 8 us (its router hash and the dict updates), so 20k/s is 16% of a core per stream, and 320k tokens/s of
+    newly cached prefill, above what one GPU computes; a large snapshot is spread over seconds."""
+    max_message_bytes: int = Field(256 * 1024 * 1024, gt=0)
+    """Largest SSE message, in bytes, accepted before the stream is dropped as broken. A snapshot names every
+    cached block in one message, some 230 bytes per 16-token block: 256 MiB covers a million blocks."""
+
+    @model_validator(mode="after")
+    def _check_backoff(self) -> KVEventSettings:
+        if self.reconnect_max_s < self.reconnect_min_s:
+            raise ValueError("kv_events.reconnect_max_s must be at least kv_events.reconnect_min_s")
+        return self
+
+
 class RouterSettings(BaseSettings):
     """Settings of `shoal router`."""
 
@@ -167,6 +205,8 @@ class RouterSettings(BaseSettings):
     hold: HoldSettings = Field(default_factory=HoldSettings)
     discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
     """How replicas are found: the static list, or a Kubernetes Service's EndpointSlices."""
+    kv_events: KVEventSettings = Field(default_factory=KVEventSettings)
+    """Exact mode: each replica's KV events feed the prefix index (off by default: approximate mode)."""
     session_header: str | None = None
     """Header whose value pins a session to one replica (e.g. x-session-id); off when unset."""
     admin_token: SecretStr | None = None

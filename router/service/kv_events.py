@@ -1,0 +1,461 @@
+"""Exact mode: each replica's KV events, applied to the shared prefix index (DESIGN.md contract 2).
+
+One `KVEventSubscriber` per replica, for as long as the replica is in the pool: `KVEventSubscribers` is a pool
+listener, so the static list, the admin API and discovery all start and stop streams the same way. The health
+checker steers them: a replica taken out of rotation has its entries dropped (`RoutingCore.drop_cache`) and its
+stream restarted, and one back in rotation is reconnected at once rather than after its backoff.
+
+Sources (`kv_events.source`).
+  - `sse`: Shoal's replica, `GET /v1/kv_events`. Each connection opens with a snapshot (`cleared`, then every
+    cached block, parents first), so a (re)connection rebuilds the replica's entries from the truth. `seq` grows
+    by one per message; a gap means missed events, and the cure is another connection, hence another snapshot.
+  - `zmq`: vLLM's ZMQ publisher on `tcp://<replica host>:<zmq_port>`, multipart [topic, seq (8 bytes, big
+    endian), msgpack `KVEventBatch`]. There is no snapshot: blocks cached before the router listened stay
+    unknown, and their children are skipped (prefix_index). A gap in `seq`, a restarted engine counting from 0
+    again, or a batch that cannot be decoded clears the replica's entries, since whatever removals went missing
+    would otherwise keep blocks indexed that the engine has dropped.
+
+A stream is live once it is in sync: an SSE snapshot applied, a ZMQ batch decoded. While it is, the router records
+its routing decisions for token-id prompts as short-lived predictions (routing.py), which the engine's `stored`
+events confirm.
+
+The events name no model, or only a LoRA adapter (vLLM's `lora_name`), while the router's hashes are namespaced
+by the request's model: a replica's base model is the one card of its `/v1/models` without a parent, known after
+its first good probe. Until then its stream waits.
+
+Pacing: applying a block costs some 8 us (its router hash and a few dict updates), and the index lives on the
+event loop. Events are applied at most `max_blocks_per_s` per stream, yielding to the loop every
+`_YIELD_EVERY_BLOCKS`, so a large snapshot costs the proxy a few ms of latency at a time, not a stall. A stream
+that outruns the pace is read late and ends in the source's own overflow handling (the replica drops a slow SSE
+reader, ZMQ drops past its high-water mark), then a resync.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from router.policy.hashing import namespace_seed
+from router.policy.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent, KVEventError
+from router.policy.prefix_index import PrefixIndex
+from router.service.kv_event_wire import decode_vllm_batch, parse_sse_message
+from router.service.metrics import RouterMetrics
+from router.service.pool import Replica, ReplicaPool
+from router.service.settings import KVEventSettings, RouterSettings
+
+if TYPE_CHECKING:
+    import zmq.asyncio
+
+log = logging.getLogger("shoal.router.kv_events")
+
+_YIELD_EVERY_BLOCKS = 512
+"""Blocks applied between yields to the event loop: some 4 ms of work."""
+_BURST_S = 0.05
+"""Seconds of `max_blocks_per_s` a stream may apply at once after an idle spell."""
+_KIND: dict[type, str] = {BlockStored: "stored", BlockRemoved: "removed", AllCleared: "cleared"}
+
+class Pacer:
+    """A token bucket over blocks: how long to wait, at `now`, before applying `num_blocks` more."""
+
+    def __init__(self, blocks_per_s: float, burst_s: float = _BURST_S) -> None:
+        self._blocks_per_s = blocks_per_s
+        self._burst_s = burst_s
+        self._free_at = -float("inf")
+        """When the blocks let through so far would have been applied at exactly `blocks_per_s`."""
+
+    def delay_s(self, num_blocks: int, now: float) -> float:
+        self._free_at = max(self._free_at, now - self._burst_s) + num_blocks / self._blocks_per_s
+        return max(0.0, self._free_at - now)
+
+
+def backoff_s(num_failures: int, settings: KVEventSettings, jitter: float) -> float:
+    """Wait before the next attempt after `num_failures` consecutive ones: doubling from `reconnect_min_s` up to
+    `reconnect_max_s`, scaled by `jitter` in [0.5, 1] so that routers restarted together do not reconnect in step."""
+    exponent = min(max(num_failures - 1, 0), 30)
+    return min(settings.reconnect_max_s, settings.reconnect_min_s * 2.0**exponent) * jitter
+
+
+# --- subscribers --------------------------------------------------------------------------------------------------
+
+
+class _StreamEnded(Exception):
+    """The stream ended, or must be restarted, for `reason` (a metric label)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(detail or reason)
+        self.reason = reason
+
+
+class KVEventSubscriber(abc.ABC):
+    """One replica's KV-event stream: connect, apply, reconnect with backoff, until cancelled. Subclasses say how
+    to follow one connection (`_follow`)."""
+
+    def __init__(
+        self,
+        replica: Replica,
+        index: PrefixIndex,
+        settings: KVEventSettings,
+        *,
+        token_block_size: int,
+        metrics: RouterMetrics,
+        clock: Callable[[], float],
+        rng: random.Random,
+    ) -> None:
+        self.replica = replica
+        self.index = index
+        self.settings = settings
+        self.metrics = metrics
+        self._token_block_size = token_block_size
+        self._clock = clock
+        self._rng = rng
+        self._pacer = Pacer(settings.max_blocks_per_s)
+        self._adapter_seeds: dict[str, bytes] = {}
+        self._wake = asyncio.Event()
+        self._num_failures = 0
+        self._task: asyncio.Task[None] | None = None
+        self._stream: asyncio.Task[str] | None = None
+        self._resync_reason: str | None = None
+        self._is_block_size_reported = False
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-events {self.replica.id}")
+
+    def cancel(self) -> asyncio.Task[None] | None:
+        """Stop for good (the replica left the pool); returns the task to await."""
+        if self._task is not None:
+            self._task.cancel()
+        return self._task
+
+    def resync(self, reason: str) -> None:
+        """Drop the current connection and start over (the replica's entries were dropped meanwhile)."""
+        if self._stream is not None and not self._stream.done():
+            self._resync_reason = reason
+            self._stream.cancel()
+
+    def wake(self) -> None:
+        """Retry now instead of after the backoff (the replica is back in rotation)."""
+        self._num_failures = 0
+        self._wake.set()
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                seed = self._base_seed()
+                if seed is not None:
+                    reason = await self._follow_once(seed)
+                    self.metrics.kv_events_reconnects.inc((reason,))
+                    self._num_failures += 1
+                    delay = backoff_s(self._num_failures, self.settings, self._rng.uniform(0.5, 1.0))
+                else:
+                    delay = self.settings.reconnect_max_s  # or sooner, when the first good probe wakes us
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), delay)
+        finally:
+            self._set_live(False)
+
+    async def _follow_once(self, seed: bytes) -> str:
+        """Follow one connection until it ends; returns why it did."""
+        self._stream = asyncio.get_running_loop().create_task(self._follow(seed))
+        try:
+            return await self._stream
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # stopped
+            return self._resync_reason or "resync"
+        except _StreamEnded as exc:
+            log.info("KV events of %s: stream ended (%s)", self.replica.id, exc)
+            return exc.reason
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            log.info("KV events of %s: %s: %s", self.replica.id, type(exc).__name__, exc)
+            return "error"
+        except Exception:  # the task must outlive any one failure: it is the replica's only stream
+            log.exception("KV events of %s: the stream failed", self.replica.id)
+            return "error"
+        finally:
+            self._stream = None
+            self._resync_reason = None
+            self._set_live(False)
+
+    @abc.abstractmethod
+    async def _follow(self, seed: bytes) -> str:
+        """Follow one connection, applying its events hashed under `seed` (the base model's); returns why it
+        ended, or raises."""
+
+    def _base_seed(self) -> bytes | None:
+        """Namespace seed of the replica's base model; None while unknown (its models are not known yet, or it
+        lists several without a parent)."""
+        bases = [m for m, card in self.replica.model_cards.items() if not card.get("parent")]
+        return namespace_seed(bases[0]) if len(bases) == 1 else None
+
+    def _adapter_seed(self, adapter: str) -> bytes:
+        """Namespace seed of a LoRA adapter: requests name it as their model, and the router hashes them so."""
+        seed = self._adapter_seeds.get(adapter)
+        if seed is None:
+            seed = self._adapter_seeds[adapter] = namespace_seed(adapter)
+        return seed
+
+    def _set_live(self, is_live: bool) -> None:
+        if is_live and not self.replica.has_live_kv_events:
+            log.info("KV events of %s: in sync", self.replica.id)
+        self.replica.has_live_kv_events = is_live
+        if is_live:
+            self._num_failures = 0
+
+    def _clear(self) -> None:
+        """Forget every entry of the replica: what the index holds may no longer be what the engine holds."""
+        self.index.apply(self.replica.id, AllCleared(), seed=b"", now=self._clock())
+
+    async def _apply(self, events: Iterable[tuple[KVEvent, bytes]]) -> None:
+        rid = self.replica.id
+        index = self.index
+        applied = self.metrics.kv_events_applied
+        num_since_yield = 0
+        for event, seed in events:
+            num_blocks = 1 if isinstance(event, AllCleared) else len(event.block_hashes)
+            delay_s = self._pacer.delay_s(num_blocks, self._clock())
+            num_since_yield += num_blocks
+            if delay_s > 0 or num_since_yield >= _YIELD_EVERY_BLOCKS:
+                await asyncio.sleep(delay_s)
+                num_since_yield = 0
+            if isinstance(event, BlockStored) and event.block_size != self._token_block_size:
+                self._report_block_size(event.block_size)
+            if index.apply(rid, event, seed=seed, now=self._clock()):
+                applied.inc((_KIND[type(event)],))
+            else:
+                self.metrics.kv_events_skipped.inc(("unknown_parent",))
+
+    def _report_block_size(self, block_size: int) -> None:
+        if not self._is_block_size_reported:
+            self._is_block_size_reported = True
+            log.warning(
+                "KV events of %s name %d-token blocks, the router hashes %d-token blocks "
+                "(hashing.token_block_size): no request will match them",
+                self.replica.id,
+                block_size,
+                self._token_block_size,
+            )
+
+
+class SseSubscriber(KVEventSubscriber):
+    """Shoal's replica: `GET <replica>/v1/kv_events`, a snapshot then every step's events."""
+
+    def __init__(self, *args: Any, session: aiohttp.ClientSession, connect_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._session = session
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=None)
+
+    async def _follow(self, seed: bytes) -> str:
+        url = self.replica.url + self.settings.sse_path
+        async with self._session.get(url, timeout=self._timeout) as resp:
+            if resp.status != 200:
+                raise _StreamEnded("error", f"{url} answered HTTP {resp.status}")
+            next_seq: int | None = None
+            async for data in sse_data(resp.content, self.settings.max_message_bytes):
+                try:
+                    message = parse_sse_message(data)
+                except KVEventError as exc:
+                    raise _StreamEnded("malformed", str(exc)) from exc
+                if next_seq is None and not message.is_snapshot:
+                    raise _StreamEnded("malformed", "the stream did not open with a snapshot")
+                if next_seq is not None and message.seq != next_seq:
+                    self.metrics.kv_events_gaps.inc()
+                    raise _StreamEnded("gap", f"seq {message.seq} after {next_seq - 1}")
+                next_seq = message.seq + 1
+                await self._apply((event, seed) for event in message.events)
+                if message.is_snapshot:
+                    self._set_live(True)
+        return "closed"
+
+
+async def sse_data(content: aiohttp.StreamReader, max_bytes: int) -> AsyncIterator[bytes]:
+    """The data of each server-sent event (its `data:` lines joined by newlines); other fields and comments are
+    ignored. Raises _StreamEnded past `max_bytes` of one message."""
+    buffer = bytearray()
+    scanned = 0  # bytes of `buffer` known to hold no newline
+    lines: list[bytes] = []
+    size = 0
+    async for chunk in content.iter_any():
+        buffer += chunk
+        start = 0
+        while (end := buffer.find(b"\n", max(start, scanned))) >= 0:
+            line = bytes(buffer[start:end]).removesuffix(b"\r")
+            start = end + 1
+            if not line:
+                if lines:
+                    yield b"\n".join(lines)
+                lines, size = [], 0
+            elif line.startswith(b"data:"):
+                value = line[5:].removeprefix(b" ")
+                lines.append(value)
+                size += len(value)
+        del buffer[:start]
+        scanned = len(buffer)
+        if size + len(buffer) > max_bytes:
+            raise _StreamEnded("malformed", f"a message exceeds {max_bytes} bytes")
+
+
+class ZmqSubscriber(KVEventSubscriber):
+    """vLLM: a SUB socket on `tcp://<replica host>:<zmq_port>`, msgpack `KVEventBatch`es."""
+
+    def __init__(self, *args: Any, context: zmq.asyncio.Context, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._context = context
+        self._last_seq: int | None = None
+        """Kept across connections: a gap spanning a reconnection is a gap too."""
+
+    @property
+    def endpoint(self) -> str:
+        host = self.replica.host
+        return f"tcp://[{host}]:{self.settings.zmq_port}" if ":" in host else f"tcp://{host}:{self.settings.zmq_port}"
+
+    async def _follow(self, seed: bytes) -> str:
+        import zmq
+
+        socket = self._context.socket(zmq.SUB)
+        try:
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.RECONNECT_IVL, int(self.settings.reconnect_min_s * 1000))
+            socket.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.settings.reconnect_max_s * 1000))
+            socket.setsockopt(zmq.SUBSCRIBE, self.settings.zmq_topic.encode())
+            socket.connect(self.endpoint)
+            while True:  # ZMQ reconnects by itself; this ends by cancellation or a socket error
+                frames = await socket.recv_multipart()
+                await self._on_batch(frames, seed)
+        except zmq.ZMQError as exc:
+            raise _StreamEnded("error", f"{self.endpoint}: {exc}") from exc
+        finally:
+            socket.close(linger=0)
+
+    async def _on_batch(self, frames: Sequence[bytes], seed: bytes) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.metrics.kv_events_skipped.inc(("malformed",))
+            self._lost(f"a message of {len(frames)} frames")
+            return
+        seq = int.from_bytes(frames[1], "big")
+        if self._last_seq is not None and seq != self._last_seq + 1:
+            self.metrics.kv_events_gaps.inc()
+            self._lost(f"seq {seq} after {self._last_seq}")
+        self._last_seq = seq
+        try:
+            batch = decode_vllm_batch(frames[2])
+        except KVEventError as exc:
+            self.metrics.kv_events_skipped.inc(("malformed",))
+            self._lost(str(exc))
+            return
+        if batch.num_unsupported:
+            self.metrics.kv_events_skipped.inc(("unsupported",), batch.num_unsupported)
+        await self._apply(
+            [(e, seed if adapter is None else self._adapter_seed(adapter)) for e, adapter in batch.events]
+        )
+        self._set_live(True)
+
+    def _lost(self, detail: str) -> None:
+        """Events went missing: clear the replica's entries, and record guesses again until the next good batch."""
+        if self.replica.has_live_kv_events or self._last_seq is not None:
+            log.info("KV events of %s: events lost (%s): clearing its index entries", self.replica.id, detail)
+        self._set_live(False)
+        self._clear()
+
+
+class KVEventSubscribers:
+    """A subscriber per replica of the pool, while it is in the pool (a `PoolListener`)."""
+
+    def __init__(
+        self,
+        settings: RouterSettings,
+        pool: ReplicaPool,
+        index: PrefixIndex,
+        metrics: RouterMetrics,
+        clock: Callable[[], float],
+    ) -> None:
+        if settings.kv_events.source == "none":
+            raise ValueError("KV-event subscribers need kv_events.source 'sse' or 'zmq'")
+        self.settings = settings
+        self.pool = pool
+        self.index = index
+        self.metrics = metrics
+        self.clock = clock
+        self._rng = random.Random(settings.seed)
+        self._subscribers: dict[str, KVEventSubscriber] = {}
+        self._stopping: set[asyncio.Task[None]] = set()
+        self._session: aiohttp.ClientSession | None = None
+        self._context: zmq.asyncio.Context | None = None
+
+    async def start(self) -> None:
+        """Subscribe to every replica of the pool, and to those it gains later."""
+        if self.settings.kv_events.source == "sse":
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), skip_auto_headers=("User-Agent",)
+            )
+        else:
+            import zmq.asyncio  # only routers reading vLLM's ZMQ stream load pyzmq
+
+            self._context = zmq.asyncio.Context()
+        for replica in self.pool:
+            self.replica_added(replica)
+        self.pool.add_listener(self)
+
+    async def stop(self) -> None:
+        with contextlib.suppress(ValueError):  # not started
+            self.pool.remove_listener(self)
+        for replica_id in list(self._subscribers):
+            self._forget(replica_id)
+        await asyncio.gather(*self._stopping, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+        if self._context is not None:
+            self._context.destroy(linger=0)
+
+    def replica_added(self, replica: Replica) -> None:
+        common: dict[str, Any] = {
+            "token_block_size": self.settings.hashing.token_block_size,
+            "metrics": self.metrics,
+            "clock": self.clock,
+            "rng": self._rng,
+        }
+        s = self.settings.kv_events
+        subscriber: KVEventSubscriber
+        if self._session is not None:
+            timeout_s = self.settings.retry.connect_timeout_s
+            subscriber = SseSubscriber(
+                replica, self.index, s, session=self._session, connect_timeout_s=timeout_s, **common
+            )
+        else:
+            assert self._context is not None
+            subscriber = ZmqSubscriber(replica, self.index, s, context=self._context, **common)
+        self._forget(replica.id)
+        self._subscribers[replica.id] = subscriber
+        subscriber.start()
+
+    def replica_removed(self, replica: Replica) -> None:
+        self._forget(replica.id)
+
+    def replica_down(self, replica: Replica) -> None:
+        """Out of rotation: its entries were dropped, so its stream starts over (and a restarted engine's empty
+        cache is what the next snapshot says)."""
+        subscriber = self._subscribers.get(replica.id)
+        if subscriber is not None:
+            subscriber.resync("replica_down")
+
+    def replica_up(self, replica: Replica) -> None:
+        subscriber = self._subscribers.get(replica.id)
+        if subscriber is not None:
+            subscriber.wake()
+
+    def _forget(self, replica_id: str) -> None:
+        subscriber = self._subscribers.pop(replica_id, None)
+        if subscriber is None:
+            return
+        task = subscriber.cancel()
+        if task is not None:
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
