@@ -371,6 +371,11 @@ def create_app(settings: ReplicaSettings, model: MoEForCausalLM, tokenizer: Toke
         await async_engine.stop()
 
     app.cleanup_ctx.append(lifecycle)
+
+    async def end_event_streams(app: web.Application) -> None:
+        hub.end_streams()
+
+    app.on_shutdown.append(end_event_streams)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

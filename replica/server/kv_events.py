@@ -103,13 +103,17 @@ class KVEventHub:
             except Exception as exc:  # the cache keeps working when Redis is away; the router falls back
                 log.warning("cannot publish KV events to Redis: %s", exc)
 
-    async def close(self) -> None:
+    def end_streams(self) -> None:
+        """End every subscriber's stream (on shutdown, so open SSE responses do not hold the server up)."""
         for sub in list(self._subscribers):
             try:
                 sub.queue.put_nowait(None)
             except asyncio.QueueFull:
                 sub.is_dropped = True
         self._subscribers.clear()
+
+    async def close(self) -> None:
+        self.end_streams()
         if self._redis_task is not None:
             self._redis_task.cancel()
             await asyncio.gather(self._redis_task, return_exceptions=True)
