@@ -22,6 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,15 @@ def _shoal_command() -> list[str]:
     return [sys.executable, "-c", "import sys; from router.cli import main; sys.exit(main())"]
 
 
-def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], *, timeout_s: float) -> None:
+def _wait_healthy(
+    url: str,
+    procs: list[subprocess.Popen[bytes]],
+    *,
+    timeout_s: float,
+    is_ready: Callable[[bytes], bool] = lambda _: True,
+    what: str = "",
+) -> None:
+    """Poll `url` until it answers 200 with a body `is_ready` accepts; fail early if a child process has died."""
     deadline = time.monotonic() + timeout_s
     while True:
         for proc in procs:
@@ -44,12 +53,12 @@ def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], *, timeout_s: 
                 raise RuntimeError(f"{' '.join(map(str, proc.args))} exited with status {proc.returncode}")  # type: ignore[arg-type]
         try:
             with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
+                if resp.status == 200 and is_ready(resp.read()):
                     return
-        except (urllib.error.URLError, OSError):
+        except (urllib.error.URLError, OSError, ValueError):
             pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s")
+            raise TimeoutError(f"{what or url + ' did not answer'} within {timeout_s:.0f} s")
         time.sleep(0.2)
 
 
@@ -199,28 +208,17 @@ def _start_autoscaled(
     cmd += ["--min-replicas", str(min_replicas), "--max-replicas", str(max_replicas)]
     cmd += ["--metrics-port", str(metrics_port)]
     procs.append(subprocess.Popen(cmd, env=env))
-    _wait_serving(endpoint + "/ready", procs, timeout_s=300)
+    # The router answers /ready 200 while it holds requests; wait for a replica in rotation.
+    _wait_healthy(
+        endpoint + "/ready",
+        procs,
+        timeout_s=300,
+        is_ready=lambda body: json.loads(body).get("status") == "ready",
+        what=f"no replica was serving behind {endpoint}",
+    )
     print(
         f"\nShoal is up: {endpoint}/v1 (OpenAI API), autoscaling {min_replicas}-{max_replicas} replica(s) "
         f"on ports from {replica_base_port}"
     )
     print(f"  metrics: {endpoint}/metrics   autoscaler: http://127.0.0.1:{metrics_port}/metrics")
     return endpoint
-
-
-def _wait_serving(url: str, procs: list[subprocess.Popen[bytes]], *, timeout_s: float) -> None:
-    """Wait until the router's /ready reports a replica in rotation (it answers 200 while it holds requests)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for proc in procs:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{' '.join(map(str, proc.args))} exited with status {proc.returncode}")  # type: ignore[arg-type]
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if json.loads(resp.read()).get("status") == "ready":
-                    return
-        except (urllib.error.URLError, OSError, ValueError):
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no replica was serving behind {url} within {timeout_s:.0f} s")
-        time.sleep(0.2)
