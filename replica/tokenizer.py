@@ -291,7 +291,10 @@ class IncrementalDetokenizer:
 
 
 class StopChecker:
-    """Cuts streamed text at the first stop string, which is not emitted (as OpenAI and vLLM do).
+    """Cuts streamed text at the first stop string to complete, which is not emitted (as OpenAI and vLLM do).
+
+    "First" is by where a stop string ends, as if text arrived one character at a time: with stops `。` and
+    `b。c`, the text `b。c` stops at `。`, whether it arrives in one piece or in several.
 
     A suffix that could begin a stop string is held back until later text rules it out; `flush` returns it when
     generation ends for another reason. Empty stop strings are ignored.
@@ -316,7 +319,7 @@ class StopChecker:
         text = self._held + new_text
         matches = [(index, stop) for stop in self._stops if (index := text.find(stop)) >= 0]
         if matches:
-            index, self.matched_stop = min(matches)
+            index, self.matched_stop = min(matches, key=lambda m: (m[0] + len(m[1]), m[0]))
             self._held = ""
             return text[:index], True
         num_held = self._num_held(text)

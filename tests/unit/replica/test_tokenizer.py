@@ -274,8 +274,9 @@ def test_earliest_stop_wins_and_japanese_stops_work() -> None:
 )
 def test_streamed_stops_equal_cutting_the_whole_text(chunks: list[str], stops: list[str]) -> None:
     whole = "".join(chunks)
-    starts = [whole.find(stop) for stop in stops if stop in whole]
-    expected = whole[: min(starts)] if starts else whole
+    # Generation stops when a stop string completes: the cut is at the occurrence that ends first.
+    matches = [(whole.find(stop) + len(stop), whole.find(stop)) for stop in stops if stop in whole]
+    expected = whole[: min(matches)[1]] if matches else whole
     checker = StopChecker(stops)
     emitted = []
     for chunk in chunks:
@@ -286,4 +287,4 @@ def test_streamed_stops_equal_cutting_the_whole_text(chunks: list[str], stops: l
     else:
         emitted.append(checker.flush())
     assert "".join(emitted) == expected
-    assert checker.is_stopped == bool(starts)
+    assert checker.is_stopped == bool(matches)
