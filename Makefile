@@ -20,7 +20,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 typecheck: install
-	$(VENV)/bin/mypy router autoscaler replica
+	$(VENV)/bin/mypy router autoscaler replica simulations
 
 contracts: install
 	$(VENV)/bin/lint-imports

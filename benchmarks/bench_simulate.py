@@ -1,0 +1,84 @@
+"""Simulator speed: the Mooncake synthetic trace (3,993 requests) on 16 replicas under five policies.
+
+Loads and hashes the trace once (shared by every policy, as `shoal simulate` does), then runs each policy and
+prints, per policy, the CPU and wall seconds, the events run and the simulated requests per second of wall time;
+then the totals. The issue's goal: all five policies under 60 s on one core. Run it pinned to one core:
+
+    taskset -c 0 .venv/bin/python benchmarks/bench_simulate.py
+    taskset -c 0 .venv/bin/python benchmarks/bench_simulate.py --speed 4          # a more loaded fleet
+    taskset -c 0 .venv/bin/python benchmarks/bench_simulate.py --synthetic 100000  # scaling: shared-prefix requests
+
+With `--synthetic N` the workload is N requests of the `shared_prefix` generator (about 3k-token prompts over 20
+Zipf-popular system prompts) instead of the trace, at a rate that keeps the 16 replicas moderately loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from simulations.scenario import DEFAULT_POLICIES, Scenario, build_workload, policy_entry
+from simulations.simulation import Simulation
+from simulations.synthetic import SharedPrefixConfig, SharedPrefixWorkload
+from simulations.workload import Workload
+
+MOONCAKE = "/work/shared/traces/mooncake/synthetic_trace.jsonl"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trace", default=MOONCAKE)
+    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
+    parser.add_argument("--replicas", type=int, default=16)
+    parser.add_argument("--speed", type=float, default=1.0)
+    parser.add_argument("--synthetic", type=int, metavar="N", help="N shared-prefix requests instead of the trace")
+    args = parser.parse_args()
+
+    started_cpu, started_wall = time.process_time(), time.perf_counter()
+    workload: Workload
+    if args.synthetic:
+        config = SharedPrefixConfig(
+            num_requests=args.synthetic, rate_per_s=20.0, num_system_prompts=20, system_prompt_tokens=(1000, 4000)
+        )
+        scenario = Scenario.model_validate({"trace": config.model_dump(), "fleet": {"num_replicas": args.replicas}})
+        workload = SharedPrefixWorkload(config)
+        num_requests = args.synthetic
+    else:
+        scenario = Scenario.model_validate(
+            {
+                "trace": {"kind": "mooncake", "path": args.trace, "speed": args.speed},
+                "fleet": {"num_replicas": args.replicas},
+            }
+        )
+        workload = build_workload(scenario)
+        num_requests = sum(1 for _ in workload.requests())  # hashes every prompt once (memoised per trace block)
+    load_cpu, load_wall = time.process_time() - started_cpu, time.perf_counter() - started_wall
+    print(
+        f"workload: {workload.name}, {num_requests} requests; "
+        f"load and hash: {load_cpu:.1f} s CPU, {load_wall:.1f} s wall"
+    )
+    print(f"fleet: {args.replicas} x {scenario.fleet.preset}")
+    print()
+    header = f"{'policy':<20} {'CPU s':>7} {'wall s':>7} {'events':>9} {'req/s wall':>11} {'sim s/wall s':>13}"
+    print(header)
+    print("-" * len(header))
+    total_cpu = total_wall = 0.0
+    for name in args.policies.split(","):
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        result = Simulation(scenario, policy_entry(name), workload).run()
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        total_cpu += cpu
+        total_wall += wall
+        duration = result.summary["duration_s"]
+        print(
+            f"{name:<20} {cpu:7.1f} {wall:7.1f} {result.num_events:9d} "
+            f"{num_requests / wall:11.0f} {duration / wall:13.0f}"
+        )
+    print("-" * len(header))
+    all_cpu, all_wall = total_cpu + load_cpu, total_wall + load_wall
+    print(f"{'all policies':<20} {total_cpu:7.1f} {total_wall:7.1f}")
+    print(f"{'with loading':<20} {all_cpu:7.1f} {all_wall:7.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""`shoal simulate`: replay a trace or a scenario through several routing policies and compare them.
+
+    shoal simulate --trace /work/shared/traces/mooncake/synthetic_trace.jsonl --replicas 16 --out /tmp/sim/x
+    shoal simulate --scenario simulations/scenarios/01_mooncake_moderate.yaml --out /tmp/sim/01
+
+A scenario file sets everything (see `scenario.Scenario`); flags override it. Without one, the defaults are the
+issue's comparison: the five policies of `scenario.DEFAULT_POLICIES` on 16 replicas of the LLaMA-70B preset.
+Prints one table row per policy, writes `results.json` and, unless `--no-plots`, `ttft_cdf.png` and
+`timeseries.png` into `--out`. Policies run one after the other on the same requests; a progress bar per policy
+goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sized
+from pathlib import Path
+from typing import Any
+
+from router.policy.config import POLICY_NAMES
+
+_INDEX_MODES = ("approximate", "exact", "exact_predicted")
+
+
+def add_simulate_command(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "simulate",
+        help="replay a trace through the routing policies on simulated replicas",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--scenario", metavar="FILE", help="scenario YAML (simulations/scenarios/)")
+    parser.add_argument("--trace", metavar="PATH", help="Mooncake .jsonl or Azure .csv trace (replaces the scenario's)")
+    parser.add_argument(
+        "--policies", metavar="A,B,...", help=f"policy kinds to compare, comma-separated: {', '.join(POLICY_NAMES)}"
+    )
+    parser.add_argument("--replicas", type=int, metavar="N", help="replicas in the fleet (default 16)")
+    parser.add_argument("--speed", type=float, metavar="X", help="replay the trace X times faster")
+    parser.add_argument("--limit", type=int, metavar="N", help="replay only the trace's first N requests")
+    parser.add_argument("--preset", metavar="NAME", help="engine preset (simulations/presets/) or preset file")
+    parser.add_argument("--index-mode", choices=_INDEX_MODES, help="prefix index fed by decisions or by KV events")
+    parser.add_argument("--seed", type=int, help="seed of the trace jitter and the policies' random choices")
+    parser.add_argument("--out", required=True, metavar="DIR", help="directory for results.json and the plots")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(run=run_simulate)
+
+
+def _trace_config(path: str, current: Any) -> dict[str, Any]:
+    kind = "azure" if path.endswith(".csv") else "mooncake"
+    keep = {}
+    if getattr(current, "kind", None) == kind:
+        keep = current.model_dump(exclude={"path"})
+    return {**keep, "kind": kind, "path": path}
+
+
+def resolve_scenario(args: argparse.Namespace) -> Any:
+    """The scenario of `--scenario` (or the defaults) with the flags applied."""
+    from simulations.scenario import Scenario, load_scenario
+
+    if args.scenario:
+        base = load_scenario(args.scenario).model_dump()
+    elif args.trace:
+        base = {"name": Path(args.trace).stem, "trace": {"kind": "mooncake", "path": args.trace}}
+    else:
+        raise ValueError("give --trace or --scenario")
+    data: dict[str, Any] = dict(base)
+    if args.trace:
+        current = Scenario.model_validate(base).trace if args.scenario else None
+        data["trace"] = _trace_config(args.trace, current)
+    trace = dict(data["trace"]) if isinstance(data["trace"], dict) else data["trace"].model_dump()
+    for flag in ("speed", "limit"):
+        value = getattr(args, flag)
+        if value is not None:
+            if trace.get("kind") not in ("mooncake", "azure"):
+                raise ValueError(f"--{flag} applies to trace files only, not to a {trace.get('kind')} workload")
+            trace[flag] = value
+    data["trace"] = trace
+    fleet = dict(data.get("fleet") or {})
+    if args.replicas is not None:
+        fleet["num_replicas"] = args.replicas
+    if args.preset is not None:
+        fleet["preset"] = args.preset
+    data["fleet"] = fleet
+    if args.index_mode is not None:
+        data["router"] = {**(data.get("router") or {}), "index_mode": args.index_mode}
+    if args.policies:
+        data["policies"] = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if args.seed is not None:
+        data["seed"] = args.seed
+    return Scenario.model_validate(data)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    from simulations.floor import floor_ttfts
+    from simulations.report import floor_summary, format_table, results_document, write_results
+    from simulations.scenario import build_workload
+    from simulations.simulation import RunResult, Simulation
+
+    try:
+        scenario = resolve_scenario(args)
+        workload = build_workload(scenario)
+    except (ValidationError, ValueError, OSError) as exc:
+        print(f"shoal simulate: {exc}", file=sys.stderr)
+        return 2
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    total = len(workload) if isinstance(workload, Sized) else None
+    engine, step_model = scenario.fleet.resolve()
+    floor = floor_summary(*floor_ttfts(workload, engine, step_model))
+    results: list[RunResult] = []
+    for entry in scenario.policies:
+        with tqdm(total=total, desc=f"{entry.label:>20}", unit="req", file=sys.stderr, disable=args.no_progress) as bar:
+            simulation = Simulation(scenario, entry, workload, on_finished=bar.update)
+            results.append(simulation.run())
+    command = command_line(args)
+    print(
+        f"{scenario.name}: {workload.name}, {scenario.fleet.num_replicas} x {scenario.fleet.preset}, "
+        f"index {scenario.router.index_mode}, hit ceiling {floor['hit_ratio']:.3f}"
+    )
+    print(format_table(results, floor))
+    document = results_document(scenario, results, command=command, floor=floor)
+    write_results(out_dir / "results.json", document)
+    if not args.no_plots:
+        from simulations.plots import write_plots
+
+        write_plots(out_dir, document)
+    return 0
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The `shoal simulate` command line that reproduces `args` (for results.json and the README)."""
+    words = ["shoal", "simulate"]
+    for flag in ("scenario", "trace", "policies", "replicas", "speed", "limit", "preset", "index_mode", "seed", "out"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            words += [f"--{flag.replace('_', '-')}", str(value)]
+    words += [f"--{flag.replace('_', '-')}" for flag in ("no_plots", "no_progress") if getattr(args, flag, False)]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m simulations simulate ...`, for use before the `shoal` entry point is registered."""
+    parser = argparse.ArgumentParser(prog="python -m simulations")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_simulate_command(subparsers)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    result: int = args.run(args)
+    return result

@@ -1,0 +1,43 @@
+"""The latency floor of a workload: each request alone on an idle replica, with every prefix it could share cached.
+
+For every request, in arrival order, the cached prefix is what an unbounded cache shared by all earlier requests
+holds (the trace's hit ceiling, at block granularity, at least one token computed), and its TTFT is the prefill of
+the rest in chunks of `max_num_batched_tokens` on an idle engine, by the step model. No router can beat it: a
+policy's TTFT above this floor is queueing, lost cache hits, or decode interference. Reported beside the policies.
+"""
+
+from __future__ import annotations
+
+from simulations.step_model import EngineConfig, StepModel
+from simulations.workload import Workload
+
+
+def isolated_prefill_s(prompt_tokens: int, cached_tokens: int, engine: EngineConfig, model: StepModel) -> float:
+    """Seconds to prefill `prompt_tokens` after `cached_tokens` on an idle engine, chunk by chunk."""
+    computed = cached_tokens
+    total_s = 0.0
+    while computed < prompt_tokens:
+        chunk = min(engine.max_num_batched_tokens, prompt_tokens - computed)
+        total_s += model.step_time_s(chunk, 0, computed, chunk * (computed + (chunk + 1) / 2))
+        computed += chunk
+    return total_s
+
+
+def floor_ttfts(workload: Workload, engine: EngineConfig, model: StepModel) -> tuple[list[float], float]:
+    """(TTFT floor of each request in arrival order, token-weighted hit ratio of the shared unbounded cache)."""
+    seen: set[int] = set()
+    bs = engine.block_size
+    ttfts: list[float] = []
+    hit_tokens = prompt_tokens = 0
+    for request in workload.requests():
+        hashes = request.hashes
+        limit = min(len(hashes), (request.prompt_tokens - 1) // bs)
+        hit = 0
+        while hit < limit and hashes[hit] in seen:
+            hit += 1
+        seen.update(request.cache_hashes if request.cache_hashes is not None else hashes)
+        cached = hit * bs
+        hit_tokens += cached
+        prompt_tokens += request.prompt_tokens
+        ttfts.append(isolated_prefill_s(request.prompt_tokens, cached, engine, model))
+    return ttfts, (hit_tokens / prompt_tokens if prompt_tokens else 0.0)

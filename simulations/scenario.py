@@ -1,0 +1,183 @@
+"""Scenario files: one documented experiment each (`simulations/scenarios/NN_name.yaml`).
+
+A scenario names a workload (`trace`), a fleet (an engine preset, optionally overridden, and a replica count), the
+router's settings, the policies to compare, the SLO and a seed. Every model is frozen and forbids unknown fields,
+so a typo in a scenario is an error, not a silent default. Policies are `router.policy.config` configurations
+(`kind` plus that policy's parameters) with an optional `label`, so one kind can appear with several settings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from router.policy.config import PolicyConfig, parse_policy_config
+from router.policy.prefill_rate import PrefillRateEstimator
+from router.policy.prefix_index import PrefixIndexConfig
+from simulations.metrics import SLOConfig
+from simulations.routing import IndexMode
+from simulations.scaling import FixedScalingConfig, ScalingConfig
+from simulations.step_model import EngineConfig, StepModel, load_preset
+from simulations.synthetic import SessionsConfig, SessionsWorkload, SharedPrefixConfig, SharedPrefixWorkload
+from simulations.traces import AzureWorkload, MooncakeWorkload
+from simulations.workload import Workload
+
+DEFAULT_POLICIES = ("estimated_ttft", "sglang_cache_aware", "dynamo_kv", "least_load", "round_robin")
+"""The five policies of the issue's comparison, Shoal's own first."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class MooncakeTraceConfig(_Model):
+    kind: Literal["mooncake"] = "mooncake"
+    path: Path
+    speed: float = Field(default=1.0, gt=0.0)
+    """Time compression: arrivals come `speed` times faster than recorded (2.0 doubles the rate)."""
+    jitter_s: float = Field(default=0.001, ge=0.0)
+    """Uniform offset added to each millisecond-bucketed timestamp before scaling: one bucket."""
+    limit: int | None = Field(default=None, ge=1)
+    """Replay only the first `limit` requests of the file."""
+
+
+class AzureTraceConfig(_Model):
+    kind: Literal["azure"] = "azure"
+    path: Path
+    speed: float = Field(default=1.0, gt=0.0)
+    jitter_s: float = Field(default=0.0, ge=0.0)
+    """The Azure timestamps are sub-millisecond already: no jitter by default."""
+    limit: int | None = Field(default=None, ge=1)
+
+
+TraceConfig = Annotated[
+    MooncakeTraceConfig | AzureTraceConfig | SharedPrefixConfig | SessionsConfig, Field(discriminator="kind")
+]
+
+
+class FleetConfig(_Model):
+    preset: str = "llama70b_8xa100"
+    """Engine preset: a name in simulations/presets/ or a path to a preset file."""
+    num_replicas: int = Field(default=16, ge=1)
+    """Replicas at the start (all ready at time 0)."""
+    engine: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of the preset's `engine` fields (say, num_kv_blocks)."""
+    step_model: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of the preset's `step_model` coefficients."""
+
+    def resolve(self) -> tuple[EngineConfig, StepModel]:
+        preset = load_preset(self.preset)
+        engine = EngineConfig.model_validate({**preset.engine.model_dump(), **self.engine})
+        step_model = StepModel.model_validate({**preset.step_model.model_dump(), **self.step_model})
+        return engine, step_model
+
+
+class RouterConfig(_Model):
+    index_mode: IndexMode = "approximate"
+    """approximate: the router records its decisions (what the live router does today); exact: the engines' KV
+    events fill the index; exact_predicted: events plus short-lived records of each decision."""
+    index: PrefixIndexConfig = Field(default_factory=PrefixIndexConfig)
+    prefill_rate: PrefillRateEstimator = Field(default_factory=PrefillRateEstimator)
+    scrape_interval_s: float | None = Field(default=2.0, gt=0.0)
+    """Seconds between scrapes of the engines' gauges (the live router's default); None: no scraping, policies
+    see router-local counts only."""
+    kv_event_delay_s: float = Field(default=0.01, ge=0.0)
+    """Seconds from an engine step to its KV events reaching the router (exact modes): a ZMQ or Redis hop."""
+    sweep_interval_s: float = Field(default=5.0, gt=0.0)
+    """Seconds between sweeps of expired index entries (the live router's interval)."""
+    hold_max_wait_s: float = Field(default=30.0, ge=0.0)
+    """Seconds a request may wait at the router while no replica is ready before it fails (counted as rejected):
+    the live router's `hold.max_wait_s`."""
+    max_blocks: int = Field(default=8192, ge=1)
+    """Leading blocks of a prompt the router hashes (the live router's `hashing.max_blocks`)."""
+    index_for_index_blind: bool = False
+    """Keep the prefix index for policies that never read it (round_robin, random, least_load, power_of_two,
+    consistent_hash): their decisions are the same either way, so it only costs time, but it gives them a
+    predicted hit ratio to report."""
+    is_capacity_known: bool = False
+    """Tell the router each replica's KV capacity, as `POST /admin/replicas {"kv_capacity_blocks"}` does: it bounds
+    the approximate index per replica, and dynamo_kv then counts active blocks as scraped KV usage x capacity.
+    Off by default, as for replicas given by URL (`shoal router --replica`): the index's default capacity, and
+    dynamo_kv's router-local estimate."""
+
+
+class PolicyEntry(_Model):
+    label: str
+    config: PolicyConfig
+
+
+class Scenario(_Model):
+    name: str = "adhoc"
+    description: str = ""
+    trace: TraceConfig | None = None
+    """The workload; None when the caller passes one to `Simulation` itself."""
+    fleet: FleetConfig = Field(default_factory=FleetConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    policies: list[PolicyEntry] = Field(default_factory=lambda: [policy_entry(p) for p in DEFAULT_POLICIES])
+    slo: SLOConfig = Field(default_factory=SLOConfig)
+    scaling: ScalingConfig = Field(default_factory=FixedScalingConfig, discriminator="kind")
+    seed: int = 0
+    """Seed of the policies' random choices and of the trace's timestamp jitter."""
+    decode_steps_per_event: int = Field(default=64, ge=1)
+    """Decode-only steps a replica may run as one event while no request waits (a request arriving meanwhile
+    cuts it at the step boundary it arrives in). Timings are those of single steps; only the KV blocks for the
+    steps are allocated at its start. 1 simulates every step as its own event."""
+    sample_interval_s: float = Field(default=10.0, gt=0.0)
+    """Seconds between time-series samples (queue depth, hit ratio, replicas)."""
+
+    @field_validator("policies", mode="before")
+    @classmethod
+    def _entries(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        return [policy_entry(item) if isinstance(item, str | dict) else item for item in value]
+
+
+def policy_entry(item: str | dict[str, Any]) -> PolicyEntry:
+    """A policy from a kind name, or from a mapping of `kind`, its parameters and an optional `label`."""
+    if isinstance(item, str):
+        return PolicyEntry(label=item, config=parse_policy_config({"kind": item}))
+    data = dict(item)
+    if "config" in data:
+        return PolicyEntry.model_validate(data)
+    label = data.pop("label", None)
+    config = parse_policy_config(data)
+    return PolicyEntry(label=label or config.kind, config=config)
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """A scenario from YAML; relative trace paths are taken from the working directory."""
+    with Path(path).open() as f:
+        return Scenario.model_validate(yaml.safe_load(f))
+
+
+def build_workload(scenario: Scenario) -> Workload:
+    """The scenario's workload, in blocks of its engine's block size."""
+    trace = scenario.trace
+    if trace is None:
+        raise ValueError("the scenario names no trace")
+    block_size = scenario.fleet.resolve()[0].block_size
+    if isinstance(trace, MooncakeTraceConfig):
+        return MooncakeWorkload(
+            trace.path,
+            block_size=block_size,
+            speed=trace.speed,
+            jitter_s=trace.jitter_s,
+            seed=scenario.seed,
+            limit=trace.limit,
+        )
+    if isinstance(trace, AzureTraceConfig):
+        return AzureWorkload(
+            trace.path,
+            block_size=block_size,
+            speed=trace.speed,
+            jitter_s=trace.jitter_s,
+            seed=scenario.seed,
+            limit=trace.limit,
+        )
+    if isinstance(trace, SharedPrefixConfig):
+        return SharedPrefixWorkload(trace, block_size=block_size)
+    return SessionsWorkload(trace, block_size=block_size)

@@ -1,0 +1,234 @@
+"""Real traces as workloads: Mooncake JSONL (with prefix structure) and Azure LLM inference CSV (without).
+
+Mooncake (`timestamp` in ms, `input_length`, `output_length`, `hash_ids`): each hash id names one 512-token block
+of the prompt, prefix-chained (equal ids at one position mean an identical prefix up to that block). The simulator
+works in blocks of `block_size` tokens (16 by default, the engines' KV block), so trace block `H` at position `i`
+becomes `512 / block_size` sub-blocks whose made-up token ids are `[H, j, 0, ...]` for sub-block `j`; their hashes
+are chained from the previous sub-block's, so two prompts share sub-blocks exactly as far as they share trace
+blocks, and the last, partial trace block of a prompt contributes only its full sub-blocks. Sub-block hashes are
+memoised per (parent hash, trace block), since a trace block repeats wherever its prefix does.
+
+Timestamps are whole milliseconds, so requests that arrived within the same millisecond share one; each gets a
+seeded uniform offset within its bucket (`jitter_s`, default one bucket), then times are divided by `speed`.
+
+Azure (`TIMESTAMP`, `ContextTokens`, `GeneratedTokens`): arrivals and lengths only; every prompt is made of its
+own tokens, so no two requests share a block (hit ratio 0). Useful for load shape (the code trace is bursty).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from router.policy.hashing import chain_hashes, namespace_seed
+from simulations.workload import ChainState, Request, SegmentTokens, tokens_of
+
+_pack_pair = struct.Struct("<II").pack
+
+MOONCAKE_BLOCK_TOKENS = 512
+"""Tokens per `hash_ids` entry in Mooncake's traces."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRow:
+    """One request of a trace file, before time scaling and hashing."""
+
+    timestamp_s: float
+    input_tokens: int
+    output_tokens: int
+    hash_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TraceBlockTokens:
+    """Made-up token ids of a Mooncake prompt: sub-block `j` of trace block `H` is `[H, j, 0, ...]`."""
+
+    hash_ids: tuple[int, ...]
+    block_size: int
+
+    def block_tokens(self, index: int) -> list[int]:
+        per_trace_block = MOONCAKE_BLOCK_TOKENS // self.block_size
+        trace_block, sub = divmod(index, per_trace_block)
+        return [self.hash_ids[trace_block], sub] + [0] * (self.block_size - 2)
+
+
+def read_mooncake(path: str | Path) -> list[TraceRow]:
+    """The rows of a Mooncake JSONL trace, in file order."""
+    rows: list[TraceRow] = []
+    with Path(path).open() as f:
+        for line in f:
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            rows.append(
+                TraceRow(
+                    timestamp_s=obj["timestamp"] / 1000.0,
+                    input_tokens=int(obj["input_length"]),
+                    output_tokens=int(obj["output_length"]),
+                    hash_ids=tuple(obj["hash_ids"]),
+                )
+            )
+    return rows
+
+
+def read_azure(path: str | Path) -> list[TraceRow]:
+    """The rows of an Azure LLM inference CSV (TIMESTAMP, ContextTokens, GeneratedTokens), times from the first."""
+    rows: list[TraceRow] = []
+    start: datetime | None = None
+    with Path(path).open(newline="") as f:
+        for record in csv.DictReader(f):
+            stamp = _parse_azure_time(record["TIMESTAMP"])
+            if start is None:
+                start = stamp
+            rows.append(
+                TraceRow(
+                    timestamp_s=(stamp - start).total_seconds(),
+                    input_tokens=int(record["ContextTokens"]),
+                    output_tokens=int(record["GeneratedTokens"]),
+                )
+            )
+    rows.sort(key=lambda r: r.timestamp_s)
+    return rows
+
+
+def _parse_azure_time(text: str) -> datetime:
+    # Seven fractional digits ("18:17:03.9799600"); datetime takes at most six.
+    head, _, frac = text.strip().partition(".")
+    return datetime.fromisoformat(f"{head}.{(frac + '000000')[:6]}")
+
+
+def prefix_hit_ceiling(rows: list[TraceRow]) -> float:
+    """Fraction of prompt tokens that hit an unbounded cache shared by all requests, in trace blocks: the figure
+    the trace's README states (0.651 for the Mooncake synthetic trace)."""
+    seen: set[int] = set()
+    hit = total = 0
+    for row in rows:
+        k = 0
+        while k < len(row.hash_ids) and row.hash_ids[k] in seen:
+            k += 1
+        hit += min(k * MOONCAKE_BLOCK_TOKENS, row.input_tokens)
+        total += row.input_tokens
+        seen.update(row.hash_ids)
+    return hit / total if total else 0.0
+
+
+def jittered_arrivals(rows: list[TraceRow], *, speed: float, jitter_s: float, seed: int) -> list[tuple[float, int]]:
+    """(arrival in seconds, row index), sorted: each timestamp plus a seeded uniform offset in [0, jitter_s), all
+    divided by `speed`."""
+    if speed <= 0:
+        raise ValueError(f"speed must be positive, got {speed}")
+    rng = random.Random(seed)
+    arrivals = [((row.timestamp_s + rng.random() * jitter_s) / speed, i) for i, row in enumerate(rows)]
+    arrivals.sort()
+    return arrivals
+
+
+class MooncakeWorkload:
+    """A Mooncake JSONL trace, its 512-token blocks mapped to `block_size`-token sub-blocks."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        block_size: int = 16,
+        speed: float = 1.0,
+        jitter_s: float = 0.001,
+        seed: int = 0,
+        model: str = "mooncake",
+        limit: int | None = None,
+    ) -> None:
+        if block_size < 2 or MOONCAKE_BLOCK_TOKENS % block_size:
+            raise ValueError(f"block_size must divide {MOONCAKE_BLOCK_TOKENS} and be at least 2, got {block_size}")
+        self.name = f"mooncake:{Path(path).name}"
+        self.block_size = block_size
+        self.seed_bytes = namespace_seed(model)
+        self.rows = read_mooncake(path)[:limit]
+        self.arrivals = jittered_arrivals(self.rows, speed=speed, jitter_s=jitter_s, seed=seed)
+        self._sub_hashes: dict[tuple[int | None, int], list[int]] = {}
+        """(parent sub-block hash or None at position 0, trace block id) -> the trace block's sub-block hashes."""
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def requests(self) -> Iterator[Request]:
+        for arrival_s, i in self.arrivals:
+            row = self.rows[i]
+            yield Request(
+                id=i,
+                arrival_s=arrival_s,
+                prompt_tokens=row.input_tokens,
+                output_tokens=max(1, row.output_tokens),
+                hashes=self.hashes(row),
+                tokens=TraceBlockTokens(row.hash_ids, self.block_size),
+            )
+
+    def hashes(self, row: TraceRow) -> list[int]:
+        """Chained hashes of the row's full sub-blocks (`input_tokens // block_size` of them)."""
+        per_trace_block = MOONCAKE_BLOCK_TOKENS // self.block_size
+        num_blocks = row.input_tokens // self.block_size
+        out: list[int] = []
+        parent: int | None = None
+        memo = self._sub_hashes
+        for trace_block in row.hash_ids:
+            if len(out) >= num_blocks:
+                break
+            key = (parent, trace_block)
+            sub = memo.get(key)
+            if sub is None:
+                sub = memo[key] = self._hash_trace_block(trace_block, parent)
+            take = min(per_trace_block, num_blocks - len(out))
+            out.extend(sub[:take] if take < per_trace_block else sub)
+            parent = out[-1]
+        return out
+
+    def _hash_trace_block(self, trace_block: int, parent: int | None) -> list[int]:
+        # pack_tokens([trace_block, j, 0, ...]), built directly: this runs for every distinct trace block.
+        tail = bytes(4 * (self.block_size - 2))
+        blocks = [_pack_pair(trace_block, j) + tail for j in range(MOONCAKE_BLOCK_TOKENS // self.block_size)]
+        return chain_hashes(blocks, self.seed_bytes, parent)
+
+
+class AzureWorkload:
+    """An Azure LLM inference CSV: arrivals and lengths; every prompt is its own (no shared prefixes)."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        block_size: int = 16,
+        speed: float = 1.0,
+        jitter_s: float = 0.0,
+        seed: int = 0,
+        model: str = "azure",
+        limit: int | None = None,
+    ) -> None:
+        self.name = f"azure:{Path(path).name}"
+        self.block_size = block_size
+        self.seed_bytes = namespace_seed(model)
+        self.rows = read_azure(path)[:limit]
+        self.arrivals = jittered_arrivals(self.rows, speed=speed, jitter_s=jitter_s, seed=seed)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def requests(self) -> Iterator[Request]:
+        for arrival_s, i in self.arrivals:
+            row = self.rows[i]
+            segments = ((i, row.input_tokens),)  # segment id = row index: no two prompts share a token run
+            tokens = SegmentTokens(segments, self.block_size)
+            chain = ChainState(self.seed_bytes, self.block_size)
+            chain.extend(tokens_of(segments, 0, row.input_tokens))
+            yield Request(
+                id=i,
+                arrival_s=arrival_s,
+                prompt_tokens=row.input_tokens,
+                output_tokens=max(1, row.output_tokens),
+                hashes=chain.hashes,
+                tokens=tokens,
+            )

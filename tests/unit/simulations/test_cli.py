@@ -1,0 +1,92 @@
+"""`shoal simulate` through its argparse registration: table on stdout, results.json, plots, flag checking."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from itertools import islice
+from pathlib import Path
+
+import pytest
+
+from simulations.cli import add_simulate_command
+
+MOONCAKE = Path("/work/shared/traces/mooncake/synthetic_trace.jsonl")
+SCENARIOS = Path(__file__).parents[3] / "simulations" / "scenarios"
+
+
+def simulate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="shoal")
+    add_simulate_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["simulate", *argv])
+    result: int = args.run(args)
+    return result
+
+
+@pytest.fixture
+def small_trace(tmp_path: Path) -> Path:
+    path = tmp_path / "head.jsonl"
+    with MOONCAKE.open() as f:
+        path.write_text("".join(islice(f, 120)))
+    return path
+
+
+def test_compares_policies_and_writes_results_and_plots(
+    small_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    code = simulate(
+        [
+            "--trace",
+            str(small_trace),
+            "--policies",
+            "estimated_ttft,round_robin",
+            "--replicas",
+            "4",
+            "--speed",
+            "0.5",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "| estimated_ttft" in table and "| round_robin" in table
+    document = json.loads((out / "results.json").read_text())
+    assert list(document["policies"]) == ["estimated_ttft", "round_robin"]
+    summary = document["policies"]["estimated_ttft"]["summary"]
+    assert summary["requests"] == 120
+    assert {
+        "ttft_p50_s",
+        "ttft_p90_s",
+        "ttft_p99_s",
+        "e2e_p50_s",
+        "e2e_p99_s",
+        "hit_ratio",
+        "replica_seconds",
+        "slo_attainment",
+        "branches",
+    } <= set(summary)
+    assert document["scenario"]["trace"]["speed"] == 0.5
+    assert document["command"].startswith("shoal simulate --trace")
+    assert (out / "ttft_cdf.png").stat().st_size > 1000
+    assert (out / "timeseries.png").stat().st_size > 1000
+
+
+def test_bundled_scenarios_parse(tmp_path: Path) -> None:
+    from simulations.scenario import load_scenario
+
+    files = sorted(SCENARIOS.glob("*.yaml"))
+    assert files
+    for path in files:
+        scenario = load_scenario(path)
+        assert scenario.description, path.name
+        scenario.fleet.resolve()
+
+
+def test_bad_flags_are_refused(small_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert simulate(["--trace", str(small_trace), "--policies", "nope", "--out", str(tmp_path)]) == 2
+    assert "nope" in capsys.readouterr().err
+    scenario = SCENARIOS / "05_synthetic_sessions.yaml"
+    assert simulate(["--scenario", str(scenario), "--speed", "2", "--out", str(tmp_path)]) == 2

@@ -1,0 +1,86 @@
+"""Trace loading: Mooncake's 512-token blocks become chained sub-blocks that keep the prefix structure; arrivals
+are jittered with a seed and scaled; Azure rows parse; the Mooncake README's ceiling is what the file says."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from router.policy.hashing import hash_tokens
+from simulations.traces import (
+    MOONCAKE_BLOCK_TOKENS,
+    AzureWorkload,
+    MooncakeWorkload,
+    TraceRow,
+    jittered_arrivals,
+    prefix_hit_ceiling,
+    read_mooncake,
+)
+
+TRACES = Path("/work/shared/traces")
+MOONCAKE = TRACES / "mooncake" / "synthetic_trace.jsonl"
+
+
+def write_trace(path: Path, rows: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_sub_blocks_keep_the_prefix_structure(tmp_path: Path) -> None:
+    trace = write_trace(
+        tmp_path / "t.jsonl",
+        [
+            {"timestamp": 0, "input_length": 1200, "output_length": 5, "hash_ids": [1, 2, 3]},
+            {"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [1, 2, 4]},
+            {"timestamp": 7, "input_length": 700, "output_length": 5, "hash_ids": [9, 2]},
+        ],
+    )
+    workload = MooncakeWorkload(trace, block_size=16)
+    a, b, c = (list(workload.hashes(row)) for row in workload.rows)
+    per = MOONCAKE_BLOCK_TOKENS // 16
+    assert (len(a), len(b), len(c)) == (1200 // 16, 1100 // 16, 700 // 16)
+    assert a[: 2 * per] == b[: 2 * per]  # trace blocks 1, 2 shared
+    assert a[2 * per] != b[2 * per]  # block 3 vs block 4
+    assert not set(c) & set(a)  # block 2 after block 9 is another prefix: nothing shared
+
+
+def test_hashes_are_the_routers_over_the_made_up_tokens(tmp_path: Path) -> None:
+    trace = write_trace(
+        tmp_path / "t.jsonl", [{"timestamp": 0, "input_length": 1100, "output_length": 1, "hash_ids": [5, 6, 7]}]
+    )
+    workload = MooncakeWorkload(trace, block_size=16)
+    request = next(workload.requests())
+    tokens = [t for i in range(len(request.hashes)) for t in request.tokens.block_tokens(i)]
+    assert list(request.hashes) == hash_tokens(tokens, workload.seed_bytes, 16)
+
+
+def test_jitter_is_seeded_stays_within_the_bucket_and_speed_scales() -> None:
+    rows = [TraceRow(timestamp_s=t, input_tokens=10, output_tokens=1) for t in (0.0, 0.0, 0.001, 5.0)]
+    first = jittered_arrivals(rows, speed=1.0, jitter_s=0.001, seed=3)
+    assert first == jittered_arrivals(rows, speed=1.0, jitter_s=0.001, seed=3)
+    assert first != jittered_arrivals(rows, speed=1.0, jitter_s=0.001, seed=4)
+    for arrival_s, i in first:
+        assert rows[i].timestamp_s <= arrival_s < rows[i].timestamp_s + 0.001
+    doubled = jittered_arrivals(rows, speed=2.0, jitter_s=0.001, seed=3)
+    assert [a for a, _ in doubled] == pytest.approx([a / 2 for a, _ in first])
+
+
+def test_mooncake_trace_facts_match_its_readme() -> None:
+    rows = read_mooncake(MOONCAKE)
+    assert len(rows) == 3993
+    assert prefix_hit_ceiling(rows) == pytest.approx(0.651, abs=0.0005)
+    assert sum(r.input_tokens for r in rows) / len(rows) == pytest.approx(15325, abs=1)
+
+
+def test_azure_rows_parse_and_prompts_share_nothing() -> None:
+    workload = AzureWorkload(TRACES / "azure-llm-2023" / "AzureLLMInferenceTrace_code.csv", limit=50)
+    requests = list(workload.requests())
+    assert len(requests) == 50
+    assert requests[0].arrival_s == 0.0
+    assert all(b.arrival_s >= a.arrival_s for a, b in itertools.pairwise(requests))
+    assert requests[0].prompt_tokens == 4808 and requests[0].output_tokens == 10
+    hashes = [h for r in requests for h in r.hashes]
+    assert len(hashes) == len(set(hashes))
