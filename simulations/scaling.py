@@ -5,18 +5,36 @@ Every `interval_s` the simulation hands the driver a `FleetObservation` and asks
 engine's `startup_s` and join the router when ready; surplus replicas are drained (no new requests, removed once
 idle), replicas still starting first, then those with the fewest requests in flight and the least cached data.
 
-Drivers here: `FixedFleet` (never scales) and `ScheduledFleet` (a replica count per time, for experiments and
-tests). A driver around `autoscaler.policy` plugs in through the same protocol, adapting its observation and
-state; nothing here depends on it.
+Drivers here: `FixedFleet` (never scales), `ScheduledFleet` (a replica count per time, for experiments and
+tests), and `PolicyFleet`, which runs one of `autoscaler.policy`'s pure policies (Shoal's `decide`, or the HPA,
+KEDA and static baselines) on an observation built from the `FleetObservation`, as its live counterpart would see
+the fleet: Shoal reads the routers' demand (in flight plus held) and each starting replica's creation time; the
+HPA a per-pod metric from ready pods only (starting ones have none); KEDA a fleet-wide query. Metrics are fresh
+at each tick (no scrape lag is modelled, for every policy alike).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from autoscaler.policy import Demand, Observation, ScalerState, ScalingPolicyConfig, decide
+from autoscaler.policy.baselines import (
+    HPAConfig,
+    HPAObservation,
+    HPAState,
+    KEDAConfig,
+    KEDAObservation,
+    KEDAState,
+    StaticConfig,
+    hpa_decide,
+    keda_decide,
+    static_decide,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +58,8 @@ class FleetObservation:
     mean_kv_usage: float
     arrivals_per_s: float
     """Request arrivals over the last interval, per second."""
+    starting_since: tuple[float, ...] = ()
+    """Creation time of each replica still starting (`num_starting` of them), oldest first."""
 
 
 class ScalingDriver(Protocol):
@@ -87,10 +107,116 @@ class ScheduledFleet:
         return self._counts[i] if i >= 0 else None
 
 
+AutoscalePolicyConfig = ScalingPolicyConfig | HPAConfig | KEDAConfig | StaticConfig
+
+
+class AutoscaleConfig(_Config):
+    """A scenario's `autoscale:` section: one of the four policies over the simulated fleet.
+
+    The shared fields set every policy's bounds and per-replica target, so the policies differ only in their
+    algorithms; the per-policy mappings override anything else of that policy's config (validated here)."""
+
+    policy: Literal["shoal", "hpa", "keda", "static"] = "shoal"
+    min_replicas: int = Field(default=1, ge=0)
+    """Floor of shoal and hpa. KEDA keeps its own default (`minReplicaCount` 0) unless `keda` sets it."""
+    max_replicas: int = Field(default=16, ge=1)
+    startup_s: float = Field(default=120.0, ge=0.0)
+    """Seconds from a replica's creation to ready (replaces the engine preset's `startup_s`)."""
+    interval_s: float = Field(default=5.0, gt=0.0)
+    """Seconds between observations (the Shoal controller's scrape interval). HPA and KEDA act only on their
+    own sync and polling periods (15 s, 30 s), which their state tracks."""
+    target_requests_per_replica: float = Field(default=8.0, gt=0.0)
+    """Requests (waiting plus running) per replica: Shoal's target, HPA's AverageValue, KEDA's trigger target."""
+    static_replicas: int | None = Field(default=None, ge=1)
+    """Fleet size of `static`; None: `max_replicas`."""
+    initial_replicas: int | None = Field(default=None, ge=0)
+    """Replicas ready at time 0; None: `static_replicas` for static, otherwise the fleet's `num_replicas`."""
+    shoal: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of `ScalingPolicyConfig` (say `panic: {enabled: false}`)."""
+    hpa: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of `HPAConfig`."""
+    keda: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of `KEDAConfig`."""
+
+    @model_validator(mode="after")
+    def _check(self) -> AutoscaleConfig:
+        for policy in ("shoal", "hpa", "keda", "static"):
+            self.policy_config(policy)
+        return self
+
+    def policy_config(self, policy: str | None = None) -> AutoscalePolicyConfig:
+        """The chosen policy's config (or `policy`'s), shared fields first, then its overrides."""
+        policy = policy or self.policy
+        bounds = {"max_replicas": self.max_replicas}
+        target = self.target_requests_per_replica
+        if policy == "shoal":
+            return ScalingPolicyConfig.model_validate(
+                {
+                    **bounds,
+                    "min_replicas": max(1, self.min_replicas),
+                    "target_requests_per_replica": target,
+                    "expected_start_s": self.startup_s or 1.0,
+                    **self.shoal,
+                }
+            )
+        if policy == "hpa":
+            return HPAConfig.model_validate(
+                {**bounds, "min_replicas": max(1, self.min_replicas), "target_average_value": target, **self.hpa}
+            )
+        if policy == "keda":
+            return KEDAConfig.model_validate({**bounds, "target_value": target, **self.keda})
+        return StaticConfig(replicas=self.static_replicas or self.max_replicas)
+
+    def replicas_at_start(self, fleet_replicas: int) -> int:
+        if self.initial_replicas is not None:
+            return self.initial_replicas
+        if self.policy == "static":
+            return self.static_replicas or self.max_replicas
+        return fleet_replicas
+
+
+class PolicyFleet:
+    """Runs one of `autoscaler.policy`'s pure policies each tick; counts its reasons (`reasons`)."""
+
+    def __init__(self, config: AutoscaleConfig) -> None:
+        self.interval_s = config.interval_s
+        self.config = config.policy_config()
+        self.reasons: Counter[str] = Counter()
+        self._shoal = ScalerState()
+        self._hpa = HPAState()
+        self._keda = KEDAState()
+
+    def desired_replicas(self, observation: FleetObservation) -> int | None:
+        obs, now = observation, observation.now_s
+        current = obs.num_ready + obs.num_starting
+        config = self.config
+        if isinstance(config, ScalingPolicyConfig):
+            demand = Demand(requests=obs.in_flight + obs.held, waiting=obs.router_waiting + obs.held)
+            seen = Observation(demand=demand, num_ready=obs.num_ready, starting_since=obs.starting_since)
+            decision, self._shoal = decide(seen, self._shoal, config, now=now)
+            self.reasons[decision.reason.value] += 1
+            return decision.target_replicas
+        if isinstance(config, HPAConfig):
+            pods = HPAObservation(current, metric_total=obs.in_flight, num_with_metric=obs.num_ready)
+            hpa, self._hpa = hpa_decide(pods, self._hpa, config, now=now)
+            self.reasons[hpa.reason.value] += 1
+            return hpa.target_replicas
+        if isinstance(config, KEDAConfig):
+            external = KEDAObservation(current, metric_total=obs.in_flight + obs.held)
+            keda, self._keda = keda_decide(external, self._keda, config, now=now)
+            self.reasons[keda.reason.value] += 1
+            return keda.target_replicas
+        static = static_decide(current, config)
+        self.reasons[static.reason.value] += 1
+        return static.target_replicas
+
+
 ScalingConfig = FixedScalingConfig | ScheduledScalingConfig
 
 
-def build_scaling(config: ScalingConfig) -> ScalingDriver:
+def build_scaling(config: ScalingConfig | AutoscaleConfig) -> ScalingDriver:
+    if isinstance(config, AutoscaleConfig):
+        return PolicyFleet(config)
     if isinstance(config, ScheduledScalingConfig):
         return ScheduledFleet(config)
     return FixedFleet()

@@ -12,14 +12,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from router.policy.config import PolicyConfig, parse_policy_config
 from router.policy.prefill_rate import PrefillRateEstimator
 from router.policy.prefix_index import PrefixIndexConfig
 from simulations.metrics import SLOConfig
 from simulations.routing import IndexMode
-from simulations.scaling import FixedScalingConfig, ScalingConfig
+from simulations.scaling import AutoscaleConfig, FixedScalingConfig, ScalingConfig
 from simulations.step_model import EngineConfig, StepModel, load_preset
 from simulations.synthetic import SessionsConfig, SessionsWorkload, SharedPrefixConfig, SharedPrefixWorkload
 from simulations.traces import AzureWorkload, MooncakeWorkload
@@ -119,6 +119,9 @@ class Scenario(_Model):
     policies: list[PolicyEntry] = Field(default_factory=lambda: [policy_entry(p) for p in DEFAULT_POLICIES])
     slo: SLOConfig = Field(default_factory=SLOConfig)
     scaling: ScalingConfig = Field(default_factory=FixedScalingConfig, discriminator="kind")
+    autoscale: AutoscaleConfig | None = None
+    """An autoscaling policy (shoal, hpa, keda, static) driving the fleet instead of `scaling`; its `startup_s`
+    replaces the engine's. The SLO its runs are judged by is `slo`."""
     seed: int = 0
     """Seed of the policies' random choices and of the trace's timestamp jitter."""
     decode_steps_per_event: int = Field(default=64, ge=1)
@@ -127,6 +130,12 @@ class Scenario(_Model):
     steps are allocated at its start. 1 simulates every step as its own event."""
     sample_interval_s: float = Field(default=10.0, gt=0.0)
     """Seconds between time-series samples (queue depth, hit ratio, replicas)."""
+
+    @model_validator(mode="after")
+    def _one_scaler(self) -> Scenario:
+        if self.autoscale is not None and not isinstance(self.scaling, FixedScalingConfig):
+            raise ValueError("set either `scaling` or `autoscale`, not both")
+        return self
 
     @field_validator("policies", mode="before")
     @classmethod

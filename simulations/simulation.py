@@ -81,7 +81,11 @@ class Simulation:
             use_index=router_cfg.index_for_index_blind or policy.config.kind not in INDEX_BLIND_POLICIES,
         )
         self.recorder = Recorder()
-        self.scaling: ScalingDriver = build_scaling(scenario.scaling)
+        self.scaling: ScalingDriver = build_scaling(scenario.autoscale or scenario.scaling)
+        autoscale = scenario.autoscale
+        self._startup_s = self.engine.startup_s if autoscale is None else autoscale.startup_s
+        num_replicas = scenario.fleet.num_replicas
+        self._initial_replicas = num_replicas if autoscale is None else autoscale.replicas_at_start(num_replicas)
         self._members: dict[str, Member] = {}
         self._next_replica = 0
         self._held: deque[Request] = deque()
@@ -154,7 +158,7 @@ class Simulation:
         active = [m for m in self._live_members() if not m.is_draining]
         if desired > len(active):
             for _ in range(desired - len(active)):
-                self._add_replica(startup_s=self.engine.startup_s)
+                self._add_replica(startup_s=self._startup_s)
         elif desired < len(active):
             # Starting replicas first, then the fewest requests in flight, then the least cached data.
             def cost(m: Member) -> tuple[bool, int, int, str]:
@@ -298,6 +302,7 @@ class Simulation:
             engine_waiting=sum(m.replica.num_waiting for m in live),
             mean_kv_usage=sum(m.replica.cache.usage for m in live) / len(live) if live else 0.0,
             arrivals_per_s=(self._num_arrived - self._arrived_at_last_tick) / interval,
+            starting_since=tuple(sorted(m.created_s for m in live if not m.is_ready and not m.is_draining)),
         )
         self._arrived_at_last_tick = self._num_arrived
         desired = self.scaling.desired_replicas(observation)
@@ -309,7 +314,7 @@ class Simulation:
     # Run ------------------------------------------------------------------------------------------------------
 
     def run(self) -> RunResult:
-        for _ in range(self.scenario.fleet.num_replicas):
+        for _ in range(self._initial_replicas):
             self._add_replica(startup_s=0.0)
         self._arrivals = self.workload.requests()
         first = next(self._arrivals, None)

@@ -2,8 +2,19 @@
 
 stdlib and pydantic only: no I/O, no asyncio, no clock of its own. The controller and the simulator drive the same
 function; see `decide.py` for the algorithm and `config.py` for every parameter and why its default is what it is.
+`baselines.py` holds the HPA, KEDA and static policies the simulator compares it with.
 """
 
+from autoscaler.policy.baselines import (
+    BaselineDecision,
+    BaselineReason,
+    HPAConfig,
+    KEDAConfig,
+    StaticConfig,
+    hpa_decide,
+    keda_decide,
+    static_decide,
+)
 from autoscaler.policy.config import (
     MetricsConfig,
     PanicConfig,
@@ -27,8 +38,12 @@ from autoscaler.policy.types import (
 
 __all__ = [
     "Action",
+    "BaselineDecision",
+    "BaselineReason",
     "Cap",
     "Demand",
+    "HPAConfig",
+    "KEDAConfig",
     "MetricsConfig",
     "Observation",
     "PanicConfig",
@@ -40,7 +55,11 @@ __all__ = [
     "ScalerState",
     "ScalingPolicyConfig",
     "Signal",
+    "StaticConfig",
     "Window",
     "decide",
+    "hpa_decide",
     "is_start_overdue",
+    "keda_decide",
+    "static_decide",
 ]

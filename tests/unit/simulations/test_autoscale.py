@@ -1,0 +1,62 @@
+"""Autoscaling policies driving the simulated fleet: deterministic, and they grow the fleet under a burst."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from simulations.scaling import PolicyFleet
+from simulations.scenario import Scenario, policy_entry
+from simulations.simulation import Simulation
+
+from .conftest import request, scenario, workload
+
+
+def burst() -> list:
+    # 1 request/s for 20 s, then 150 at 10 per second (each 500-token prompt is 0.5 s of prefill on the test
+    # engine: one replica serves 2 per second), then quiet.
+    calm = [request(i, float(i), ((i, 500),), output_tokens=10) for i in range(20)]
+    burst = [request(20 + i, 20.0 + 0.1 * i, ((20 + i, 500),), output_tokens=10) for i in range(150)]
+    return calm + burst
+
+
+def autoscaled(policy: str, **autoscale: object) -> Scenario:
+    return scenario(
+        autoscale={"policy": policy, "min_replicas": 1, "max_replicas": 8, "startup_s": 5.0, "interval_s": 1.0}
+        | autoscale,
+        sample_interval_s=1.0,
+    )
+
+
+@pytest.mark.parametrize("policy", ["shoal", "hpa", "keda"])
+def test_an_autoscaled_fleet_grows_under_a_burst_after_its_start_up(policy: str) -> None:
+    simulation = Simulation(autoscaled(policy), policy_entry("least_load"), workload(*burst()))
+    result = simulation.run()
+    assert result.summary["requests"] == 170
+    added = [m for m in simulation.members if m.created_s > 0]
+    assert added, "the fleet never grew"
+    assert all(m.created_s >= 20.0 and m.ready_s == pytest.approx(m.created_s + 5.0) for m in added)
+    assert max(s.num_replicas for s in result.recorder.samples) > 1
+    assert isinstance(simulation.scaling, PolicyFleet)
+    assert simulation.scaling.reasons["scale_up"] >= 1
+
+
+def test_an_autoscaled_run_is_deterministic_with_a_seed() -> None:
+    runs = [Simulation(autoscaled("shoal"), policy_entry("least_load"), workload(*burst())).run() for _ in range(2)]
+    assert list(runs[0].recorder.ttft_s) == list(runs[1].recorder.ttft_s)
+    assert runs[0].summary["replica_seconds"] == runs[1].summary["replica_seconds"]
+    assert [s.num_replicas for s in runs[0].recorder.samples] == [s.num_replicas for s in runs[1].recorder.samples]
+
+
+def test_the_static_policy_starts_and_stays_at_its_count() -> None:
+    simulation = Simulation(autoscaled("static", static_replicas=3), policy_entry("least_load"), workload(*burst()))
+    result = simulation.run()
+    assert len(simulation.members) == 3 and all(m.created_s == 0.0 for m in simulation.members)
+    assert result.summary["replica_seconds"] == pytest.approx(3 * result.summary["duration_s"])
+
+
+def test_autoscale_and_a_schedule_cannot_both_drive_the_fleet() -> None:
+    with pytest.raises(ValidationError):
+        scenario(autoscale={"policy": "hpa"}, scaling={"kind": "schedule", "steps": [[0.0, 1]]})
+    with pytest.raises(ValidationError):
+        scenario(autoscale={"policy": "shoal", "hpa": {"no_such_knob": 1}})
