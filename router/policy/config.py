@@ -49,13 +49,37 @@ class EstimatedTTFTConfig(_PolicyModel):
 
     kind: Literal["estimated_ttft"] = "estimated_ttft"
 
-    decode_step_s_per_seq: float = Field(default=0.002, ge=0.0)
-    """Seconds one decoding sequence adds to a new request's time to first token. A chunked-prefill engine runs
-    every running sequence's next token in the same steps as the prefill chunks, so each one lengthens those
-    steps (its KV read plus one token of compute, ~0.1-0.3 ms per step on a mid-size model) over the ~10 steps a
-    queued prompt typically spends before its first token: ~2 ms. An order of magnitude, to be refitted in the
-    simulator from the replica's step-time profile; at 2 ms, fifty decoding sequences weigh as much as 1,000
-    uncached tokens at 10k tokens/s."""
+    decode_s_per_seq_step: float = Field(default=0.00055, ge=0.0)
+    """Seconds one decoding sequence adds to each engine step. A chunked-prefill engine runs every running
+    sequence's next token in the same steps as the prefill chunks: one token of compute plus reading its KV. On
+    the LLaMA-70B / 8 x A100 preset that is 0.11 ms + 15k tokens of context x 29 ns = ~0.55 ms; a smaller model
+    or shorter contexts cost less. Multiplied by the steps the request waits (see `prefill_tokens_per_step`)."""
+
+    prefill_tokens_per_step: int = Field(default=8192, gt=0)
+    """Prompt tokens an engine prefills per step (vLLM V1's default `max_num_batched_tokens` for the online
+    server), so that a request waits about 1 + (backlog + uncached) / this many steps, each lengthened by every
+    decoding sequence."""
+
+    attention_s_per_token_pair: float = Field(default=2.1e-9, ge=0.0)
+    """Seconds of prefill per (query, key) token pair: causal attention, which a per-token rate cannot express
+    and which makes a 64k-token prompt ~1.5x its linear prefill time. 4 x layers x hidden FLOPs per pair over the
+    GPUs' attention throughput: for LLaMA-70B (80 x 8192) on 8 x A100 at ~50% of peak, 2.6 MFLOP / 1.25 PFLOPS =
+    2.1 ns, the simulator preset's figure. Scale it with the model (about 0.3 ns for an 8B model on one GPU);
+    0 turns the term off."""
+
+    rate_noise_cv: float = Field(default=0.25, ge=0.0)
+    """Coefficient of variation (fraction of the mean) that learned prefill rates show between identical
+    replicas. Each rate is shrunk towards the fleet mean by the share of the fleet's variance this much noise
+    explains (James-Stein). Simulated Mooncake runs on 16 identical replicas: the learned rates' CV averages
+    0.19-0.20 (5.4k-9.8k tokens/s around 7.8k); 0.25 pools such a fleet entirely almost always, while a 5k and a
+    20k replica keep 83% of their difference. 0 uses each replica's own rate."""
+
+    fleet_cost_weight: float = Field(default=1.5, ge=0.0)
+    """Seconds of cost per second of prefill a placement adds beyond the cheapest placement (dimensionless).
+    Recomputed prefix work delays the requests queued after it: by about rho / (1 - rho) times the work at
+    utilisation rho, 1.5 at rho = 0.6, the load at which affinity starts to decide the tail (near saturation on
+    the Mooncake trace prefill needs ~57% of the fleet). On simulated Mooncake runs, 1 to 2 keep the hit ratio
+    within 10% of the ceiling at both loads; 0 is the greedy per-request TTFT."""
 
     kv_pressure_s: float = Field(default=1.0, ge=0.0)
     """Seconds added when the KV cache is full (kv_usage 1.0). A request then waits for running sequences to
@@ -71,9 +95,10 @@ class EstimatedTTFTConfig(_PolicyModel):
     """Seconds within which estimates count as tied. About one engine step: a smaller difference is not
     observable in TTFT, and spreading tied cache misses over idle replicas is worth more than it."""
 
-    tie_rel_epsilon: float = Field(default=0.02, ge=0.0)
-    """Fraction of the minimum estimate added to `tie_epsilon_s`. Learned prefill rates carry a few percent of
-    noise, so two equally fast replicas should not be told apart by it."""
+    tie_rel_epsilon: float = Field(default=0.0, ge=0.0)
+    """Fraction of the minimum cost added to `tie_epsilon_s`. 0: the noise of learned prefill rates, which this
+    margin used to absorb, is pooled away (`rate_noise_cv`), and a relative margin would hand a long prompt to a
+    replica with up to that fraction more backlog (2% of an 8 s prefill: 160 ms) for a smaller in-flight count."""
 
     max_queue_per_replica: int = Field(default=256, ge=1)
     """Hard cap on a replica's queue depth (requests): a replica at or past it is skipped while another is

@@ -91,7 +91,8 @@ def test_estimated_ttft_picks_the_cached_replica_when_load_is_equal() -> None:
     assert (d.replica, d.branch) == ("b", Branch.CACHE_HIT)
     assert d.matched_blocks == 200
     assert d.predicted_cached_tokens == 3200
-    assert d.predicted_ttft_s == pytest.approx(896 / 10_000)
+    # 896 uncached tokens at the prior rate, plus their causal attention over the 3,200 cached and each other.
+    assert d.predicted_ttft_s == pytest.approx(896 / 10_000 + 2.1e-9 * 896 * (3200 + 896 / 2))
 
 
 def test_estimated_ttft_spills_when_the_cached_replica_has_a_big_prefill_backlog() -> None:
@@ -190,7 +191,64 @@ def test_estimated_ttft_kv_pressure_below_the_threshold_does_not_override_a_cach
 def test_estimated_ttft_single_replica() -> None:
     d = route(ttft(), request(1000), fleet("only", in_flight=500))
     assert (d.replica, d.branch) == ("only", Branch.ONLY_REPLICA)
-    assert d.predicted_ttft_s == pytest.approx(0.1)
+    assert d.predicted_ttft_s == pytest.approx(0.1 + 2.1e-9 * 1000 * 500)
+
+
+def holder_and_idle(backlog_tokens: int, backlog_requests: int) -> list[ReplicaState]:
+    """`a` holds 15,360 tokens of a 16,384-token prompt behind a prefill backlog; `b` is idle and holds none."""
+    replicas = fleet("a", "b")
+    holder = by_id(replicas)["a"]
+    holder.in_flight = holder.waiting = backlog_requests
+    holder.waiting_prompt_tokens = backlog_tokens
+    return replicas
+
+
+def test_estimated_ttft_fleet_cost_keeps_a_prefix_behind_a_moderate_queue() -> None:
+    # At 10k tokens/s: `a` costs 3.0 s of backlog + 0.3 s of its attention + 0.14 s of own prefill = 3.45 s;
+    # `b` answers sooner (1.92 s) but recomputes 15,360 tokens the fleet already holds: 1.78 s, x 1.5 = 2.68 s.
+    replicas = holder_and_idle(30_000, 3)
+    d = route(ttft(), request(16_384, {"a": 960}), replicas)
+    assert (d.replica, d.branch) == ("a", Branch.CACHE_HIT)
+    assert d.predicted_ttft_s == pytest.approx(3.45, abs=0.01)  # the TTFT, not the cost
+    # The greedy per-request estimate (no fleet cost) spills to the idle replica.
+    d = route(ttft(fleet_cost_weight=0.0), request(16_384, {"a": 960}), replicas)
+    assert (d.replica, d.branch) == ("b", Branch.SPILL)
+
+
+def test_estimated_ttft_fleet_cost_does_not_hold_a_prefix_behind_a_long_queue() -> None:
+    # Twice the backlog: 6.0 + 0.63 + 0.14 = 6.77 s on `a`, against 1.92 + 2.68 = 4.60 s on `b`.
+    replicas = holder_and_idle(60_000, 6)
+    d = route(ttft(), request(16_384, {"a": 960}), replicas)
+    assert (d.replica, d.branch) == ("b", Branch.SPILL)
+    assert d.predicted_ttft_s == pytest.approx(1.92, abs=0.01)
+
+
+def test_estimated_ttft_pools_the_learned_rates_of_like_replicas() -> None:
+    # Rates 7,000 and 9,500 tokens/s (CV 0.15, within `rate_noise_cv`) are noise: both count as 8,250, and the
+    # smaller backlog wins. Taken at face value, `b`'s higher rate would hide its 2,000 more tokens of backlog.
+    replicas = [
+        ReplicaState(id="a", prefill_tokens_per_s=7_000.0, waiting=1, in_flight=1, waiting_prompt_tokens=2_000),
+        ReplicaState(id="b", prefill_tokens_per_s=9_500.0, waiting=1, in_flight=1, waiting_prompt_tokens=4_000),
+    ]
+    assert route(ttft(), request(32_768), replicas).replica == "a"
+    assert route(ttft(rate_noise_cv=0.0), request(32_768), replicas).replica == "b"
+    assert ttft().pooled_rates(replicas) == pytest.approx([8_250.0, 8_250.0])
+    # Rates four times apart are a real difference and mostly kept (83% of each deviation).
+    slow_fast = [ReplicaState(id=i, prefill_tokens_per_s=rate) for i, rate in (("s", 5_000.0), ("f", 20_000.0))]
+    assert ttft().pooled_rates(slow_fast) == pytest.approx([6_302.0, 18_698.0], rel=1e-3)
+
+
+def test_estimated_ttft_decode_cost_grows_with_the_steps_a_prompt_waits() -> None:
+    # `a` runs 400 decoding sequences, `b` none but 0.4 s of prefill backlog. Each decode lengthens every step the
+    # new prompt waits, so they cost a long prompt more than a short one.
+    replicas = fleet("a", "b")
+    by_id(replicas)["a"].streaming = 400
+    by_id(replicas)["b"].waiting_prompt_tokens = 4_000
+    by_id(replicas)["b"].waiting = by_id(replicas)["b"].in_flight = 1
+    # 400 decodes x 0.55 ms x (1 + 1,024 / 8,192) steps = 0.25 s < 0.4 s of backlog: the short prompt goes to `a`.
+    assert route(ttft(), request(1_024), replicas).replica == "a"
+    # A 64k-token prompt waits 9 steps: 400 x 0.55 ms x 9 = 2.0 s > 0.4 s (+ 2 steps' decodes): it goes to `b`.
+    assert route(ttft(), request(65_536), replicas).replica == "b"
 
 
 # round_robin, random, least_load, power_of_two ------------------------------------------------------------------
@@ -604,7 +662,8 @@ def test_estimated_ttft_fast_path_reports_the_documented_estimate(
         matched_blocks={f"r{i}": row[5] for i, row in enumerate(rows)},
     )
     chosen = policy.select(request, replicas, now=0.0)
-    estimates = {r.id: policy.estimate_s(request, r) for r in replicas}
-    assert chosen.predicted_ttft_s == pytest.approx(estimates[chosen.replica])
-    best = min(estimates.values())
-    assert estimates[chosen.replica] <= best + 0.005 + 0.02 * best + 1e-9
+    costs = {r.id: pair for r, pair in zip(replicas, policy.costs_s(request, replicas), strict=True)}
+    ttft_s, cost_s = costs[chosen.replica]
+    assert chosen.predicted_ttft_s == pytest.approx(ttft_s)
+    best = min(cost for _, cost in costs.values())
+    assert cost_s <= best + 0.005 + 1e-9 * (1.0 + best)
