@@ -464,10 +464,16 @@ def test_vllm_runs_with_prefix_caching_and_publishes_kv_events() -> None:
     assert {"name": "kv-events", "containerPort": port, "protocol": "TCP"} in vllm["ports"]
     service_ports = {p["name"]: p["port"] for p in find(manifests, "Service", "replica").body["spec"]["ports"]}
     assert service_ports["kv-events"] == port
+    # The routers follow those events: exact mode on the same port and topic.
+    assert settings.kv_events.source == "zmq"
+    assert settings.kv_events.zmq_port == port and settings.kv_events.zmq_topic == events["topic"]
 
     quiet = render({"replicas": {"engine": "vllm", "kvEvents": {"enabled": False}}, "model": {"name": "m"}})
     quiet_vllm = container(find(quiet, "Deployment", "replica"))
     assert "kv-events-config" not in _flags(quiet_vllm["args"]) and len(quiet_vllm["ports"]) == 1
+    assert router_settings_of(quiet).kv_events.source == "none"
+    shoal = render({"replicas": {"engine": "shoal"}, "model": {"name": "m"}})
+    assert router_settings_of(shoal).kv_events.source == "sse"
 
 
 def test_sglang_runs_with_radix_cache_metrics_and_kv_events() -> None:
