@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 from urllib.parse import urlsplit
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 
 from autoscaler.policy.config import ScalingPolicyConfig
 
@@ -151,33 +150,12 @@ class AutoscalerSettings(BaseSettings):
         path = getattr(init_settings, "init_kwargs", {}).get("config_file") or os.environ.get(
             "SHOAL_AUTOSCALER_CONFIG_FILE"
         )
-        return (init_settings, env_settings, _YamlSource(settings_cls, Path(path) if path else None))
-
-
-class _YamlSource(PydanticBaseSettingsSource):
-    """The YAML file named by `config_file`; lowest precedence."""
-
-    def __init__(self, settings_cls: type[BaseSettings], path: Path | None) -> None:
-        super().__init__(settings_cls)
-        self._path = path
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover
-        return None, field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        if self._path is None:
-            return {}
-        try:
-            data = yaml.safe_load(self._path.read_text())
-        except OSError as exc:
-            raise ValueError(f"cannot read config file {self._path}: {exc}") from exc
-        except yaml.YAMLError as exc:
-            raise ValueError(f"config file {self._path} is not valid YAML: {exc}") from exc
-        if data is None:
-            return {}
-        if not isinstance(data, dict):
-            raise ValueError(f"config file {self._path} must hold a mapping of settings")
-        return data
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if path:
+            if not Path(path).is_file():
+                raise ValueError(f"config file {path} does not exist")
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+        return tuple(sources)
 
 
 def settings_help() -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from autoscaler.policy import PanicConfig, ScaleDownConfig, ScalingPolicyConfig
 from autoscaler.service import AutoscalerMetrics
 from autoscaler.settings import LocalSettings
 from tests.integration.conftest import ADMIN_TOKEN, MODEL, RouterHandle, StartRouter, eventually, unique_text
+from tests.integration.ports import free_ports
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -36,26 +36,6 @@ POLICY = ScalingPolicyConfig(
     expected_start_s=30,
     scale_down=ScaleDownConfig(stabilization_window_s=3, max_replicas=1, max_percent=0, period_s=2),
 )
-
-
-def _free_ports(count: int) -> int:
-    """A port p with p .. p + count - 1 free right now."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count < 65536 and all(_is_free(base + i) for i in range(1, count)):
-            return base
-    raise RuntimeError(f"no run of {count} free ports")
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 @dataclass
@@ -104,7 +84,7 @@ async def test_local_replicas_grow_under_load_and_shrink_without_failing_a_reque
     settings = LocalSettings(
         model=str(tiny_checkpoint),
         served_model_name=MODEL,
-        base_port=_free_ports(POLICY.max_replicas),
+        base_port=free_ports(POLICY.max_replicas),
         max_replicas=POLICY.max_replicas,
         threads=1,
         stop_timeout_s=10,

@@ -2,41 +2,21 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.integration.ports import free_ports, is_free
+
 pytestmark = pytest.mark.integration
-
-
-def _free_ports(count: int) -> int:
-    """A port p with p .. p + count - 1 free right now."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count < 65536 and all(_is_free(base + i) for i in range(1, count)):
-            return base
-    raise RuntimeError(f"no run of {count} free ports")
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # closed connections may linger in TIME_WAIT
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def test_shoal_up_autoscale_serves_the_demo_requests_and_cleans_up(tiny_checkpoint: Path) -> None:
     shoal = Path(sys.executable).parent / "shoal"
-    replica_base = _free_ports(2)
-    router_port = _free_ports(2)  # the router, and the autoscaler's /metrics on the next port
+    replica_base = free_ports(2)
+    router_port = free_ports(2)  # the router, and the autoscaler's /metrics on the next port
     proc = subprocess.run(
         [
             str(shoal), "up", "--model", str(tiny_checkpoint), "--autoscale", "--min-replicas", "1",
@@ -55,4 +35,4 @@ def test_shoal_up_autoscale_serves_the_demo_requests_and_cleans_up(tiny_checkpoi
     assert "registered local-" in proc.stderr, "the autoscaler registered its replica with the router"
     # The router, the autoscaler and every replica it started are gone: their ports are free again.
     for port in (router_port, router_port + 1, replica_base, replica_base + 1):
-        assert _is_free(port), port
+        assert is_free(port), port

@@ -2,35 +2,21 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.integration.ports import free_ports, is_free
+
 pytestmark = pytest.mark.integration
-
-
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 free right now (the replicas take consecutive ports)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free pair of ports")
 
 
 def test_shoal_up_serves_the_demo_requests(tiny_checkpoint: Path) -> None:
     shoal = Path(sys.executable).parent / "shoal"
-    base = _free_port_pair()
-    router_port = _free_port_pair()
+    base = free_ports(2)
+    router_port = free_ports(2)
     proc = subprocess.run(
         [
             str(shoal), "up", "--model", str(tiny_checkpoint), "--replicas", "2",
@@ -49,6 +35,4 @@ def test_shoal_up_serves_the_demo_requests(tiny_checkpoint: Path) -> None:
     assert cached > 0, out
     # Every child process is gone: the ports are free again.
     for port in (base, base + 1, router_port):
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # closed connections may linger in TIME_WAIT
-            s.bind(("127.0.0.1", port))
+        assert is_free(port), port
