@@ -1,4 +1,5 @@
-"""`shoal replica` (serve a model), `shoal replica build-demo`, `shoal replica calibrate`, and `shoal up`.
+"""`shoal replica` (serve a model), `shoal replica build-demo`, `shoal replica calibrate`, `shoal replica profile`,
+and `shoal up`.
 
 Torch is imported only once a command runs, so `shoal --help` stays fast and the router's image never needs it.
 """
@@ -59,6 +60,34 @@ def add_replica_command(subparsers: Any) -> None:
     )
     cal.set_defaults(run=_run_calibrate)
 
+    prof = actions.add_parser(
+        "profile",
+        help="time engine steps over a grid of batch shapes; write JSON the simulator fits its step model to",
+        description="Time real engine steps (prefill chunks after cached prefixes, decode batches, mixed steps) "
+        "for the model and engine settings `shoal replica` would serve with (--model, --config, SHOAL_REPLICA_*), "
+        "and write them as JSON. `shoal simulate --preset FILE.json` fits the step model to it.",
+    )
+    prof.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    # The serving flags again, so they may follow `profile` too (SUPPRESS: absent here, the parent's value stays).
+    for flag, kwargs in (
+        ("--config", {"metavar": "FILE", "help": "YAML file of settings"}),
+        ("--model", {"help": "checkpoint folder, or `demo` (default)"}),
+        ("--device", {"help": "torch device (default cpu)"}),
+        ("--dtype", {"choices": ["float32", "bfloat16", "float16"]}),
+        ("--quantization", {"choices": ["none", "nvfp4", "nvfp4-w4a4"]}),
+        ("--activation-scales", {"metavar": "FILE", "help": "calibration output, for nvfp4-w4a4"}),
+        ("--num-blocks", {"type": int, "help": "KV cache blocks"}),
+        ("--max-num-seqs", {"type": int}),
+        ("--threads", {"type": int, "help": "torch CPU threads: profile with what the replica will serve with"}),
+    ):
+        prof.add_argument(flag, default=argparse.SUPPRESS, **kwargs)
+    prof.add_argument("--repeats", type=int, default=5, help="timed steps per grid point; the median is kept (5)")
+    prof.add_argument("--seed", type=int, default=0, help="seed of the random prompts (0)")
+    prof.add_argument(
+        "--quick", action="store_true", help="a coarse grid (a few seconds on the demo model), for smoke tests"
+    )
+    prof.set_defaults(run=_run_profile)
+
 
 def _settings_help(model: Any) -> str:
     lines = ["settings (environment variable, default):"]
@@ -71,7 +100,8 @@ def _settings_help(model: Any) -> str:
     return "\n".join(lines)
 
 
-def _run_serve(args: argparse.Namespace) -> int:
+def _settings_from_args(args: argparse.Namespace) -> Any:
+    """ReplicaSettings from --config, the serving flags and SHOAL_REPLICA_*; exits 2 naming what is invalid."""
     from pydantic import ValidationError
 
     from replica.settings import ReplicaSettings
@@ -96,10 +126,14 @@ def _run_serve(args: argparse.Namespace) -> int:
         if value is not None:
             overrides[flag] = value
     try:
-        settings = ReplicaSettings(**overrides)
+        return ReplicaSettings(**overrides)
     except (ValidationError, ValueError) as exc:
         print(f"shoal replica: invalid settings:\n{exc}", file=sys.stderr)
-        return 2
+        raise SystemExit(2) from exc
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    settings = _settings_from_args(args)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     from replica.server.serve import serve
 
@@ -138,6 +172,31 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     except CalibrationError as exc:
         print(f"shoal replica calibrate: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    from replica.profile import ProfileGrid, run_profile
+
+    settings = _settings_from_args(args)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if args.repeats < 1:
+        print("shoal replica profile: --repeats must be at least 1", file=sys.stderr)
+        return 2
+    grid = ProfileGrid(repeats=args.repeats)
+    if args.quick:
+        grid = ProfileGrid(
+            prefill_tokens=(16, 128),
+            prefix_tokens=(0, 128),
+            decode_seqs=(1, 4),
+            decode_context_tokens=(64,),
+            mixed=((2, 32),),
+            mixed_context_tokens=64,
+            repeats=min(args.repeats, 2),
+            warmup_steps=1,
+        )
+    document = run_profile(settings, out=args.out, grid=grid, threads=args.threads, seed=args.seed)
+    print(f"wrote {len(document['samples'])} step samples to {args.out} in {document['profile_s']} s")
     return 0
 
 

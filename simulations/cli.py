@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from collections.abc import Sized
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,11 @@ def add_simulate_command(subparsers: Any) -> None:
     parser.add_argument("--replicas", type=int, metavar="N", help="replicas in the fleet (default 16)")
     parser.add_argument("--speed", type=float, metavar="X", help="replay the trace X times faster")
     parser.add_argument("--limit", type=int, metavar="N", help="replay only the trace's first N requests")
-    parser.add_argument("--preset", metavar="NAME", help="engine preset (simulations/presets/) or preset file")
+    parser.add_argument(
+        "--preset",
+        metavar="NAME",
+        help="engine preset (simulations/presets/), a preset YAML file, or a `shoal replica profile` JSON to fit",
+    )
     parser.add_argument("--index-mode", choices=_INDEX_MODES, help="prefix index fed by decisions or by KV events")
     parser.add_argument("--seed", type=int, help="seed of the trace jitter and the policies' random choices")
     parser.add_argument("--out", required=True, metavar="DIR", help="directory for results.json and the plots")
@@ -110,8 +113,15 @@ def run_simulate(args: argparse.Namespace) -> int:
         return 2
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    total = len(workload) if isinstance(workload, Sized) else None
+    try:
+        total: int | None = len(workload)  # type: ignore[arg-type]
+    except TypeError:
+        total = None
     engine, step_model = scenario.fleet.resolve()
+    if scenario.fleet.preset.endswith(".json"):
+        from simulations.step_model import load_preset
+
+        print(f"step model: {load_preset(scenario.fleet.preset).description}", file=sys.stderr)
     floor = floor_summary(*floor_ttfts(workload, engine, step_model))
     results: list[RunResult] = []
     for entry in scenario.policies:

@@ -23,7 +23,7 @@ from simulations.scaling import AutoscaleConfig, FixedScalingConfig, ScalingConf
 from simulations.step_model import EngineConfig, StepModel, load_preset
 from simulations.synthetic import SessionsConfig, SessionsWorkload, SharedPrefixConfig, SharedPrefixWorkload
 from simulations.traces import AzureWorkload, MooncakeWorkload
-from simulations.workload import Workload
+from simulations.workload import PrefillOnlyWorkload, Workload
 
 DEFAULT_POLICIES = ("estimated_ttft", "sglang_cache_aware", "dynamo_kv", "least_load", "round_robin")
 """The five policies of the issue's comparison, Shoal's own first."""
@@ -67,6 +67,11 @@ class FleetConfig(_Model):
     """Overrides of the preset's `engine` fields (say, num_kv_blocks)."""
     step_model: dict[str, Any] = Field(default_factory=dict)
     """Overrides of the preset's `step_model` coefficients."""
+    prefill_only: bool = False
+    """Replicas are the prefill instances of a disaggregated deployment (Mooncake, Dynamo, llm-d P/D): each
+    computes a prompt and its first token, then hands the request to decode instances, which are not simulated.
+    Every request's output is cut to that one token; the prompt's blocks stay in the prefill instance's prefix
+    cache. TTFT is then queueing plus prefill, and end-to-end latency equals TTFT."""
 
     def resolve(self) -> tuple[EngineConfig, StepModel]:
         preset = load_preset(self.preset)
@@ -164,7 +169,13 @@ def load_scenario(path: str | Path) -> Scenario:
 
 
 def build_workload(scenario: Scenario) -> Workload:
-    """The scenario's workload, in blocks of its engine's block size."""
+    """The scenario's workload, in blocks of its engine's block size (one output token each for a prefill-only
+    fleet)."""
+    workload = _build_trace_workload(scenario)
+    return PrefillOnlyWorkload(workload) if scenario.fleet.prefill_only else workload
+
+
+def _build_trace_workload(scenario: Scenario) -> Workload:
     trace = scenario.trace
     if trace is None:
         raise ValueError("the scenario names no trace")

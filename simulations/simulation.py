@@ -26,7 +26,7 @@ from simulations.replica import Seq, SimReplica
 from simulations.routing import INDEX_BLIND_POLICIES, SimRouter, Ticket
 from simulations.scaling import FleetObservation, ScalingDriver, build_scaling
 from simulations.scenario import PolicyEntry, Scenario
-from simulations.workload import Request, Workload
+from simulations.workload import PrefillOnlyWorkload, Request, Workload
 
 
 @dataclass(slots=True)
@@ -62,6 +62,8 @@ class Simulation:
     ) -> None:
         self.scenario = scenario
         self.label = policy.label
+        if scenario.fleet.prefill_only and not isinstance(workload, PrefillOnlyWorkload):
+            workload = PrefillOnlyWorkload(workload)
         self.workload = workload
         self.engine, self.step_model = scenario.fleet.resolve()
         if self.engine.block_size != workload.block_size:

@@ -18,12 +18,19 @@ in a single forward pass. Its duration is modelled as
   model may set it to 0.
 
 Presets live in `simulations/presets/*.yaml`, each stating where its figures come from; `load_preset` reads one by
-name or path.
+name or path. A `.json` path is a `shoal replica profile` file: real engine steps timed over a grid of batch
+shapes, to which `fit_step_model` fits the coefficients (non-negative least squares on relative error, so 2 ms
+decode steps weigh as much as 200 ms prefill steps), with the engine's own scheduler and cache settings.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import statistics
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -100,12 +107,152 @@ class Preset(_Model):
 
 
 def load_preset(name_or_path: str) -> Preset:
-    """A preset by name (a file in `simulations/presets/`, without `.yaml`) or by path."""
+    """A preset by name (a file in `simulations/presets/`, without `.yaml`) or by path: YAML, or the JSON that
+    `shoal replica profile` writes (fitted here)."""
     path = Path(name_or_path)
     if not path.suffix:
         path = PRESETS_DIR / f"{name_or_path}.yaml"
+    if path.suffix == ".json":
+        return preset_from_profile(path)
     with path.open() as f:
         return Preset.model_validate(yaml.safe_load(f))
+
+
+# ---- Fitting a step model to `shoal replica profile` output -------------------------------------------------------
+
+PROFILE_KIND = "shoal-replica-profile"
+_FEATURES = ("prefill_tokens", "decode_seqs", "kv_tokens_read", "attention_pairs")
+
+
+class FitReport(_Model):
+    """How well a fitted step model reproduces the profile it was fitted to."""
+
+    num_samples: int
+    median_abs_rel_error: float
+    """Median over samples of |predicted - measured| / measured."""
+    max_abs_rel_error: float
+    by_kind: dict[str, float]
+    """Median |relative error| per sample kind (prefill, decode, mixed)."""
+
+
+def fit_step_model(samples: Sequence[dict[str, Any]]) -> tuple[StepModel, FitReport]:
+    """Non-negative least squares of `step_s` on (1, prefill tokens, decode sequences, KV tokens read, attention
+    pairs), each row divided by its measured time so that the fit minimises relative error."""
+    if len(samples) < 5:
+        raise ValueError(f"a step model has 5 coefficients; the profile has only {len(samples)} samples")
+    rows: list[list[float]] = []
+    targets: list[float] = []
+    for i, sample in enumerate(samples):
+        try:
+            t = float(sample["step_s"])
+            features = [1.0] + [float(sample[name]) for name in _FEATURES]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"profile sample {i} lacks a numeric {exc}") from exc
+        if not (t > 0 and math.isfinite(t)):
+            raise ValueError(f"profile sample {i} has step_s {t}; it must be a positive number of seconds")
+        rows.append([x / t for x in features])
+        targets.append(1.0)
+    coefficients = _nnls(rows, targets)
+    model = StepModel(
+        step_s=coefficients[0],
+        prefill_s_per_token=coefficients[1],
+        decode_s_per_seq=coefficients[2],
+        kv_read_s_per_token=coefficients[3],
+        attention_s_per_token_pair=coefficients[4],
+    )
+    errors: dict[str, list[float]] = {}
+    for sample in samples:
+        predicted = model.step_time_s(*(sample[name] for name in _FEATURES))
+        errors.setdefault(str(sample.get("kind", "step")), []).append(abs(predicted / sample["step_s"] - 1.0))
+    every = [e for es in errors.values() for e in es]
+    report = FitReport(
+        num_samples=len(samples),
+        median_abs_rel_error=statistics.median(every),
+        max_abs_rel_error=max(every),
+        by_kind={kind: statistics.median(es) for kind, es in sorted(errors.items())},
+    )
+    return model, report
+
+
+def _nnls(rows: list[list[float]], targets: list[float], *, max_iterations: int = 100) -> list[float]:
+    """min ||A x - y|| subject to x >= 0, by Lawson and Hanson's active-set method (n is 5: plain Python).
+    Columns are scaled to unit norm first, so coefficients of very different magnitudes converge alike."""
+    n = len(rows[0])
+    norms = [math.sqrt(sum(r[j] ** 2 for r in rows)) or 1.0 for j in range(n)]
+    a = [[r[j] / norms[j] for j in range(n)] for r in rows]
+    ata = [[sum(r[i] * r[j] for r in a) for j in range(n)] for i in range(n)]
+    aty = [sum(r[i] * y for r, y in zip(a, targets, strict=True)) for i in range(n)]
+
+    def gradient(x: list[float]) -> list[float]:
+        return [aty[i] - sum(ata[i][j] * x[j] for j in range(n)) for i in range(n)]
+
+    def solve_on(passive: list[int]) -> list[float]:
+        # Normal equations restricted to the passive set, by Gaussian elimination with partial pivoting.
+        m = [[ata[i][j] for j in passive] + [aty[i]] for i in passive]
+        k = len(passive)
+        for c in range(k):
+            pivot = max(range(c, k), key=lambda r: abs(m[r][c]))
+            m[c], m[pivot] = m[pivot], m[c]
+            if abs(m[c][c]) < 1e-15:
+                m[c][c] = 1e-15
+            for r in range(k):
+                if r != c:
+                    f = m[r][c] / m[c][c]
+                    for j in range(c, k + 1):
+                        m[r][j] -= f * m[c][j]
+        z = [0.0] * n
+        for idx, i in enumerate(passive):
+            z[i] = m[idx][k] / m[idx][idx]
+        return z
+
+    x = [0.0] * n
+    passive: list[int] = []
+    for _ in range(max_iterations):
+        w = gradient(x)
+        candidates = [i for i in range(n) if i not in passive and w[i] > 1e-12]
+        if not candidates:
+            break
+        passive.append(max(candidates, key=lambda i: w[i]))
+        while True:
+            z = solve_on(sorted(passive))
+            if all(z[i] > 0 for i in passive):
+                x = z
+                break
+            # Step back towards x until a passive coefficient reaches 0, and drop it.
+            alpha = min(x[i] / (x[i] - z[i]) for i in passive if z[i] <= 0)
+            x = [x[i] + alpha * (z[i] - x[i]) for i in range(n)]
+            passive = [i for i in passive if x[i] > 1e-15]
+    return [x[j] / norms[j] for j in range(n)]
+
+
+def preset_from_profile(path: Path) -> Preset:
+    """A preset whose step model is fitted to a `shoal replica profile` file and whose engine is the profiled
+    one (its KV blocks, batch limits and block size)."""
+    try:
+        document = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from exc
+    if not isinstance(document, dict) or document.get("kind") != PROFILE_KIND:
+        raise ValueError(f"{path}: not a `shoal replica profile` file (no kind: {PROFILE_KIND})")
+    model, report = fit_step_model(document["samples"])
+    engine = document["engine"]
+    return Preset(
+        name=f"profile:{path.stem}",
+        description=(
+            f"{document.get('model')} on {document.get('device')} ({document.get('dtype')}, "
+            f"{document.get('threads')} threads), fitted to {report.num_samples} timed steps: median error "
+            f"{report.median_abs_rel_error:.1%}, worst {report.max_abs_rel_error:.1%}"
+        ),
+        sources=[f"{path} (shoal replica profile, {document.get('created')})"],
+        step_model=model,
+        engine=EngineConfig(
+            num_kv_blocks=engine["num_blocks"],
+            block_size=engine["block_size"],
+            max_num_seqs=engine["max_num_seqs"],
+            max_num_batched_tokens=engine["max_num_batched_tokens"],
+            enable_prefix_caching=engine.get("enable_prefix_caching", True),
+        ),
+    )
 
 
 def preset_names() -> list[str]:

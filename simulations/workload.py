@@ -13,7 +13,7 @@ compute. Two prompts share a block hash exactly when the trace says they share t
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from router.policy.hashing import chain_hashes, pack_tokens
@@ -79,6 +79,24 @@ class ListWorkload:
 
     def requests(self) -> Iterator[Request]:
         return iter(self._requests)
+
+
+class PrefillOnlyWorkload:
+    """`workload` as a disaggregated prefill fleet sees it: one output token per request (the first; decode runs
+    elsewhere), and only the prompt's blocks cacheable."""
+
+    def __init__(self, workload: Workload) -> None:
+        self.inner = workload
+        self.name = f"{workload.name} (prefill only)"
+        self.block_size = workload.block_size
+        self.seed_bytes = workload.seed_bytes
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]  # TypeError, as for any unsized workload
+
+    def requests(self) -> Iterator[Request]:
+        for request in self.inner.requests():
+            yield replace(request, output_tokens=1, cache_hashes=None)
 
 
 @dataclass(frozen=True, slots=True)

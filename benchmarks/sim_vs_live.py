@@ -1,0 +1,277 @@
+"""The simulator against the real stack: one workload replayed through `shoal up` (a router and 2 CPU replicas of
+the demo model) and through `shoal simulate`'s engine with a step model fitted to `shoal replica profile`.
+
+1. Profile: `shoal replica profile --threads 1` (what `shoal up --replicas 2` gives each replica on 2 cores),
+   unless `--profile FILE` names one already made on this machine.
+2. Workload: independent requests sharing Zipf-popular system prompts, Poisson arrivals, seeded. Prompts are real
+   token ids of the demo model's vocabulary, so the live router and replicas hash the very blocks the simulator
+   hashes; outputs have exactly their planned length (`ignore_eos`).
+3. Live: `shoal up --replicas 2` on loopback; each request is sent at its arrival time (open loop) as a streamed
+   completion of token ids; TTFT is the first streamed token at the client, cached tokens come from `usage`.
+4. Simulated: the same requests, the router's default policy (`estimated_ttft`, approximate index, 2 s scrapes),
+   2 replicas with the profiled engine's blocks, batch limits and fitted step times.
+
+Prints both side by side with the relative differences, and exits 1 when TTFT p50 or the hit ratio differ by more
+than `--tolerance` (15%, the simulator's validation target). Not part of `make test`: it needs a quiet machine.
+
+    .venv/bin/python benchmarks/sim_vs_live.py [--profile FILE] [--requests 150] [--rate 1.5] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from router.policy.hashing import namespace_seed  # noqa: E402
+from simulations.metrics import percentile  # noqa: E402
+from simulations.scenario import FleetConfig, Scenario, policy_entry  # noqa: E402
+from simulations.simulation import Simulation  # noqa: E402
+from simulations.step_model import load_preset  # noqa: E402
+from simulations.synthetic import _Zipf  # noqa: E402
+from simulations.workload import ChainState, ListWorkload, Request  # noqa: E402
+
+MODEL = "shoal-demo"
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class ListTokens:
+    """Token ids of one prompt, by block (the simulator's TokenSource)."""
+
+    ids: tuple[int, ...]
+
+    def block_tokens(self, index: int) -> list[int]:
+        return list(self.ids[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE])
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int) -> tuple[ListWorkload, list[list[int]]]:
+    """Requests (for the simulator) and their prompts' token ids (for the live replay)."""
+    rng = random.Random(args.seed)
+    low = 16  # above the tokenizer's special tokens
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(low, vocab_size) for _ in range(n)]
+
+    systems = [ids(rng.randint(*args.system_tokens)) for _ in range(args.system_prompts)]
+    zipf = _Zipf(args.system_prompts, 1.0)
+    seed_bytes = namespace_seed(MODEL)
+    requests, prompts = [], []
+    now = 0.0
+    for i in range(args.requests):
+        now += rng.expovariate(args.rate)
+        prompt = systems[zipf.draw(rng)] + ids(rng.randint(*args.user_tokens))
+        chain = ChainState(seed_bytes, BLOCK_SIZE)
+        chain.extend(prompt)
+        requests.append(
+            Request(
+                id=i,
+                arrival_s=now,
+                prompt_tokens=len(prompt),
+                output_tokens=rng.randint(*args.output_tokens),
+                hashes=chain.hashes,
+                tokens=ListTokens(tuple(prompt)),
+            )
+        )
+        prompts.append(prompt)
+    return ListWorkload(requests, block_size=BLOCK_SIZE, seed_bytes=seed_bytes, name="shared_prefix_live"), prompts
+
+
+def simulate(workload: ListWorkload, profile: Path, seed: int) -> dict[str, float]:
+    scenario = Scenario(
+        name="sim_vs_live",
+        fleet=FleetConfig(preset=str(profile), num_replicas=2),
+        policies=[policy_entry("estimated_ttft")],
+        seed=seed,
+        decode_steps_per_event=1,
+    )
+    result = Simulation(scenario, scenario.policies[0], workload).run()
+    s = result.summary
+    return {k: s[k] for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "hit_ratio")}
+
+
+# ---- live ---------------------------------------------------------------------------------------------------------
+
+
+def start_stack(port: int, replica_port: int) -> subprocess.Popen[str]:
+    cmd = [
+        str(ROOT / ".venv/bin/shoal"),
+        "up",
+        "--replicas",
+        "2",
+        "--port",
+        str(port),
+        "--replica-base-port",
+        str(replica_port),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True, cwd=ROOT
+    )
+    deadline = time.monotonic() + 600
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "Shoal is up" in line:
+            return proc
+        if time.monotonic() > deadline:
+            break
+    stop_stack(proc)
+    raise RuntimeError("shoal up did not come up")
+
+
+def stop_stack(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def one(
+    session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int, start: float, arrival_s: float
+) -> tuple[float, float, int, int]:
+    await asyncio.sleep(max(0.0, start + arrival_s - time.perf_counter()))
+    sent = time.perf_counter()
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    first = None
+    usage: dict[str, object] = {}
+    async with session.post(url, json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"request failed: {response.status} {await response.text()}")
+        async for raw in response.content:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                first = time.perf_counter()
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    end = time.perf_counter()
+    assert first is not None, "no token streamed"
+    details = usage.get("prompt_tokens_details") or {}
+    cached = int(details.get("cached_tokens", 0)) if isinstance(details, dict) else 0
+    return first - sent, end - sent, cached, int(usage.get("prompt_tokens", len(prompt)))  # type: ignore[arg-type]
+
+
+async def replay(url: str, workload: ListWorkload, prompts: list[list[int]], timeout_s: float) -> dict[str, float]:
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        # One warm-up request (not counted) so both replicas' first-call costs are not in the figures.
+        for _ in range(2):
+            await one(session, url, [20 + i for i in range(40)], 2, time.perf_counter(), 0.0)
+        start = time.perf_counter()
+        results = await asyncio.gather(
+            *(
+                one(session, url, p, r.output_tokens, start, r.arrival_s)
+                for r, p in zip(workload.requests(), prompts, strict=True)
+            )
+        )
+    ttft = sorted(r[0] for r in results)
+    e2e = sorted(r[1] for r in results)
+    return {
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p90_s": percentile(ttft, 0.9),
+        "ttft_p99_s": percentile(ttft, 0.99),
+        "e2e_p50_s": percentile(e2e, 0.5),
+        "hit_ratio": sum(r[2] for r in results) / sum(r[3] for r in results),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", type=Path, help="a `shoal replica profile` file (default: profile now)")
+    parser.add_argument("--requests", type=int, default=150)
+    parser.add_argument("--rate", type=float, default=1.5, help="mean arrivals per second (Poisson)")
+    parser.add_argument("--system-prompts", type=int, default=6)
+    parser.add_argument("--system-tokens", type=int, nargs=2, default=(256, 1024))
+    parser.add_argument("--user-tokens", type=int, nargs=2, default=(32, 256))
+    parser.add_argument("--output-tokens", type=int, nargs=2, default=(8, 48))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--port", type=int, default=18300)
+    parser.add_argument("--tolerance", type=float, default=0.15)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/out", help="folder for the JSON record")
+    args = parser.parse_args()
+    if args.requests < 1 or args.rate <= 0:
+        parser.error("--requests and --rate must be positive")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    profile = args.profile
+    if profile is None:
+        profile = args.out / "demo-profile.json"
+        print(f"profiling the demo model (1 thread) into {profile} ...", file=sys.stderr)
+        subprocess.run(
+            [str(ROOT / ".venv/bin/shoal"), "replica", "profile", "--threads", "1", "--out", str(profile)],
+            check=True,
+            cwd=ROOT,
+        )
+    preset = load_preset(str(profile))
+    print(f"step model: {preset.description}")
+    tokenizer_vocab = _demo_vocab_size()
+    workload, prompts = make_workload(args, tokenizer_vocab)
+    total_prompt = sum(r.prompt_tokens for r in workload.requests())
+    print(
+        f"workload: {len(prompts)} requests over {list(workload.requests())[-1].arrival_s:.0f} s, "
+        f"{total_prompt / len(prompts):.0f} prompt tokens on average, seed {args.seed}"
+    )
+    sim = simulate(workload, profile, args.seed)
+    proc = start_stack(args.port, args.port + 1)
+    try:
+        live = asyncio.run(replay(f"http://127.0.0.1:{args.port}/v1/completions", workload, prompts, 600.0))
+    finally:
+        stop_stack(proc)
+
+    print(f"\n{'metric':<15} {'live':>9} {'simulated':>10} {'difference':>11}")
+    failed = []
+    for key in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "hit_ratio"):
+        diff = sim[key] / live[key] - 1.0 if live[key] else float("inf")
+        scale, name = (1.0, key) if key == "hit_ratio" else (1e3, key.removesuffix("_s") + " (ms)")
+        print(f"{name:<15} {live[key] * scale:>9.3f} {sim[key] * scale:>10.3f} {diff:>+11.1%}")
+        if key in ("ttft_p50_s", "hit_ratio") and abs(diff) > args.tolerance:
+            failed.append(name)
+    record = {
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "step_model": preset.step_model.model_dump(),
+        "fit": preset.description,
+        "live": live,
+        "simulated": sim,
+    }
+    path = args.out / f"sim_vs_live-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    if failed:
+        print(f"\nbeyond the {args.tolerance:.0%} tolerance: {', '.join(failed)}")
+        return 1
+    print(f"\nTTFT p50 and hit ratio within {args.tolerance:.0%}")
+    return 0
+
+
+def _demo_vocab_size() -> int:
+    from replica.demo.build import ensure_demo_model
+
+    config = json.loads((ensure_demo_model() / "config.json").read_text())
+    return int(config["vocab_size"])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
