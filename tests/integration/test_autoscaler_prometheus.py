@@ -9,7 +9,10 @@ answer its scrape does, and the same rig with good figures must shrink it, so th
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -17,6 +20,7 @@ import aiohttp
 import pytest
 
 from autoscaler.actuators.base import ReplicaInfo
+from autoscaler.cli import run_autoscaler
 from autoscaler.controller import Controller
 from autoscaler.observe import RouterFleet, static_routers
 from autoscaler.policy import (
@@ -30,9 +34,17 @@ from autoscaler.policy import (
 )
 from autoscaler.prometheus import PrometheusDemand
 from autoscaler.service import AutoscalerMetrics
-from autoscaler.settings import PrometheusSettings
+from autoscaler.settings import AutoscalerSettings, PrometheusSettings
 from tests.fakes import FakeReplica
-from tests.integration.conftest import ADMIN_TOKEN, RouterHandle, StartFakes, StartRouter, eventually
+from tests.integration.conftest import (
+    ADMIN_TOKEN,
+    RouterHandle,
+    StartFakes,
+    StartRouter,
+    eventually,
+    metric_value,
+)
+from tests.integration.ports import free_ports
 from tests.integration.prometheus_support import Answer, FakePrometheus, error, scalar, vector
 
 pytestmark = pytest.mark.integration
@@ -259,3 +271,44 @@ async def test_a_router_whose_admin_api_fails_freezes_the_fleet_too(rig: Rig) ->
     decisions = [await rig.step() for _ in range(4)]
     assert all(d.action is Action.HOLD for d in decisions) and rig.actuator.removed == []
     assert rig.fleet.last_view is not None and rig.router.url in rig.fleet.last_view.errors[0]
+
+
+async def test_shoal_autoscaler_reads_the_prometheus_its_settings_name(
+    start_router: StartRouter, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The command's wiring (`run_autoscaler`, dry run): demand from the settings' Prometheus, nowhere else."""
+    for name in list(os.environ):
+        if name.startswith("SHOAL_AUTOSCALER_"):
+            monkeypatch.delenv(name)
+    router = await start_router(num_ready=0)
+    prometheus = FakePrometheus()
+    await prometheus.start()
+    prometheus.set({"sum(shoal_router_in_flight)": vector(5.0), "sum(shoal_router_held_requests)": vector(1.0)})
+    for query in ("sum(shoal_router_queue_depth)", "sum(shoal_router_prefill_backlog_tokens)"):
+        prometheus.set({query: vector(0.0)})
+    port = free_ports(1)
+    settings = AutoscalerSettings(
+        routers=[router.url],
+        dry_run=True,
+        interval_s=0.1,
+        metrics_port=port,
+        metrics={"source": "prometheus", "prometheus": {"url": prometheus.url}},
+        policy={"max_replicas": 4, "target_requests_per_replica": 2},
+    )
+    running = asyncio.create_task(run_autoscaler(settings))
+
+    async def wants_three() -> bool:
+        try:
+            async with http.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                return metric_value(await resp.text(), "shoal_autoscaler_desired_replicas") == 3.0
+        except aiohttp.ClientError:
+            return False
+
+    try:
+        await eventually(wants_three, timeout_s=10, what="3 replicas wanted for the 6 requests Prometheus reports")
+        assert "sum(shoal_router_in_flight)" in {r.query for r in prometheus.received}
+    finally:
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+        await prometheus.stop()
