@@ -46,6 +46,11 @@ def add_autoscaler_command(subparsers: Any) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML file of settings (SHOAL_AUTOSCALER_CONFIG_FILE)")
     parser.add_argument("--actuator", choices=["local", "kubernetes"], help="what is scaled (default local)")
     parser.add_argument("--router", action="append", metavar="URL", help="router base URL, repeatable")
+    parser.add_argument(
+        "--prometheus",
+        metavar="URL",
+        help="read demand from this Prometheus HTTP API instead of the routers' /metrics (metrics.source prometheus)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="log and export decisions; change nothing")
     parser.add_argument("--interval", type=float, metavar="SECONDS", help="seconds between decisions (default 2)")
     parser.add_argument("--host", help="address of /metrics (default 127.0.0.1)")
@@ -87,6 +92,8 @@ def settings_from_args(args: argparse.Namespace) -> AutoscalerSettings:
         )
         if v is not None
     }
+    if args.prometheus:
+        overrides["metrics"] = {"source": "prometheus", "prometheus": {"url": args.prometheus}}
     if policy:
         overrides["policy"] = policy
     if local:
@@ -159,6 +166,7 @@ async def run_autoscaler(settings: AutoscalerSettings) -> None:
             timeout_s=settings.scrape_timeout_s,
             ttft_quantile=settings.policy.ttft_quantile,
             clock=loop.time,
+            demand_source=_demand_source(settings, session),
         )
         controller = Controller(
             actuator=actuator,
@@ -175,9 +183,10 @@ async def run_autoscaler(settings: AutoscalerSettings) -> None:
         await runner.setup()
         await web.TCPSite(runner, settings.host, settings.metrics_port).start()
         log.info(
-            "autoscaler up: %s actuator, routers %s, metrics on http://%s:%d/metrics%s",
+            "autoscaler up: %s actuator, routers %s, demand from %s, metrics on http://%s:%d/metrics%s",
             settings.actuator,
             settings.routers or settings.kubernetes.router_service,
+            settings.metrics.prometheus.url if settings.metrics.source == "prometheus" else "the routers",
             settings.host,
             settings.metrics_port,
             " (dry run)" if settings.dry_run else "",
@@ -198,6 +207,15 @@ async def run_autoscaler(settings: AutoscalerSettings) -> None:
                 with contextlib.suppress(Exception):
                     await close()
             await runner.cleanup()
+
+
+def _demand_source(settings: AutoscalerSettings, session: Any) -> Any:
+    """The Prometheus reader with `metrics.source: prometheus`; None: the routers' /metrics."""
+    if settings.metrics.source != "prometheus":
+        return None
+    from autoscaler.prometheus import PrometheusDemand
+
+    return PrometheusDemand(session, settings.metrics.prometheus, ttft_quantile=settings.policy.ttft_quantile)
 
 
 def leader_identity() -> str:

@@ -143,6 +143,8 @@ class Controller:
                     await removal.task
 
     async def step(self) -> ScaleDecision:
+        # A removal that ends while this step observes must not bring its victim back as live capacity.
+        removing = set(self._pending)
         replicas = await self.actuator.observe()
         view = await self.fleet.observe()
         now = self.clock()
@@ -151,7 +153,7 @@ class Controller:
         def since(replica: ReplicaInfo) -> float:
             return now - (wall_now - replica.created_s)
 
-        present = [r for r in replicas if r.name not in self._pending and r.phase != "terminating"]
+        present = [r for r in replicas if r.name not in removing | set(self._pending) and r.phase != "terminating"]
         failed = [
             r
             for r in present

@@ -7,6 +7,11 @@ since the previous round: each router's `shoal_router_ttft_seconds` histogram mi
 Per-replica figures come from the admin API (contract 4): in-flight requests (summed over routers) and the
 prefix-index entries each router holds for the replica (its cached-prefix value), for the choice of a victim.
 Replicas are matched across routers and actuators by base URL, since each router names them its own way.
+
+Demand may come from elsewhere instead (`DemandSource`, e.g. a Prometheus HTTP API in `autoscaler.prometheus`):
+then the routers' /metrics are not scraped, but their admin API still gives the per-replica figures, and a round
+in which a router's admin API or the source fails yields no demand either. The view is then as old as the
+source's oldest sample.
 """
 
 from __future__ import annotations
@@ -15,8 +20,8 @@ import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -44,6 +49,23 @@ def static_routers(urls: Sequence[str]) -> RouterSource:
         return routers
 
     return source
+
+
+@dataclass(frozen=True, slots=True)
+class DemandReading:
+    """A demand source's answer in one round."""
+
+    demand: Demand | None
+    """None when any of its figures failed (see `errors`). `kv_usage` None: the routers' admin API gives it."""
+    age_s: float = 0.0
+    """Seconds since its oldest sample was taken."""
+    errors: tuple[str, ...] = ()
+
+
+class DemandSource(Protocol):
+    """Fleet demand from something other than the routers' /metrics."""
+
+    async def read(self) -> DemandReading: ...
 
 
 class RouterError(RuntimeError):
@@ -113,8 +135,10 @@ class RouterFleet:
         timeout_s: float = 2.0,
         ttft_quantile: float = 0.9,
         clock: Callable[[], float],
+        demand_source: DemandSource | None = None,
     ) -> None:
         self._session = session
+        self._demand_source = demand_source
         self._routers = routers
         self._headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else None
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -133,7 +157,10 @@ class RouterFleet:
             return self._remember(FleetView(measured_at, None, errors=(f"router discovery failed: {exc}",)))
         if not routers:
             return self._remember(FleetView(measured_at, None, errors=("no router to observe",)))
-        answers = await asyncio.gather(*(self._read_router(url) for url in routers), return_exceptions=True)
+        reading, answers = await asyncio.gather(
+            self._read_source(),
+            asyncio.gather(*(self._read_router(url) for url in routers), return_exceptions=True),
+        )
         errors = tuple(
             f"{url}: {answer}" for url, answer in zip(routers, answers, strict=True) if isinstance(answer, Exception)
         )
@@ -144,12 +171,23 @@ class RouterFleet:
         }
         listed = {url: {r.url: r for r in f.replicas} for url, f in figures.items() if f.replicas is not None}
         replicas = _replica_loads(figures)
-        demand = None if errors else self._demand(figures, replicas)
+        demand: Demand | None
+        if reading is None:
+            demand = None if errors else self._demand(figures, replicas)
+        else:
+            errors += reading.errors
+            measured_at -= reading.age_s
+            demand = None if errors or reading.demand is None else reading.demand
+            if demand is not None and demand.kv_usage is None:
+                demand = replace(demand, kv_usage=_kv_usage(figures, replicas))
         for url, f in figures.items():
             self._previous_ttft[url] = f.ttft_buckets
         for gone in set(self._previous_ttft) - set(routers):
             del self._previous_ttft[gone]
         return self._remember(FleetView(measured_at, demand, replicas, listed, errors))
+
+    async def _read_source(self) -> DemandReading | None:
+        return None if self._demand_source is None else await self._demand_source.read()
 
     def _remember(self, view: FleetView) -> FleetView:
         self.last_view = view
@@ -162,21 +200,18 @@ class RouterFleet:
                 total[key] += f.gauges.get(key, 0.0)
         deltas = [_delta(f.ttft_buckets, self._previous_ttft.get(url)) for url, f in figures.items()]
         ttft = histogram_quantile(self._quantile, _sum_buckets([d for d in deltas if d]))
-        eligible = {r.url for f in figures.values() if f.replicas is not None for r in f.replicas if r.is_eligible}
-        kv = [replicas[u].kv_usage for u in eligible if u in replicas]
-        kv_usage = sum(k for k in kv if k is not None) if kv and all(k is not None for k in kv) else None
         return Demand(
             requests=total["in_flight"] + total["held"],
             waiting=total["queue_depth"] + total["held"],
             prefill_backlog_tokens=total["prefill_backlog_tokens"],
-            kv_usage=kv_usage,
+            kv_usage=_kv_usage(figures, replicas),
             ttft_s=ttft,
         )
 
     async def _read_router(self, url: str) -> RouterFigures:
-        text = await self._get_text(url + "/metrics")
         gauges: dict[str, float] = {}
         buckets: list[tuple[float, float]] = []
+        text = "" if self._demand_source is not None else await self._get_text(url + "/metrics")
         for family in text_string_to_metric_families(text):
             if family.name in _GAUGES:
                 gauges[_GAUGES[family.name]] = sum(s.value for s in family.samples)
@@ -184,7 +219,7 @@ class RouterFleet:
                 buckets = sorted(
                     (float(s.labels["le"]), s.value) for s in family.samples if s.name == _TTFT + "_bucket"
                 )
-        if "in_flight" not in gauges:
+        if "in_flight" not in gauges and self._demand_source is None:
             raise RouterError("no shoal_router_in_flight gauge: not a Shoal router?")
         replicas: tuple[RouterReplica, ...] | None = None
         cached: dict[str, int] = {}
@@ -295,6 +330,13 @@ def _router_replica(entry: Mapping[str, Any]) -> RouterReplica:
         in_flight=int(entry.get("in_flight", 0)),
         kv_usage=float(kv) if kv is not None else None,
     )
+
+
+def _kv_usage(figures: Mapping[str, RouterFigures], replicas: Mapping[str, ReplicaLoad]) -> float | None:
+    """Sum of the eligible replicas' KV fractions; None unless every one of them reports it."""
+    eligible = {r.url for f in figures.values() if f.replicas is not None for r in f.replicas if r.is_eligible}
+    kv = [replicas[u].kv_usage for u in eligible if u in replicas]
+    return sum(k for k in kv if k is not None) if kv and all(k is not None for k in kv) else None
 
 
 def _replica_loads(figures: Mapping[str, RouterFigures]) -> dict[str, ReplicaLoad]:

@@ -77,6 +77,109 @@ class LocalSettings(_Section):
     """Folder for one log file per replica; unset: replicas write to this process's stdout and stderr."""
 
 
+_DEFAULT_TTFT = "histogram_quantile({quantile}, sum by (le) (rate(shoal_router_ttft_seconds_bucket{matchers}[1m])))"
+
+
+class PrometheusQueries(_Section):
+    """PromQL instant queries, one per signal of the policy's `Demand`. Unset: the default shown, over the routers'
+    fleet gauges (DESIGN.md contract 3) narrowed by `prometheus.selector`. A vector of several series is summed,
+    so a query without `sum()` still counts every router; TTFT takes the largest series instead."""
+
+    in_flight: str | None = None
+    """Requests in flight to replicas, all routers. Default: `sum(shoal_router_in_flight{<selector>})`."""
+    queue_depth: str | None = None
+    """Requests waiting for their first byte, all routers. Default: `sum(shoal_router_queue_depth{<selector>})`."""
+    held: str | None = None
+    """Requests the routers hold while no replica can serve them. Default:
+    `sum(shoal_router_held_requests{<selector>})`."""
+    prefill_backlog_tokens: str | None = None
+    """Uncached prompt tokens waiting for prefill, all routers. Default:
+    `sum(shoal_router_prefill_backlog_tokens{<selector>})`."""
+    ttft_s: str | None = None
+    """Time to first token, seconds, at the policy's `ttft_quantile` (which replaces `{quantile}` in a query set
+    here). Default: `histogram_quantile({quantile}, sum by (le) (rate(shoal_router_ttft_seconds_bucket{<selector>}
+    [1m])))`; one minute holds four scrapes at Prometheus' common 15 s interval. No sample, or NaN (no request in
+    the window), means no TTFT figure, as in a quiet round of the routers' scrape."""
+    kv_usage: str | None = None
+    """Sum over ready replicas of their KV cache fraction (0..1 each). Unset: not queried; the routers' admin API
+    gives it, as with `source: routers`. Set it (e.g. `sum(vllm:kv_cache_usage_perc{namespace="llm"})`) when
+    Prometheus scrapes the engines themselves. No sample means no KV figure."""
+
+    def resolved(self, selector: str, ttft_quantile: float) -> dict[str, str]:
+        """Every query to run, by `Demand` field name, defaults filled in."""
+        matchers = "{" + selector + "}" if selector else ""
+        queries = {
+            "in_flight": self.in_flight or f"sum(shoal_router_in_flight{matchers})",
+            "queue_depth": self.queue_depth or f"sum(shoal_router_queue_depth{matchers})",
+            "held": self.held or f"sum(shoal_router_held_requests{matchers})",
+            "prefill_backlog_tokens": self.prefill_backlog_tokens
+            or f"sum(shoal_router_prefill_backlog_tokens{matchers})",
+            "ttft_s": (self.ttft_s or _DEFAULT_TTFT.replace("{matchers}", matchers)).replace(
+                "{quantile}", repr(ttft_quantile)
+            ),
+        }
+        if self.kv_usage:
+            queries["kv_usage"] = self.kv_usage
+        return queries
+
+
+class PrometheusSettings(_Section):
+    """A Prometheus HTTP API (`GET <url>/api/v1/query`): Prometheus itself, Thanos, Mimir, VictoriaMetrics."""
+
+    url: str | None = None
+    """Base URL of the API, path prefix included (http://prometheus.monitoring:9090, or
+    https://mimir.example/prometheus); `/api/v1/query` is appended. Required with `source: prometheus`."""
+    selector: str = ""
+    """PromQL label matchers, without braces, that narrow the default queries to this fleet's routers (e.g.
+    `namespace="llm",service="shoal-router"`). Empty: every router Prometheus scrapes, right only when it
+    scrapes one fleet."""
+    queries: PrometheusQueries = Field(default_factory=PrometheusQueries)
+    """The query of each signal."""
+    timeout_s: float = Field(5.0, gt=0)
+    """Seconds one query may take, sent to Prometheus as its evaluation `timeout` too; a query that does not
+    answer in time makes the observation missing. Longer than the routers' scrape: a query crosses more hops."""
+    bearer_token: SecretStr | None = None
+    """Sent as `Authorization: Bearer <token>` (a managed Prometheus, or one behind an auth proxy). Unset: no
+    Authorization header."""
+    headers: dict[str, str] = Field(default_factory=dict)
+    """Extra HTTP headers of every query (e.g. {"X-Scope-OrgID": "tenant-1"} for Mimir or Cortex)."""
+    max_sample_age_s: float = Field(30.0, gt=0)
+    """A sample whose timestamp is older than this many seconds (against this machine's clock) makes the
+    observation missing, naming its query. The policy's own `metrics.stale_after_s` (also 30 s): for an
+    instant query Prometheus stamps the evaluation time, so an old stamp means a caching query frontend or a
+    clock that drifted, and neither should drive a decision."""
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str | None) -> str | None:
+        if url is None:
+            return None
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"Prometheus URL must be http(s)://host[:port][/prefix], got {url!r}")
+        return url.rstrip("/")
+
+
+class MetricsSourceSettings(_Section):
+    """Where the fleet's demand is read. Per-replica figures (in-flight requests and cached prefix, for the choice
+    of a victim; KV usage unless `prometheus.queries.kv_usage` is set) always come from the routers' admin API,
+    and drains always go through the routers: Prometheus lags by a scrape interval, and a victim must be picked
+    on what the routers see now."""
+
+    source: Literal["routers", "prometheus"] = "routers"
+    """`routers`: scrape every router's /metrics and sum the fleet gauges (no other moving part). `prometheus`:
+    query a Prometheus HTTP API that scrapes the routers (one query per signal instead of one scrape per router,
+    and the same figures the dashboards show)."""
+    prometheus: PrometheusSettings = Field(default_factory=PrometheusSettings)
+    """Used when `source` is `prometheus`."""
+
+    @model_validator(mode="after")
+    def _check(self) -> MetricsSourceSettings:
+        if self.source == "prometheus" and self.prometheus.url is None:
+            raise ValueError("metrics.source is prometheus: set metrics.prometheus.url")
+        return self
+
+
 class AutoscalerSettings(BaseSettings):
     """Settings of `shoal autoscaler`."""
 
@@ -110,6 +213,8 @@ class AutoscalerSettings(BaseSettings):
     metrics_port: int = Field(9090, ge=0, le=65535)
     """Port of the /metrics endpoint (Prometheus' conventional port for a component's own metrics)."""
     log_level: str = "INFO"
+    metrics: MetricsSourceSettings = Field(default_factory=MetricsSourceSettings)
+    """Where demand is read: the routers' /metrics, or a Prometheus HTTP API."""
     policy: ScalingPolicyConfig = Field(default_factory=ScalingPolicyConfig)
     """The scaling policy; see autoscaler/policy/config.py for each parameter."""
     kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)

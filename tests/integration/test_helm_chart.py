@@ -14,6 +14,7 @@ import asyncio
 import base64
 import importlib.util
 import json
+import os
 import re
 import sys
 import tarfile
@@ -35,6 +36,7 @@ from router.service.settings import RouterSettings
 from tests.helm_support import (
     CHART_DIR,
     CI_DIR,
+    NAMESPACE,
     RELEASE,
     SCHEMA_PATH,
     Manifest,
@@ -171,6 +173,8 @@ def test_templates_are_named_kind_component() -> None:
         ({"replicas": {"shoal": {"config": {"dtype": "fp8"}}}}, "/replicas/shoal/config/dtype"),
         ({"autoscaling": {"mode": "hpa", "scaleToZero": {"enabled": True}}}, "/autoscaling/scaleToZero/enabled"),
         ({"autoscaling": {"mode": "keda"}}, "/autoscaling/keda/prometheusUrl"),
+        ({"autoscaling": {"shoal": {"metricsSource": "prometheus"}}}, "/autoscaling/shoal/prometheus/url"),
+        ({"autoscaling": {"shoal": {"metricsSource": "thanos"}}}, "/autoscaling/shoal/metricsSource"),
         ({"redis": {"mode": "external"}}, "/redis/external"),
     ],
 )
@@ -272,9 +276,10 @@ def test_every_shoal_env_var_names_a_real_settings_field() -> None:
     assert unknown == set()
 
 
-def test_every_autoscaler_env_var_names_a_real_settings_field() -> None:
+@pytest.mark.parametrize("ci", ["autoscaler-scale-to-zero", "autoscaler-prometheus"])
+def test_every_autoscaler_env_var_names_a_real_settings_field(ci: str) -> None:
     settings = pytest.importorskip("autoscaler.settings", reason="AutoscalerSettings arrive with the autoscaler")
-    names = set(env_of(container(find(rendered("autoscaler-scale-to-zero"), "Deployment", "autoscaler"))))
+    names = set(env_of(container(find(rendered(ci), "Deployment", "autoscaler"))))
     unknown = {
         name
         for name in names
@@ -545,6 +550,35 @@ def test_shoal_autoscaler_is_wired_to_the_replicas_the_routers_and_the_admin_tok
     router_token = env_of(container(find(manifests, "Deployment", "router")))["SHOAL_ROUTER_ADMIN_TOKEN"]
     assert env["SHOAL_AUTOSCALER_ADMIN_TOKEN"]["valueFrom"] == router_token["valueFrom"]
     assert router_settings_of(manifests).hold.max_wait_s == 600
+
+
+def test_shoal_autoscaler_reads_prometheus_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings_module = pytest.importorskip("autoscaler.settings", reason="AutoscalerSettings arrive with the autoscaler")
+    manifests = rendered("autoscaler-prometheus")
+    env = env_of(container(find(manifests, "Deployment", "autoscaler")))
+    assert env["SHOAL_AUTOSCALER_METRICS__PROMETHEUS__BEARER_TOKEN"]["valueFrom"] == {
+        "secretKeyRef": {"name": "prometheus-reader", "key": "token"}
+    }
+    # Loaded as the process loads them: from its environment (Secrets stand in as placeholders).
+    for name in list(os.environ):
+        if name.startswith("SHOAL_AUTOSCALER_"):
+            monkeypatch.delenv(name)
+    for name, entry in env.items():
+        if name.startswith("SHOAL_AUTOSCALER_"):
+            monkeypatch.setenv(name, entry.get("value", "from-a-secret"))
+    settings = settings_module.AutoscalerSettings()
+    prometheus = settings.metrics.prometheus
+    assert settings.metrics.source == "prometheus" and prometheus.url == "http://prometheus-operated.monitoring:9090"
+    assert prometheus.bearer_token is not None and prometheus.headers == {"X-Scope-OrgID": "llm"}
+    # The default queries select this release's routers as KEDA's trigger would, and read what a router exports.
+    router_service = find(manifests, "Service", "router").name
+    assert prometheus.selector == f'namespace="{NAMESPACE}",service="{router_service}"'
+    queries = prometheus.queries.resolved(prometheus.selector, settings.policy.ttft_quantile)
+    assert all(prometheus.selector in q for q in queries.values())
+    assert {m for q in queries.values() for m in re.findall(r"shoal_router_\w+", q)} <= router_metric_samples()
+    # With the routers as the source (the default), nothing of Prometheus is set.
+    routers_env = env_of(container(find(rendered("autoscaler-scale-to-zero"), "Deployment", "autoscaler")))
+    assert not [n for n in routers_env if n.startswith("SHOAL_AUTOSCALER_METRICS__")]
 
 
 def test_keda_and_hpa_scale_on_metrics_the_router_exports() -> None:

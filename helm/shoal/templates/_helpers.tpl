@@ -67,6 +67,12 @@ app.kubernetes.io/part-of: shoal
 {{- default (include "shoal.componentName" (dict "root" . "component" "admin")) .Values.adminToken.existingSecret }}
 {{- end }}
 
+{{/* PromQL label matchers selecting this release's routers: (dict "root" $ "selector" <override>); the default
+is the namespace and service labels a ServiceMonitor gives their series. */}}
+{{- define "shoal.routerMetricSelector" -}}
+{{- default (printf "namespace=%q,service=%q" .root.Release.Namespace (include "shoal.componentName" (dict "root" .root "component" "router"))) .selector }}
+{{- end }}
+
 {{- define "shoal.leaseName" -}}
 {{- default (include "shoal.componentName" (dict "root" . "component" "autoscaler")) .Values.autoscaling.shoal.leaseName }}
 {{- end }}

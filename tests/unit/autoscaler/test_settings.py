@@ -10,7 +10,15 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from autoscaler import cli
-from autoscaler.settings import AutoscalerSettings, KubernetesSettings, LocalSettings, settings_help
+from autoscaler.settings import (
+    AutoscalerSettings,
+    KubernetesSettings,
+    LocalSettings,
+    MetricsSourceSettings,
+    PrometheusQueries,
+    PrometheusSettings,
+    settings_help,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -83,7 +91,14 @@ def test_kubernetes_pieces_that_are_missing_fail_clearly() -> None:
 
 
 def test_every_setting_documents_itself() -> None:
-    for model in (AutoscalerSettings, KubernetesSettings, LocalSettings):
+    for model in (
+        AutoscalerSettings,
+        KubernetesSettings,
+        LocalSettings,
+        MetricsSourceSettings,
+        PrometheusSettings,
+        PrometheusQueries,
+    ):
         for name, info in model.model_fields.items():
             if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
                 continue
@@ -92,3 +107,44 @@ def test_every_setting_documents_itself() -> None:
     text = settings_help()
     assert "SHOAL_AUTOSCALER_POLICY__SCALE_TO_ZERO__IDLE_S" in text
     assert "SHOAL_AUTOSCALER_KUBERNETES__ROUTER_SERVICE" in text
+    assert "SHOAL_AUTOSCALER_METRICS__PROMETHEUS__QUERIES__TTFT_S" in text
+
+
+def test_prometheus_source_from_the_environment_and_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert AutoscalerSettings().metrics.source == "routers"
+    monkeypatch.setenv("SHOAL_AUTOSCALER_METRICS__SOURCE", "prometheus")
+    monkeypatch.setenv("SHOAL_AUTOSCALER_METRICS__PROMETHEUS__URL", "http://prom:9090/")
+    monkeypatch.setenv("SHOAL_AUTOSCALER_METRICS__PROMETHEUS__BEARER_TOKEN", "secret")
+    monkeypatch.setenv("SHOAL_AUTOSCALER_METRICS__PROMETHEUS__HEADERS", '{"X-Scope-OrgID": "tenant-1"}')
+    monkeypatch.setenv("SHOAL_AUTOSCALER_METRICS__PROMETHEUS__QUERIES__HELD", "sum(my_held)")
+    prometheus = AutoscalerSettings().metrics.prometheus
+    assert prometheus.url == "http://prom:9090" and prometheus.headers == {"X-Scope-OrgID": "tenant-1"}
+    assert prometheus.bearer_token is not None and prometheus.bearer_token.get_secret_value() == "secret"
+    assert prometheus.queries.held == "sum(my_held)"
+    flagged = cli.settings_from_args(_args("--prometheus", "https://mimir.example/prometheus"))
+    assert flagged.metrics.source == "prometheus"
+    assert flagged.metrics.prometheus.url == "https://mimir.example/prometheus"
+    assert flagged.metrics.prometheus.queries.held == "sum(my_held)"  # the environment's, merged
+
+
+def test_prometheus_source_needs_a_url() -> None:
+    with pytest.raises(ValidationError, match=r"metrics\.prometheus\.url"):
+        AutoscalerSettings(metrics={"source": "prometheus"})
+    with pytest.raises(ValidationError, match="Prometheus URL"):
+        PrometheusSettings(url="prom:9090")
+
+
+def test_default_queries_follow_the_selector_and_the_ttft_quantile() -> None:
+    queries = PrometheusQueries().resolved('namespace="llm",service="r"', 0.95)
+    assert queries["in_flight"] == 'sum(shoal_router_in_flight{namespace="llm",service="r"})'
+    assert queries["held"] == 'sum(shoal_router_held_requests{namespace="llm",service="r"})'
+    assert queries["ttft_s"] == (
+        "histogram_quantile(0.95, sum by (le) "
+        '(rate(shoal_router_ttft_seconds_bucket{namespace="llm",service="r"}[1m])))'
+    )
+    assert "kv_usage" not in queries, "KV usage comes from the routers' admin API unless a query is set"
+    custom = "histogram_quantile({quantile}, sum by (le) (rate(my_ttft_bucket[5m])))"
+    bare = PrometheusQueries(ttft_s=custom, kv_usage="sum(vllm:kv_cache_usage_perc)").resolved("", 0.9)
+    assert bare["queue_depth"] == "sum(shoal_router_queue_depth)"
+    assert bare["ttft_s"] == "histogram_quantile(0.9, sum by (le) (rate(my_ttft_bucket[5m])))"
+    assert bare["kv_usage"] == "sum(vllm:kv_cache_usage_perc)"
