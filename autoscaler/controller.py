@@ -212,7 +212,10 @@ class Controller:
             if change > 0:
                 async with self._lock:
                     desired = await self.actuator.desired_replicas()
-                    await self.actuator.scale_up(desired + change)
+                    # `desired` may run ahead of the replicas observed (pods not created yet): never past the cap.
+                    target = min(desired + change, self.config.max_replicas)
+                    if target > desired:
+                        await self.actuator.scale_up(target)
         elif change < 0:
             for victim in choose_victims(live, view.replicas, -change):
                 removal = _Removal(victim, started_at=self.clock())
