@@ -20,6 +20,7 @@ from router.policy.prefix_index import PrefixIndexConfig
 from simulations.metrics import SLOConfig
 from simulations.routing import IndexMode
 from simulations.scaling import AutoscaleConfig, FixedScalingConfig, ScalingConfig
+from simulations.servegen import ServeGenTraceConfig, ServeGenWorkload
 from simulations.step_model import EngineConfig, StepModel, load_preset
 from simulations.synthetic import SessionsConfig, SessionsWorkload, SharedPrefixConfig, SharedPrefixWorkload
 from simulations.traces import AzureWorkload, MooncakeWorkload
@@ -54,7 +55,8 @@ class AzureTraceConfig(_Model):
 
 
 TraceConfig = Annotated[
-    MooncakeTraceConfig | AzureTraceConfig | SharedPrefixConfig | SessionsConfig, Field(discriminator="kind")
+    MooncakeTraceConfig | AzureTraceConfig | ServeGenTraceConfig | SharedPrefixConfig | SessionsConfig,
+    Field(discriminator="kind"),
 ]
 
 
@@ -123,7 +125,8 @@ class Scenario(_Model):
     """An autoscaling policy (shoal, hpa, keda, static) driving the fleet instead of `scaling`; its `startup_s`
     replaces the engine's. The SLO its runs are judged by is `slo`."""
     seed: int = 0
-    """Seed of the policies' random choices and of the trace's timestamp jitter."""
+    """Seed of the policies' random choices, of the trace's timestamp jitter and of a ServeGen curve's arrivals and
+    lengths (synthetic workloads carry their own `seed`)."""
     decode_steps_per_event: int = Field(default=64, ge=1)
     """Decode-only steps a replica may run as one event while no request waits (a request arriving meanwhile
     cuts it at the step boundary it arrives in). Timings are those of single steps; only the KV blocks for the
@@ -187,6 +190,8 @@ def build_workload(scenario: Scenario) -> Workload:
             seed=scenario.seed,
             limit=trace.limit,
         )
+    if isinstance(trace, ServeGenTraceConfig):
+        return ServeGenWorkload.from_config(trace, seed=scenario.seed, block_size=block_size)
     if isinstance(trace, SharedPrefixConfig):
         return SharedPrefixWorkload(trace, block_size=block_size)
     return SessionsWorkload(trace, block_size=block_size)
