@@ -22,7 +22,14 @@ from simulations.routing import IndexMode
 from simulations.scaling import AutoscaleConfig, FixedScalingConfig, ScalingConfig
 from simulations.servegen import ServeGenTraceConfig, ServeGenWorkload
 from simulations.step_model import EngineConfig, StepModel, load_preset
-from simulations.synthetic import SessionsConfig, SessionsWorkload, SharedPrefixConfig, SharedPrefixWorkload
+from simulations.synthetic import (
+    AgenticConfig,
+    AgenticWorkload,
+    SessionsConfig,
+    SessionsWorkload,
+    SharedPrefixConfig,
+    SharedPrefixWorkload,
+)
 from simulations.traces import AzureWorkload, MooncakeWorkload
 from simulations.workload import Workload
 
@@ -55,7 +62,7 @@ class AzureTraceConfig(_Model):
 
 
 TraceConfig = Annotated[
-    MooncakeTraceConfig | AzureTraceConfig | ServeGenTraceConfig | SharedPrefixConfig | SessionsConfig,
+    MooncakeTraceConfig | AzureTraceConfig | ServeGenTraceConfig | SharedPrefixConfig | SessionsConfig | AgenticConfig,
     Field(discriminator="kind"),
 ]
 
@@ -194,4 +201,6 @@ def build_workload(scenario: Scenario) -> Workload:
         return ServeGenWorkload.from_config(trace, seed=scenario.seed, block_size=block_size)
     if isinstance(trace, SharedPrefixConfig):
         return SharedPrefixWorkload(trace, block_size=block_size)
-    return SessionsWorkload(trace, block_size=block_size)
+    if isinstance(trace, SessionsConfig):
+        return SessionsWorkload(trace, block_size=block_size)
+    return AgenticWorkload(trace, block_size=block_size)
