@@ -102,6 +102,11 @@ class RouterConfig(_Model):
     the live router's `hold.max_wait_s`."""
     max_blocks: int = Field(default=8192, ge=1)
     """Leading blocks of a prompt the router hashes (the live router's `hashing.max_blocks`)."""
+    session_affinity: bool = False
+    """Read each request's conversation or agent episode (`Request.session`) as the live router reads its
+    `session_header`: a session goes back to the replica its previous request went to while that one is eligible
+    (branch `session`), and consistent_hash keys its ring on the session instead of the first block. Off by
+    default, as `session_header` is in the live router; workloads without sessions are unaffected."""
     index_for_index_blind: bool = False
     """Keep the prefix index for policies that never read it (round_robin, random, least_load, power_of_two,
     consistent_hash): their decisions are the same either way, so it only costs time, but it gives them a
