@@ -1,11 +1,12 @@
 """Autoscaling policies in the simulator: replica-seconds and TTFT SLO attainment, Shoal against HPA, KEDA, static.
 
 Two workloads with 120 s cold starts (scenarios 08 and 09): (a) the Azure code trace, bursty; (b) one day of a
-ServeGen diurnal rate curve compressed into 30 minutes (the ServeGen workload is built here: no trace kind reads
-the rate file yet). For each, the static peak fleet is found first: the fewest static replicas whose run meets
-`--attainment` (99%) TTFT SLO attainment, by bisection over 1..max_replicas. Then shoal, hpa and keda run with
-the scenario's shared bounds and per-replica target. The issue's goal per workload: shoal at >= 99% attainment
-with <= 70% of static peak's replica-seconds, and fewer replica-seconds than hpa at equal attainment.
+ServeGen diurnal rate curve compressed into 30 minutes (scenario 09's `servegen` trace; the `--servegen-*` flags
+override its model, day, compression and peak rate). For each, the static peak fleet is found first: the fewest
+static replicas whose run meets `--attainment` (99%) TTFT SLO attainment, by bisection over 1..max_replicas. Then
+shoal, hpa and keda run with the scenario's shared bounds and per-replica target. The issue's goal per workload:
+shoal at >= 99% attainment with <= 70% of static peak's replica-seconds, and fewer replica-seconds than hpa at
+equal attainment.
 
     .venv/bin/python benchmarks/bench_autoscale.py                      # both workloads, ~3 min of one core
     .venv/bin/python benchmarks/bench_autoscale.py --workload azure --static-replicas 11   # skip the search
@@ -19,96 +20,20 @@ count as missed). Replica-seconds count each replica from creation (start-up inc
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
-import random
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from router.policy.hashing import namespace_seed
 from simulations.scaling import AutoscaleConfig, PolicyFleet
 from simulations.scenario import Scenario, build_workload, load_scenario
+from simulations.servegen import ServeGenTraceConfig, ServeGenWorkload
 from simulations.simulation import Simulation
-from simulations.traces import TraceRow, read_azure
-from simulations.workload import ChainState, Request, SegmentTokens, Workload, tokens_of
+from simulations.workload import Workload
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "simulations" / "scenarios"
-SERVEGEN = "/work/shared/traces/servegen/servegen_aggregate_rate.csv"
-AZURE_CONV = "/work/shared/traces/azure-llm-2023/AzureLLMInferenceTrace_conv.csv"
-
-
-class ServeGenWorkload:
-    """Poisson arrivals following a ServeGen aggregate rate curve, lengths drawn from a trace's rows.
-
-    The rate at time t is interpolated linearly between the midpoints of the 600 s windows, compressed `compress`
-    times and scaled so its peak is `peak_rate_per_s`; arrivals are drawn by thinning a Poisson process at the
-    peak rate. Prompts are their own tokens (no shared prefixes), as in the Azure workload."""
-
-    def __init__(
-        self,
-        rates_per_s: list[float],
-        window_s: float,
-        lengths: list[TraceRow],
-        *,
-        compress: float,
-        peak_rate_per_s: float,
-        seed: int,
-        block_size: int,
-    ) -> None:
-        self.name = "servegen"
-        self.block_size = block_size
-        self.seed_bytes = namespace_seed("servegen")
-        peak = max(rates_per_s)
-        self.rates_per_s = [r * peak_rate_per_s / peak for r in rates_per_s]
-        self.window_s = window_s / compress
-        self.duration_s = self.window_s * len(rates_per_s)
-        self.peak_rate_per_s = peak_rate_per_s
-        self.lengths = lengths
-        self.seed = seed
-
-    def rate_at(self, t_s: float) -> float:
-        position = t_s / self.window_s - 0.5
-        low = min(max(0, math.floor(position)), len(self.rates_per_s) - 1)
-        high = min(low + 1, len(self.rates_per_s) - 1)
-        frac = min(max(position - low, 0.0), 1.0)
-        return self.rates_per_s[low] + (self.rates_per_s[high] - self.rates_per_s[low]) * frac
-
-    def requests(self) -> Iterator[Request]:
-        rng = random.Random(self.seed)
-        now, i = 0.0, 0
-        while True:
-            now += rng.expovariate(self.peak_rate_per_s)
-            if now >= self.duration_s:
-                return
-            if rng.random() * self.peak_rate_per_s > self.rate_at(now):
-                continue
-            row = self.lengths[rng.randrange(len(self.lengths))]
-            segments = ((i, row.input_tokens),)
-            chain = ChainState(self.seed_bytes, self.block_size)
-            chain.extend(tokens_of(segments, 0, row.input_tokens))
-            yield Request(
-                id=i,
-                arrival_s=now,
-                prompt_tokens=row.input_tokens,
-                output_tokens=max(1, row.output_tokens),
-                hashes=chain.hashes,
-                tokens=SegmentTokens(segments, self.block_size),
-            )
-            i += 1
-
-
-def read_servegen(path: str, *, model: str, day: int) -> tuple[list[float], float]:
-    """One day (144 windows) of a model's aggregate rate, and the window length in seconds."""
-    with Path(path).open(newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r["model"] == model]
-    rows.sort(key=lambda r: float(r["window_start_s"]))
-    window_s = float(rows[1]["window_start_s"]) - float(rows[0]["window_start_s"])
-    per_day = round(86400 / window_s)
-    return [float(r["total_rate_req_per_s"]) for r in rows[day * per_day : (day + 1) * per_day]], window_s
 
 
 @dataclass(slots=True)
@@ -195,10 +120,10 @@ def main() -> None:
     parser.add_argument(
         "--shoal-variant", type=json.loads, help="JSON overrides of the `autoscale` section: one more shoal row"
     )
-    parser.add_argument("--servegen-model", default="m-large")
-    parser.add_argument("--servegen-day", type=int, default=0)
-    parser.add_argument("--servegen-compress", type=float, default=48.0)
-    parser.add_argument("--servegen-peak-rate", type=float, default=40.0, help="req/s at the curve's peak")
+    parser.add_argument("--servegen-model", help="the curve's model column (scenario 09: m-large)")
+    parser.add_argument("--servegen-day", type=int, help="day of the curve (scenario 09: 0)")
+    parser.add_argument("--servegen-compress", type=float, help="time compression (scenario 09: 48)")
+    parser.add_argument("--servegen-peak-rate", type=float, help="req/s at the curve's peak (scenario 09: 40)")
     args = parser.parse_args()
 
     experiments: list[tuple[str, Scenario, Workload]] = []
@@ -207,19 +132,22 @@ def main() -> None:
         experiments.append(("(a) Azure code trace, bursty, 1 h", scenario, build_workload(scenario)))
     if args.workload in ("servegen", "both"):
         scenario = load_scenario(SCENARIOS / "09_autoscale_servegen_diurnal.yaml")
-        rates, window_s = read_servegen(SERVEGEN, model=args.servegen_model, day=args.servegen_day)
-        workload = ServeGenWorkload(
-            rates,
-            window_s,
-            read_azure(AZURE_CONV),
-            compress=args.servegen_compress,
-            peak_rate_per_s=args.servegen_peak_rate,
-            seed=scenario.seed,
-            block_size=scenario.fleet.resolve()[0].block_size,
+        assert isinstance(scenario.trace, ServeGenTraceConfig)
+        flags = {
+            "model": args.servegen_model,
+            "day": args.servegen_day,
+            "compress": args.servegen_compress,
+            "peak_rate_per_s": args.servegen_peak_rate,
+        }
+        trace = ServeGenTraceConfig.model_validate(
+            {**scenario.trace.model_dump(), **{k: v for k, v in flags.items() if v is not None}}
         )
+        scenario = scenario.model_copy(update={"trace": trace})
+        workload = build_workload(scenario)
+        assert isinstance(workload, ServeGenWorkload)
         title = (
-            f"(b) ServeGen {args.servegen_model} day {args.servegen_day}, {args.servegen_compress:g}x compressed "
-            f"({workload.duration_s / 60:.0f} min), peak {args.servegen_peak_rate:g} req/s, "
+            f"(b) ServeGen {trace.model} day {trace.day}, {trace.compress:g}x compressed "
+            f"({workload.duration_s / 60:.0f} min), peak {workload.peak_rate_per_s:g} req/s, "
             f"trough {min(workload.rates_per_s):.1f} req/s"
         )
         experiments.append((title, scenario, workload))

@@ -31,12 +31,21 @@ def add_simulate_command(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--scenario", metavar="FILE", help="scenario YAML (simulations/scenarios/)")
-    parser.add_argument("--trace", metavar="PATH", help="Mooncake .jsonl or Azure .csv trace (replaces the scenario's)")
+    parser.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="Mooncake .jsonl, Azure .csv or ServeGen aggregate-rate .csv (replaces the scenario's trace)",
+    )
     parser.add_argument(
         "--policies", metavar="A,B,...", help=f"policy kinds to compare, comma-separated: {', '.join(POLICY_NAMES)}"
     )
     parser.add_argument("--replicas", type=int, metavar="N", help="replicas in the fleet (default 16)")
-    parser.add_argument("--speed", type=float, metavar="X", help="replay the trace X times faster")
+    parser.add_argument(
+        "--speed",
+        type=float,
+        metavar="X",
+        help="replay the trace X times faster (a ServeGen curve: X times shorter, its `compress`, rates unchanged)",
+    )
     parser.add_argument("--limit", type=int, metavar="N", help="replay only the trace's first N requests")
     parser.add_argument(
         "--preset",
@@ -51,8 +60,25 @@ def add_simulate_command(subparsers: Any) -> None:
     parser.set_defaults(run=run_simulate)
 
 
+_TRACE_KINDS = ("mooncake", "azure", "servegen")
+"""Workloads read from a file, which `--trace`, `--speed` and `--limit` apply to."""
+
+
+def trace_kind(path: str) -> str:
+    """The trace kind of a file: Mooncake JSONL, or a CSV whose header says Azure or ServeGen."""
+    if not path.endswith(".csv"):
+        return "mooncake"
+    try:
+        with Path(path).open(newline="") as f:
+            header = f.readline()
+    except OSError:
+        return "azure"  # the workload's own read reports the missing file
+    columns = {column.strip() for column in header.split(",")}
+    return "servegen" if "total_rate_req_per_s" in columns else "azure"
+
+
 def _trace_config(path: str, current: Any) -> dict[str, Any]:
-    kind = "azure" if path.endswith(".csv") else "mooncake"
+    kind = trace_kind(path)
     keep = {}
     if getattr(current, "kind", None) == kind:
         keep = current.model_dump(exclude={"path"})
@@ -66,7 +92,7 @@ def resolve_scenario(args: argparse.Namespace) -> Any:
     if args.scenario:
         base = load_scenario(args.scenario).model_dump()
     elif args.trace:
-        base = {"name": Path(args.trace).stem, "trace": {"kind": "mooncake", "path": args.trace}}
+        base = {"name": Path(args.trace).stem, "trace": {"kind": trace_kind(args.trace), "path": args.trace}}
     else:
         raise ValueError("give --trace or --scenario")
     data: dict[str, Any] = dict(base)
@@ -77,9 +103,9 @@ def resolve_scenario(args: argparse.Namespace) -> Any:
     for flag in ("speed", "limit"):
         value = getattr(args, flag)
         if value is not None:
-            if trace.get("kind") not in ("mooncake", "azure"):
+            if trace.get("kind") not in _TRACE_KINDS:
                 raise ValueError(f"--{flag} applies to trace files only, not to a {trace.get('kind')} workload")
-            trace[flag] = value
+            trace["compress" if flag == "speed" and trace["kind"] == "servegen" else flag] = value
     data["trace"] = trace
     fleet = dict(data.get("fleet") or {})
     if args.replicas is not None:

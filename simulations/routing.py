@@ -3,8 +3,11 @@
 This mirrors `router/service/routing.py` (RoutingCore) step by step, without its service dependencies:
 
     matched  = index.match(hashes[:max_blocks], now)
-    decision = policy.select(RouteRequest(hashes, prompt_tokens, block_size, matched), eligible states, now)
-               (ONLY_REPLICA without asking the policy when one replica is eligible)
+    decision = SESSION: the replica the request's session went to last, while it is eligible (session affinity on)
+               else ONLY_REPLICA without asking the policy when one replica is eligible
+               else policy.select(RouteRequest(hashes, prompt_tokens, block_size, matched, session_key), eligible,
+                                  now)
+    remember the session's replica (session affinity on; the most recent 100,000 sessions)
     index.record(decision.replica, hashes, now)     # approximate mode; exact mode records `predicted` guesses
                                                      # (or nothing) and applies the engines' KV events instead
     begin:       in_flight += 1, waiting += 1, waiting_prompt_tokens += uncached (as predicted), last_selected = now
@@ -18,6 +21,7 @@ scrape interval, so policies see them as stale as the live router does.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -32,6 +36,9 @@ IndexMode = Literal["approximate", "exact", "exact_predicted"]
 fill the index. exact_predicted: KV events, plus short-lived `predicted` records for sibling requests that arrive
 before the events."""
 
+
+MAX_SESSIONS = 100_000
+"""Sessions the router remembers a replica for, least recently routed forgotten first (the live router's bound)."""
 
 INDEX_BLIND_POLICIES = frozenset({"round_robin", "random", "least_load", "power_of_two", "consistent_hash"})
 """Policies that read neither the index's match nor the prefill backlog it feeds (`waiting_prompt_tokens`): their
@@ -74,6 +81,7 @@ class SimRouter:
         mode: IndexMode = "approximate",
         max_blocks: int = 8192,
         use_index: bool = True,
+        is_session_affinity: bool = False,
     ) -> None:
         self.policy = policy
         self.index = index
@@ -84,6 +92,10 @@ class SimRouter:
         self.max_blocks = max_blocks
         self.use_index = use_index
         """Match and record in the index; off only for `INDEX_BLIND_POLICIES`, whose choices do not depend on it."""
+        self.is_session_affinity = is_session_affinity
+        """Read requests' session keys, as the live router does when `session_header` is set: pin a session to
+        its replica, and give the policy (consistent_hash's key) the session key."""
+        self._sessions: OrderedDict[str, str] = OrderedDict()
         self._replicas: dict[str, _RouterReplica] = {}
         self._eligible: list[ReplicaState] = []
 
@@ -114,21 +126,34 @@ class SimRouter:
             self._eligible.append(state)
             self._eligible.sort(key=lambda s: s.id)
 
-    def route(self, hashes: Sequence[int], prompt_tokens: int, now: float) -> Ticket | None:
-        """Choose a replica and count the request against it; None when no replica is eligible."""
+    def route(self, hashes: Sequence[int], prompt_tokens: int, now: float, session: str | None = None) -> Ticket | None:
+        """Choose a replica and count the request against it; None when no replica is eligible. `session` is the
+        request's conversation, read only with session affinity on (as the live router reads its header)."""
         eligible = self._eligible
         if not eligible:
             return None
+        session_key = session if self.is_session_affinity else None
         routed = hashes[: self.max_blocks] if len(hashes) > self.max_blocks else hashes
         matched = self.index.match(routed, now=now) if routed and self.use_index else {}
         request = RouteRequest(
-            hashes=routed, prompt_tokens=prompt_tokens, tokens_per_block=float(self.block_size), matched_blocks=matched
+            hashes=routed,
+            prompt_tokens=prompt_tokens,
+            tokens_per_block=float(self.block_size),
+            matched_blocks=matched,
+            session_key=session_key,
         )
-        if len(eligible) == 1:
-            only = eligible[0].id
-            decision = Decision(only, Branch.ONLY_REPLICA, matched.get(only, 0), request.cached_tokens(only))
-        else:
-            decision = self.policy.select(request, eligible, now=now)
+        decision = self._session_decision(request)
+        if decision is None:
+            if len(eligible) == 1:
+                only = eligible[0].id
+                decision = Decision(only, Branch.ONLY_REPLICA, matched.get(only, 0), request.cached_tokens(only))
+            else:
+                decision = self.policy.select(request, eligible, now=now)
+        if session_key is not None:
+            self._sessions[session_key] = decision.replica
+            self._sessions.move_to_end(session_key)
+            if len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)
         if routed and self.use_index and self.mode != "exact":
             self.index.record(decision.replica, routed, now=now, predicted=self.mode == "exact_predicted")
         state = self._replicas[decision.replica].state
@@ -139,6 +164,15 @@ class SimRouter:
         state.waiting_prompt_tokens += uncached
         state.last_selected = now
         return ticket
+
+    def _session_decision(self, request: RouteRequest) -> Decision | None:
+        """The replica the request's session was last routed to, while it is eligible."""
+        if request.session_key is None:
+            return None
+        pinned = self._sessions.get(request.session_key)
+        if pinned is None or not any(s.id == pinned for s in self._eligible):
+            return None
+        return Decision(pinned, Branch.SESSION, request.matched_blocks.get(pinned, 0), request.cached_tokens(pinned))
 
     def first_token(self, ticket: Ticket, now: float) -> None:
         """The replica streamed its first token: the request moves to streaming; the prefill rate learns."""

@@ -20,8 +20,16 @@ from router.policy.prefix_index import PrefixIndexConfig
 from simulations.metrics import SLOConfig
 from simulations.routing import IndexMode
 from simulations.scaling import AutoscaleConfig, FixedScalingConfig, ScalingConfig
+from simulations.servegen import ServeGenTraceConfig, ServeGenWorkload
 from simulations.step_model import EngineConfig, StepModel, load_preset
-from simulations.synthetic import SessionsConfig, SessionsWorkload, SharedPrefixConfig, SharedPrefixWorkload
+from simulations.synthetic import (
+    AgenticConfig,
+    AgenticWorkload,
+    SessionsConfig,
+    SessionsWorkload,
+    SharedPrefixConfig,
+    SharedPrefixWorkload,
+)
 from simulations.traces import AzureWorkload, MooncakeWorkload
 from simulations.workload import PrefillOnlyWorkload, Workload
 
@@ -54,7 +62,8 @@ class AzureTraceConfig(_Model):
 
 
 TraceConfig = Annotated[
-    MooncakeTraceConfig | AzureTraceConfig | SharedPrefixConfig | SessionsConfig, Field(discriminator="kind")
+    MooncakeTraceConfig | AzureTraceConfig | ServeGenTraceConfig | SharedPrefixConfig | SessionsConfig | AgenticConfig,
+    Field(discriminator="kind"),
 ]
 
 
@@ -98,6 +107,11 @@ class RouterConfig(_Model):
     the live router's `hold.max_wait_s`."""
     max_blocks: int = Field(default=8192, ge=1)
     """Leading blocks of a prompt the router hashes (the live router's `hashing.max_blocks`)."""
+    session_affinity: bool = False
+    """Read each request's conversation or agent episode (`Request.session`) as the live router reads its
+    `session_header`: a session goes back to the replica its previous request went to while that one is eligible
+    (branch `session`), and consistent_hash keys its ring on the session instead of the first block. Off by
+    default, as `session_header` is in the live router; workloads without sessions are unaffected."""
     index_for_index_blind: bool = False
     """Keep the prefix index for policies that never read it (round_robin, random, least_load, power_of_two,
     consistent_hash): their decisions are the same either way, so it only costs time, but it gives them a
@@ -128,7 +142,8 @@ class Scenario(_Model):
     """An autoscaling policy (shoal, hpa, keda, static) driving the fleet instead of `scaling`; its `startup_s`
     replaces the engine's. The SLO its runs are judged by is `slo`."""
     seed: int = 0
-    """Seed of the policies' random choices and of the trace's timestamp jitter."""
+    """Seed of the policies' random choices, of the trace's timestamp jitter and of a ServeGen curve's arrivals and
+    lengths (synthetic workloads carry their own `seed`)."""
     decode_steps_per_event: int = Field(default=64, ge=1)
     """Decode-only steps a replica may run as one event while no request waits (a request arriving meanwhile
     cuts it at the step boundary it arrives in). Timings are those of single steps; only the KV blocks for the
@@ -198,6 +213,10 @@ def _build_trace_workload(scenario: Scenario) -> Workload:
             seed=scenario.seed,
             limit=trace.limit,
         )
+    if isinstance(trace, ServeGenTraceConfig):
+        return ServeGenWorkload.from_config(trace, seed=scenario.seed, block_size=block_size)
     if isinstance(trace, SharedPrefixConfig):
         return SharedPrefixWorkload(trace, block_size=block_size)
-    return SessionsWorkload(trace, block_size=block_size)
+    if isinstance(trace, SessionsConfig):
+        return SessionsWorkload(trace, block_size=block_size)
+    return AgenticWorkload(trace, block_size=block_size)

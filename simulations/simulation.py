@@ -81,6 +81,7 @@ class Simulation:
             mode=router_cfg.index_mode,
             max_blocks=router_cfg.max_blocks,
             use_index=router_cfg.index_for_index_blind or policy.config.kind not in INDEX_BLIND_POLICIES,
+            is_session_affinity=router_cfg.session_affinity,
         )
         self.recorder = Recorder()
         self.scaling: ScalingDriver = build_scaling(scenario.autoscale or scenario.scaling)
@@ -183,7 +184,7 @@ class Simulation:
             self.sim.at(max(nxt.arrival_s, self.sim.now), self._arrive, nxt)
 
     def _route(self, request: Request) -> None:
-        ticket = self.router.route(request.hashes, request.prompt_tokens, self.sim.now)
+        ticket = self.router.route(request.hashes, request.prompt_tokens, self.sim.now, request.session)
         if ticket is None:
             self._held.append(request)
             self.sim.at(self.sim.now + self.scenario.router.hold_max_wait_s, self._hold_expired, request)

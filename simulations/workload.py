@@ -48,7 +48,8 @@ class Request:
     conversations, whose next turn resends them): the engine caches output blocks as it computes them. None: only
     the prompt's blocks are cacheable."""
     session: str | None = None
-    """Conversation the request belongs to, when the workload has conversations."""
+    """Conversation or agent episode the request belongs to, when the workload has them: the key a client would send
+    in the router's session header (read with `router.session_affinity` on)."""
 
 
 class Workload(Protocol):
