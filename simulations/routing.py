@@ -21,7 +21,6 @@ scrape interval, so policies see them as stale as the live router does.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -29,6 +28,7 @@ from typing import Literal
 from router.policy.kv_events import KVEvent
 from router.policy.prefill_rate import PrefillRate, PrefillRateEstimator
 from router.policy.prefix_index import PrefixIndex
+from router.policy.session import SessionAffinityConfig, SessionTable
 from router.policy.types import Branch, Decision, Policy, ReplicaState, RouteRequest
 
 IndexMode = Literal["approximate", "exact", "exact_predicted"]
@@ -37,7 +37,6 @@ fill the index. exact_predicted: KV events, plus short-lived `predicted` records
 before the events."""
 
 
-MAX_SESSIONS = 100_000
 """Sessions the router remembers a replica for, least recently routed forgotten first (the live router's bound)."""
 
 INDEX_BLIND_POLICIES = frozenset({"round_robin", "random", "least_load", "power_of_two", "consistent_hash"})
@@ -82,6 +81,7 @@ class SimRouter:
         max_blocks: int = 8192,
         use_index: bool = True,
         is_session_affinity: bool = False,
+        session_affinity: SessionAffinityConfig | None = None,
     ) -> None:
         self.policy = policy
         self.index = index
@@ -95,7 +95,7 @@ class SimRouter:
         self.is_session_affinity = is_session_affinity
         """Read requests' session keys, as the live router does when `session_header` is set: pin a session to
         its replica, and give the policy (consistent_hash's key) the session key."""
-        self._sessions: OrderedDict[str, str] = OrderedDict()
+        self.sessions = SessionTable(session_affinity)
         self._replicas: dict[str, _RouterReplica] = {}
         self._eligible: list[ReplicaState] = []
 
@@ -142,7 +142,7 @@ class SimRouter:
             matched_blocks=matched,
             session_key=session_key,
         )
-        decision = self._session_decision(request)
+        decision = self.sessions.decide(request, eligible) if session_key is not None else None
         if decision is None:
             if len(eligible) == 1:
                 only = eligible[0].id
@@ -150,10 +150,7 @@ class SimRouter:
             else:
                 decision = self.policy.select(request, eligible, now=now)
         if session_key is not None:
-            self._sessions[session_key] = decision.replica
-            self._sessions.move_to_end(session_key)
-            if len(self._sessions) > MAX_SESSIONS:
-                self._sessions.popitem(last=False)
+            self.sessions.remember(session_key, decision.replica)
         if routed and self.use_index and self.mode != "exact":
             self.index.record(decision.replica, routed, now=now, predicted=self.mode == "exact_predicted")
         state = self._replicas[decision.replica].state
@@ -164,15 +161,6 @@ class SimRouter:
         state.waiting_prompt_tokens += uncached
         state.last_selected = now
         return ticket
-
-    def _session_decision(self, request: RouteRequest) -> Decision | None:
-        """The replica the request's session was last routed to, while it is eligible."""
-        if request.session_key is None:
-            return None
-        pinned = self._sessions.get(request.session_key)
-        if pinned is None or not any(s.id == pinned for s in self._eligible):
-            return None
-        return Decision(pinned, Branch.SESSION, request.matched_blocks.get(pinned, 0), request.cached_tokens(pinned))
 
     def first_token(self, ticket: Ticket, now: float) -> None:
         """The replica streamed its first token: the request moves to streaming; the prefill rate learns."""

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from router.policy.config import PolicyConfig, parse_policy_config
 from router.policy.prefill_rate import PrefillRateEstimator
 from router.policy.prefix_index import PrefixIndexConfig
+from router.policy.session import SessionAffinityConfig
 from simulations.metrics import SLOConfig
 from simulations.routing import IndexMode
 from simulations.scaling import AutoscaleConfig, FixedScalingConfig, ScalingConfig
@@ -112,6 +113,9 @@ class RouterConfig(_Model):
     `session_header`: a session goes back to the replica its previous request went to while that one is eligible
     (branch `session`), and consistent_hash keys its ring on the session instead of the first block. Off by
     default, as `session_header` is in the live router; workloads without sessions are unaffected."""
+    session: SessionAffinityConfig = Field(default_factory=SessionAffinityConfig)
+    """When a pin yields to the policy (its replica overloaded) and how many sessions are remembered: the live
+    router's `session_affinity` settings."""
     index_for_index_blind: bool = False
     """Keep the prefix index for policies that never read it (round_robin, random, least_load, power_of_two,
     consistent_hash): their decisions are the same either way, so it only costs time, but it gives them a

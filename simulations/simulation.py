@@ -82,6 +82,7 @@ class Simulation:
             max_blocks=router_cfg.max_blocks,
             use_index=router_cfg.index_for_index_blind or policy.config.kind not in INDEX_BLIND_POLICIES,
             is_session_affinity=router_cfg.session_affinity,
+            session_affinity=router_cfg.session,
         )
         self.recorder = Recorder()
         self.scaling: ScalingDriver = build_scaling(scenario.autoscale or scenario.scaling)

@@ -19,7 +19,6 @@ the replica's prefill-rate estimate, `finish` forgets it.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,11 +26,10 @@ from router.policy.hashing import ChainMemo, namespace_seed
 from router.policy.prefill_rate import PrefillRate, PrefillRateEstimator
 from router.policy.prefix_index import PrefixIndex
 from router.policy.routing_text import RoutingKey
+from router.policy.session import SessionTable
 from router.policy.types import Branch, Decision, Policy, RouteRequest
 from router.service.pool import Replica, ReplicaPool
 from router.service.settings import RouterSettings
-
-_MAX_SESSIONS = 100_000
 
 
 @dataclass(slots=True)
@@ -78,7 +76,7 @@ class RoutingCore:
         self.index = index
         self.policy = policy
         self.prefill_rate = prefill_rate
-        self._sessions: OrderedDict[str, str] = OrderedDict()
+        self.sessions = SessionTable(settings.session_affinity)
         self._memo = ChainMemo(max_entries=settings.hashing.memo_entries)
         self._seeds: dict[str | None, bytes] = {}
 
@@ -121,7 +119,9 @@ class RoutingCore:
             session_key=prepared.session_key,
             max_output_tokens=prepared.max_output_tokens,
         )
-        decision = self._session_decision(request, eligible)
+        decision = None
+        if prepared.session_key is not None:  # only with `session_header` set (the proxy reads it)
+            decision = self.sessions.decide(request, [r.state for r in eligible])
         if decision is None:
             if len(eligible) == 1:
                 only = eligible[0].id
@@ -130,26 +130,12 @@ class RoutingCore:
             else:
                 decision = self.policy.select(request, [r.state for r in eligible], now=now)
         if prepared.session_key is not None:
-            self._remember_session(prepared.session_key, decision.replica)
+            self.sessions.remember(prepared.session_key, decision.replica)
         if prepared.hashes:
             chosen = self.pool.get(decision.replica)
             is_confirmed = prepared.is_tokens and chosen is not None and chosen.has_live_kv_events
             self.index.record(decision.replica, prepared.hashes, now=now, predicted=is_confirmed)
         return decision
-
-    def _session_decision(self, request: RouteRequest, eligible: list[Replica]) -> Decision | None:
-        if request.session_key is None or self.settings.session_header is None:
-            return None
-        pinned = self._sessions.get(request.session_key)
-        if pinned is None or not any(r.id == pinned for r in eligible):
-            return None
-        return Decision(pinned, Branch.SESSION, request.matched_blocks.get(pinned, 0), request.cached_tokens(pinned))
-
-    def _remember_session(self, key: str, replica_id: str) -> None:
-        self._sessions[key] = replica_id
-        self._sessions.move_to_end(key)
-        if len(self._sessions) > _MAX_SESSIONS:
-            self._sessions.popitem(last=False)
 
     # --- load bookkeeping ---------------------------------------------------------------------------------
 

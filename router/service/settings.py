@@ -19,6 +19,7 @@ from router.policy.config import EstimatedTTFTConfig, PolicyConfig
 from router.policy.hashing import DEFAULT_TEXT_BLOCK_SIZE, DEFAULT_TOKEN_BLOCK_SIZE
 from router.policy.prefill_rate import PrefillRateEstimator
 from router.policy.prefix_index import PrefixIndexConfig
+from router.policy.session import SessionAffinityConfig
 from router.service.pool import split_url
 
 
@@ -209,6 +210,9 @@ class RouterSettings(BaseSettings):
     """Exact mode: each replica's KV events feed the prefix index (off by default: approximate mode)."""
     session_header: str | None = None
     """Header whose value pins a session to one replica (e.g. x-session-id); off when unset."""
+    session_affinity: SessionAffinityConfig = Field(default_factory=SessionAffinityConfig)
+    """With `session_header`: when a session's pin yields to the policy (its replica overloaded), and how many
+    sessions are remembered (`router/policy/session.py`)."""
     admin_token: SecretStr | None = None
     """Bearer token for /admin/*. Without one the admin API is disabled (404), never open."""
     seed: int = 0
