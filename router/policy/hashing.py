@@ -151,12 +151,14 @@ class ChainMemo:
     Traffic repeats prefixes: every turn of a conversation resends the whole conversation, and system prompts
     and tool definitions open many requests. Hashing costs the router one Python-level step per block, so a
     32 KiB prompt costs some 80-150 microseconds. The memo cuts a prompt into chunks of `checkpoint_blocks`
-    blocks and names each chunk by a coarse chain over chunks (one `xxh3_64` call per chunk, seeded like the
-    fine chain, so it names the seed and the whole prefix up to the chunk's end). Since the fine hashes of a
-    chunk depend on exactly that (the fine chain state before it, and its bytes), the memo maps the coarse name
-    to the chunk's fine hashes. A cached chunk costs one hash call and one look-up instead of a step per block;
-    the output is identical to `hash_text` / `hash_tokens` (tests hold them equal). A chunk is stored on its
-    second sighting only, so prompts never seen again cost little more than hashing them directly.
+    blocks and names each chunk by a coarse chain over chunks: one `xxh3_64` call over the chunk's bytes, with
+    the previous chunk's name (for the first chunk, the hash of the seed) as xxh3's integer seed, so a name
+    stands for the seed and the whole prefix up to the chunk's end. Since the fine hashes of a chunk depend on
+    exactly that (the fine chain state before it, and its bytes), the memo maps the coarse name to the chunk's
+    fine hashes. A cached chunk costs one hash call and one look-up instead of a step per block; the output is
+    identical to `hash_text` / `hash_tokens` (tests hold them equal). A chunk is stored on its second sighting
+    only, so prompts never seen again cost little more than hashing them directly; chunks that miss in a row
+    are hashed in one pass.
 
     Not thread-safe; the router keeps one per process. Memory, with 64-block chunks: about 0.8 KiB per stored
     chunk, and about 180 bytes per chunk seen once (up to `4 * max_entries` of them).
@@ -202,43 +204,57 @@ class ChainMemo:
             return []
         per_chunk = self.checkpoint_blocks
         chunk_bytes = per_chunk * width
+        view = memoryview(data)
         out: list[int] = []
-        coarse_head = seed
+        missed: list[tuple[int, int]] = []  # keys of the chunks since the last hit, not hashed yet
+        coarse = _xxh3(seed)
+        chunks = self._chunks
+        for start in range(0, (num_blocks // per_chunk) * chunk_bytes, chunk_bytes):
+            coarse = _xxh3(view[start : start + chunk_bytes], seed=coarse)
+            key = (width, coarse)
+            if key not in chunks:
+                missed.append(key)
+                continue
+            if missed:
+                # Chunks that missed in a row are hashed in one pass (a call per chunk costs ~1 us), then
+                # admitted in order, as if one by one; an admission may evict the chunk just found.
+                self._hash_missed(out, data, width, seed, missed, len(missed) * per_chunk)
+                missed = []
+                if key not in chunks:
+                    missed.append(key)
+                    continue
+            chunks.move_to_end(key)
+            out.extend(chunks[key])
+            self.hits += 1
+        self._hash_missed(out, data, width, seed, missed, num_blocks - len(out))
+        return out
+
+    def _hash_missed(
+        self, out: list[int], data: bytes, width: int, seed: bytes, missed: list[tuple[int, int]], num_blocks: int
+    ) -> None:
+        """Extend `out` by the next `num_blocks` block hashes (the `missed` chunks, then any partial chunk) and
+        count and admit the `missed` chunks."""
+        first = len(out)
+        if num_blocks > 0:
+            if first == 0:
+                out.append(_xxh3(seed + data[:width]))
+                _extend_chain(out, data, width, num_blocks - 1, width, out[0])
+            else:
+                _extend_chain(out, data, first * width, num_blocks, width, out[-1])
         chunks = self._chunks
         seen = self._seen
-        for start in range(0, (num_blocks // per_chunk) * chunk_bytes, chunk_bytes):
-            end = start + chunk_bytes
-            coarse = _xxh3(coarse_head + data[start:end])
-            coarse_head = _pack_u64(coarse)
-            key = (width, coarse)
-            cached = chunks.get(key)
-            if cached is not None:
-                chunks.move_to_end(key)
-                out.extend(cached)
-                self.hits += 1
-                continue
-            # The fine chain over this chunk, as `hash_text` computes it.
-            offset = len(out)
-            if offset == 0:
-                out.append(_xxh3(seed + data[:width]))
-                _extend_chain(out, data, width, per_chunk - 1, width, out[0])
-            else:
-                _extend_chain(out, data, start, per_chunk, width, out[-1])
+        per_chunk = self.checkpoint_blocks
+        for i, key in enumerate(missed):
             self.misses += 1
             # Admission on second sight: a chunk is stored only when seen before, so one-off prompts cost a
             # cheap key, not a stored chunk.
             if key in seen:
                 del seen[key]
-                chunks[key] = array("Q", out[offset:])
+                offset = first + i * per_chunk
+                chunks[key] = array("Q", out[offset : offset + per_chunk])
                 if len(chunks) > self.max_entries:
                     chunks.popitem(last=False)
             elif self.max_entries:
                 seen[key] = None
                 if len(seen) > self.max_seen:
                     seen.popitem(last=False)
-        done = len(out)
-        if done == 0:
-            return _hash_blocks(data, width, num_blocks, seed, None)
-        if done < num_blocks:
-            _extend_chain(out, data, done * width, num_blocks - done, width, out[-1])
-        return out
