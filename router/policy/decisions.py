@@ -12,8 +12,12 @@ have a branch logic of their own (estimated_ttft, dynamo_kv, llmd_weighted) expl
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import repeat
+from operator import attrgetter
 
 from router.policy.types import Branch, Decision, ReplicaState, RouteRequest
+
+_id_of = attrgetter("id")
 
 
 def decision(request: RouteRequest, replica_id: str, branch: Branch, predicted_ttft_s: float | None = None) -> Decision:
@@ -29,9 +33,17 @@ def decision(request: RouteRequest, replica_id: str, branch: Branch, predicted_t
 
 def cache_branch(request: RouteRequest, replicas: Sequence[ReplicaState], chosen_id: str) -> Branch:
     """CACHE_MISS, CACHE_HIT or SPILL for a choice among `replicas` (see the module docstring)."""
-    best_blocks = max(request.matched_blocks.get(r.id, 0) for r in replicas)
+    matched = request.matched_blocks
+    if not matched:
+        return Branch.CACHE_MISS
+    best_blocks = max(map(matched.get, map(_id_of, replicas), repeat(0)))
+    return branch_for_blocks(best_blocks, matched.get(chosen_id, 0))
+
+
+def branch_for_blocks(best_blocks: int, chosen_blocks: int) -> Branch:
+    """`cache_branch` from the longest match among the replicas and the chosen replica's match, in blocks."""
     if best_blocks <= 0:
         return Branch.CACHE_MISS
-    if request.matched_blocks.get(chosen_id, 0) >= best_blocks:
+    if chosen_blocks >= best_blocks:
         return Branch.CACHE_HIT
     return Branch.SPILL

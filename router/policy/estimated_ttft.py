@@ -55,10 +55,13 @@ tie_epsilon_s, tie_rel_epsilon, max_queue_per_replica.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from itertools import repeat
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
-from router.policy.decisions import cache_branch, decision
+from router.policy.decisions import branch_for_blocks, decision
 from router.policy.types import Branch, Decision, ReplicaState, RouteRequest
 
 if TYPE_CHECKING:
@@ -66,6 +69,8 @@ if TYPE_CHECKING:
 
 _MIN_PREFILL_TOKENS_PER_S = 1.0
 """Floor on a replica's prefill rate, so a corrupt rate cannot divide by zero."""
+
+_rate_of = attrgetter("prefill_tokens_per_s")
 
 
 class EstimatedTTFT:
@@ -123,15 +128,13 @@ class EstimatedTTFT:
         if len(replicas) == 1:
             only = replicas[0]
             return decision(request, only.id, Branch.ONLY_REPLICA, self.estimate_s(request, only))
-        # Two passes with locals: this runs per request over every replica (the router's hot path). It computes
-        # exactly `costs_s` (tests hold the two equal).
+        # The router's hot path, once per request over every replica: three tight passes over locals that compute
+        # exactly `costs_s` (tests hold the two equal, bit for bit), with the terms summed in the same order.
         cfg = self.config
         n = len(replicas)
+        rates = [_MIN_PREFILL_TOKENS_PER_S if x < _MIN_PREFILL_TOKENS_PER_S else x for x in map(_rate_of, replicas)]
         rate_sum = rate_sq_sum = 0.0
-        for r in replicas:
-            rate = r.prefill_tokens_per_s
-            if rate < _MIN_PREFILL_TOKENS_PER_S:
-                rate = _MIN_PREFILL_TOKENS_PER_S
+        for rate in rates:
             rate_sum += rate
             rate_sq_sum += rate * rate
         rate_mean = rate_sum / n
@@ -139,6 +142,12 @@ class EstimatedTTFT:
         noise = (cfg.rate_noise_cv * rate_mean) ** 2
         # var <= noise covers a homogeneous fleet, where float cancellation can leave a tiny var of either sign.
         shrink = 1.0 - noise / rate_var if rate_var > noise else 0.0
+        # A fleet within `rate_noise_cv` pools every rate to the mean: exactly, while the rates are finite.
+        pooled = (
+            repeat(rate_mean)
+            if shrink == 0.0 and rate_sq_sum < math.inf
+            else ([rate_mean + shrink * (x - rate_mean) for x in rates])
+        )
         cap = cfg.max_queue_per_replica
         step_s = cfg.decode_s_per_seq_step
         inv_step_tokens = 1.0 / cfg.prefill_tokens_per_step
@@ -146,49 +155,64 @@ class EstimatedTTFT:
         threshold = cfg.kv_pressure_threshold
         pressure_scale = cfg.kv_pressure_s / ((1.0 - threshold) ** 2)
         prompt_tokens = request.prompt_tokens
-        # Cached tokens only for the few replicas that match at all; the rest compute the whole prompt.
-        cached_by_id = {rid: request.cached_tokens(rid) for rid in request.matched_blocks}
+        # Cached tokens only for the few replicas that match at all; the rest compute the whole prompt, whose
+        # attention term is the same for all of them.
+        matched = request.matched_blocks
+        cached_by_id = {rid: request.cached_tokens(rid) for rid in matched}
         cached_get = cached_by_id.get
+        uncached_attn_s = attn * prompt_tokens * (0 + prompt_tokens / 2)
+        best_blocks = 0  # the longest match among `replicas`, for the branch
         ttfts: list[float] = []
         owns: list[float] = []
-        under_cap: list[bool] = []
-        for r in replicas:
-            running = r.num_running or 0
-            rate = r.prefill_tokens_per_s
-            if rate < _MIN_PREFILL_TOKENS_PER_S:
-                rate = _MIN_PREFILL_TOKENS_PER_S
-            rate = rate_mean + shrink * (rate - rate_mean)
-            cached = cached_get(r.id, 0)
-            uncached = prompt_tokens - cached
-            own = uncached / rate + attn * uncached * (cached + uncached / 2)
+        ttfts_append = ttfts.append
+        owns_append = owns.append
+        num_under_cap = 0
+        for r, rate in zip(replicas, pooled, strict=False):  # `pooled` may be an endless repeat
+            rid = r.id
+            cached = cached_get(rid)
+            if cached is None:
+                uncached = prompt_tokens
+                own = prompt_tokens / rate + uncached_attn_s
+            else:
+                uncached = prompt_tokens - cached
+                own = uncached / rate + attn * uncached * (cached + uncached / 2)
+                blocks = matched[rid]
+                if blocks > best_blocks:
+                    best_blocks = blocks
             backlog = r.waiting_prompt_tokens
+            running = r.num_running or 0
             streaming = r.streaming
             decoding = streaming if streaming > running else running
             estimate = backlog / rate + own + step_s * decoding * (1.0 + (backlog + uncached) * inv_step_tokens)
-            if r.waiting > 0:
-                estimate += attn * backlog * backlog / (2 * r.waiting)
+            waiting = r.waiting
+            if waiting > 0:
+                estimate += attn * backlog * backlog / (2 * waiting)
             kv = r.kv_usage
             if kv is not None and kv > threshold:
                 excess = (kv if kv < 1.0 else 1.0) - threshold
                 estimate += pressure_scale * excess * excess
-            ttfts.append(estimate)
-            owns.append(own)
+            ttfts_append(estimate)
+            owns_append(own)
             engine_depth = running + (r.num_waiting or 0)
-            under_cap.append((r.in_flight if r.in_flight > engine_depth else engine_depth) < cap)
+            in_flight = r.in_flight
+            if (in_flight if in_flight > engine_depth else engine_depth) < cap:
+                num_under_cap += 1
         weight = cfg.fleet_cost_weight
         floor_s = min(owns)
         costs = [t + weight * (o - floor_s) for t, o in zip(ttfts, owns, strict=True)]
-        is_under_cap = any(under_cap)
-        candidates: Sequence[int] = (
-            [i for i, ok in enumerate(under_cap) if ok] if is_under_cap and not all(under_cap) else range(n)
-        )
-        best_s = min(costs[i] for i in candidates)
-        tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
-        tied = [i for i in candidates if costs[i] <= tied_below_s]
+        if 0 < num_under_cap < n:
+            candidates = [i for i, r in enumerate(replicas) if r.queue_depth < cap]
+            best_s = min([costs[i] for i in candidates])
+            tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
+            tied = [i for i in candidates if costs[i] <= tied_below_s]
+        else:
+            best_s = min(costs)
+            tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
+            tied = [i for i, cost in enumerate(costs) if cost <= tied_below_s]
         if len(tied) == 1:
             best = tied[0]
         else:
             best = min(tied, key=lambda i: (replicas[i].in_flight, replicas[i].last_selected, replicas[i].id))
         chosen = replicas[best]
-        branch = cache_branch(request, replicas, chosen.id) if is_under_cap else Branch.OVERLOADED
+        branch = branch_for_blocks(best_blocks, matched.get(chosen.id, 0)) if num_under_cap else Branch.OVERLOADED
         return decision(request, chosen.id, branch, ttfts[best])
