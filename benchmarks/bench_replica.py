@@ -11,6 +11,10 @@ wall-clock medians over `--repeats` runs; on a shared 2-core machine compare fig
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `shoal replica` serves: replica.cli.sleeping_omp_threads
+
 import argparse
 import statistics
 import time
