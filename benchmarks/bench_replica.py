@@ -1,14 +1,19 @@
 """The bundled replica on the demo model: decode throughput against batch size, TTFT of a cold prompt against a
-90%-cached one, routed-expert memory BF16 vs NVFP4, and top-1 agreement of NVFP4 with the unquantized model.
+90%-cached one, routed-expert memory BF16 vs NVFP4, top-1 agreement of NVFP4 with the unquantized model, and how
+often the demo model's tool calls parse (`replica.demo.toolcheck`).
 
 Everything runs on the engine in-process (no HTTP), on the CPU unless `--device` says otherwise. Times are
 wall-clock medians over `--repeats` runs; on a shared 2-core machine compare figures from one run only.
 
     .venv/bin/python benchmarks/bench_replica.py                 # all tables
-    .venv/bin/python benchmarks/bench_replica.py --only ttft     # one of: throughput, ttft, memory, agreement
+    .venv/bin/python benchmarks/bench_replica.py --only ttft     # one of: throughput, ttft, memory, agreement, tools
 """
 
 from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `shoal replica` serves: replica.cli.sleeping_omp_threads
 
 import argparse
 import statistics
@@ -18,7 +23,7 @@ from pathlib import Path
 import torch
 
 from replica.demo.build import ensure_demo_model, held_out_texts
-from replica.engine.engine import EngineConfig, LLMEngine
+from replica.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from replica.engine.sampling import SamplingParams
 from replica.model.loader import load_model
 from replica.model.model import MoEForCausalLM
@@ -26,16 +31,26 @@ from replica.quant.calibrate import observe_experts, read_chat_prompts
 from replica.quant.experts import quantize_model_experts, routed_expert_bytes
 from replica.tokenizer import Tokenizer
 
+ENGINE_VALUES = {"num_blocks": 4096, "block_size": 16, "max_num_seqs": 64, "max_num_batched_tokens": 2048}
+
 
 def _engine(model: MoEForCausalLM, **config: int) -> LLMEngine:
-    values = {"num_blocks": 4096, "block_size": 16, "max_num_seqs": 64, "max_num_batched_tokens": 2048}
-    values.update(config)
+    values = {**ENGINE_VALUES, **config}
     return LLMEngine(model, EngineConfig(**values))  # type: ignore[arg-type]
 
 
 def _run(engine: LLMEngine) -> None:
     while engine.has_work:
         engine.step()
+
+
+def _first_token(engine: LLMEngine, prompt: list[int]) -> RequestOutput:
+    """Steps until the request's first token: a prompt longer than the step budget takes several chunks."""
+    engine.add_request(prompt, SamplingParams(max_tokens=1))
+    while True:
+        outputs = engine.step().outputs
+        if outputs:
+            return outputs[0]
 
 
 def throughput(model: MoEForCausalLM, tokenizer: Tokenizer, texts: list[str], repeats: int) -> None:
@@ -65,11 +80,14 @@ def throughput(model: MoEForCausalLM, tokenizer: Tokenizer, texts: list[str], re
 
 def ttft(model: MoEForCausalLM, tokenizer: Tokenizer, texts: list[str], repeats: int) -> None:
     print("\n## Time to first token: cold prompt against a 90%-cached one (one request, engine in-process)")
+    print(f"(both engines: {ENGINE_VALUES['max_num_batched_tokens']}-token steps; a longer prompt takes several)")
     stream: list[int] = []
     for t in texts:
         stream.extend(tokenizer.encode(t))
     print(f"{'prompt':>7} {'cached':>7} {'cold ms':>9} {'warm ms':>9} {'speed-up':>9}")
-    for length in (256, 512, 1024, 1900):
+    for length in (256, 512, 1024, 1900, 3800):
+        if length >= model.config.max_position_embeddings:
+            continue
         prompt = stream[:length]
         shared = int(length * 0.9)
         cold_s, warm_s, cached = [], [], 0
@@ -79,14 +97,11 @@ def ttft(model: MoEForCausalLM, tokenizer: Tokenizer, texts: list[str], repeats:
             engine.add_request(other, SamplingParams(max_tokens=1))
             _run(engine)  # caches the shared 90%
             started = time.perf_counter()
-            engine.add_request(prompt, SamplingParams(max_tokens=1))
-            outputs = engine.step().outputs
+            cached = _first_token(engine, prompt).num_cached_tokens
             warm_s.append(time.perf_counter() - started)
-            cached = outputs[0].num_cached_tokens
             cold = _engine(model)
             started = time.perf_counter()
-            cold.add_request(prompt, SamplingParams(max_tokens=1))
-            cold.step()
+            _first_token(cold, prompt)
             cold_s.append(time.perf_counter() - started)
         c, w = statistics.median(cold_s), statistics.median(warm_s)
         print(f"{length:>7} {cached:>7} {c * 1000:>9.1f} {w * 1000:>9.1f} {c / w:>8.1f}x")
@@ -136,13 +151,28 @@ def agreement(path: Path, tokenizer: Tokenizer, texts: list[str], dtype: torch.d
           f"fewest tokens of any expert {int(calibration.token_counts.min())})")
 
 
+def tool_calls(path: Path, tokenizer: Tokenizer, num_prompts: int) -> None:
+    from replica.demo.toolcheck import LEVELS, check_tool_calls, rates, tool_prompts
+
+    print(f"\n## Tool calls on {num_prompts} unseen tool conversations, cut after the ask (cumulative rates)")
+    model = load_model(path)
+    prompts = tool_prompts(num_prompts)
+    print(f"{'sampling':<16}" + "".join(f"{level:>8}" for level in LEVELS))
+    for label, temperature in (("greedy", 0.0), ("temperature 0.7", 0.7)):
+        levels, _ = check_tool_calls(model, tokenizer, prompts, temperature=temperature)
+        print(f"{label:<16}" + "".join(f"{rate:>8.0%}" for rate in rates(levels).values()))
+    print("call: a <tool_call> block; json: it parses, with a name and an arguments object; name: the expected "
+          "function; schema: argument names and types fit it; exact: the expected arguments")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, help="checkpoint folder (default: the demo model, built if missing)")
-    parser.add_argument("--only", choices=["throughput", "ttft", "memory", "agreement"])
+    parser.add_argument("--only", choices=["throughput", "ttft", "memory", "agreement", "tools"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--agreement-texts", type=int, default=100, help="held-out conversations to score")
+    parser.add_argument("--tool-prompts", type=int, default=50, help="tool-call prompts to score")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -158,6 +188,8 @@ def main() -> None:
         memory(path)
     if args.only in (None, "agreement"):
         agreement(path, tokenizer, texts[: args.agreement_texts], torch.bfloat16)
+    if args.only in (None, "tools"):
+        tool_calls(path, tokenizer, args.tool_prompts)
 
 
 if __name__ == "__main__":

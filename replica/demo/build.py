@@ -3,9 +3,10 @@
 The corpus is generated locally and deterministically (`replica.demo.corpus`: bilingual business dialogue and JSON
 tool calls), so the same seed gives the same model on any machine and nothing is downloaded. Steps:
 byte-level BPE on the rendered conversations; a small MoE (16 routed experts, top-2, one shared expert, a few
-million parameters) trained on random windows of the token stream with AdamW, a cosine schedule and a load-balancing
-loss that keeps every expert in use; the last 5% of conversations are held out and their loss reported. The result
-is written to a temporary folder and renamed into place, so an interrupted build never leaves a half model.
+million parameters) trained on short windows of the token stream at random offsets and long windows that start at
+tool conversations, with AdamW, a cosine schedule and a load-balancing loss that keeps every expert in use; the
+last 5% of conversations are held out and their loss reported. The result is written to a temporary folder and
+renamed into place, so an interrupted build never leaves a half model.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-DEMO_VERSION = "v1"
+DEMO_VERSION = "v2"
 
 
 @dataclass(frozen=True)
@@ -36,13 +37,23 @@ class DemoRecipe:
     experts_per_token: int = 2
     expert_size: int = 128
     shared_expert_size: int = 256
-    max_position_embeddings: int = 2048
+    max_position_embeddings: int = 4096
     seq_len: int = 256
     batch_size: int = 16
-    max_steps: int = 1500
-    max_seconds: float = 240.0
-    """Training stops at whichever of max_steps and max_seconds (of training, not of corpus and tokenizer set-up)
-    comes first."""
+    """Short steps: `batch_size` windows of `seq_len` tokens at random offsets of the stream (cheap; local
+    structure: phrasing, JSON syntax, copying from the ask)."""
+    long_seq_len: int = 768
+    long_batch_size: int = 4
+    long_fraction: float = 0.5
+    """Long steps (this fraction of steps): windows of `long_seq_len` tokens that start where a tool conversation
+    starts. One is 700-1,100 tokens, 590 of them its tools block, and its call ends by position ~700: only long
+    steps show a call with the whole system prompt above it, at the distances it has when served. (v1 trained on
+    short windows alone; its calls copied the tools' schema instead of arguments.)"""
+    max_steps: int = 400
+    max_seconds: float = 900.0
+    """Training stops at max_steps, or at max_seconds (of training, not of corpus and tokenizer set-up) on a machine
+    too slow or too busy for them: steps, not wall time, bound it, so a seed names one model (v1 stopped at 240 s,
+    so its step count, and the model, depended on the machine's load)."""
     learning_rate: float = 3e-3
     aux_loss_weight: float = 0.01
     seed: int = 0
@@ -96,10 +107,14 @@ def build_demo(
     tokenizer = train_bpe(train_texts, vocab_size=recipe.vocab_size)
     eot = tokenizer.endoftext_token_id
     stream: list[int] = []
-    for text in train_texts:
+    tool_starts: list[int] = []
+    for conversation, text in zip(conversations, train_texts, strict=False):
+        if uses_tools(conversation):
+            tool_starts.append(len(stream))
         stream.extend(tokenizer.encode(text))
         stream.append(eot)
     data = torch.tensor(stream, dtype=torch.long)
+    long_starts = torch.tensor([s for s in tool_starts if s + recipe.long_seq_len + 1 <= len(stream)])
     progress(
         f"tokenizer: {tokenizer.vocab_size} tokens; corpus {len(stream):,} tokens "
         f"({sum(len(t.encode()) for t in train_texts) / len(stream):.2f} bytes/token)"
@@ -142,8 +157,13 @@ def build_demo(
         lr = recipe.learning_rate * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        starts = torch.randint(0, len(data) - recipe.seq_len - 1, (recipe.batch_size,), generator=gen)
-        batch = torch.stack([data[s : s + recipe.seq_len + 1] for s in starts.tolist()])  # [B, S+1]
+        if float(torch.rand((), generator=gen)) < recipe.long_fraction:
+            seq_len = recipe.long_seq_len
+            starts = long_starts[torch.randint(0, len(long_starts), (recipe.long_batch_size,), generator=gen)]
+        else:
+            seq_len = recipe.seq_len
+            starts = torch.randint(0, len(data) - seq_len - 1, (recipe.batch_size,), generator=gen)
+        batch = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()])  # [B, S+1]
         logits, aux = model.forward_train(batch[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         (loss + recipe.aux_loss_weight * aux).backward()  # type: ignore[no-untyped-call]

@@ -228,8 +228,8 @@ def _draw_slots(rng: random.Random, book: Phrasebook, company: str, person: str)
         "attendee": rng.choice([name for name in book.people if name != person]),
         "product": product,
         "quantity": quantity,
-        "unit_price": book.money_format.format(value=unit_price),
-        "unit_price_value": unit_price,
+        "unit_price": book.price_format.format(value=unit_price),
+        "unit_price_value": int(unit_price) if float(unit_price).is_integer() else unit_price,
         "amount": book.money_format.format(value=amount),
         "amount_value": amount,
         "order_id": f"ORD-{rng.randint(10_000, 99_999)}",
@@ -377,7 +377,9 @@ def _weekday_on_or_after(day: date) -> date:
 
 
 def _format_date(book: Phrasebook, day: date) -> str:
-    return book.date_format.format(month=book.months[day.month - 1], day=day.day, weekday=book.weekdays[day.weekday()])
+    return book.date_format.format(
+        iso=day.isoformat(), month=book.months[day.month - 1], day=day.day, weekday=book.weekdays[day.weekday()]
+    )
 
 
 if __name__ == "__main__":

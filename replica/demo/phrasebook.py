@@ -48,8 +48,12 @@ class Phrasebook:
     currency: str
     money_format: str
     """Formats `value`, an amount in `currency`."""
+    price_format: str
+    """Formats `value`, a unit price, as the JSON number a tool call writes for it (no thousands separators, no
+    trailing zeros), so the model copies the ask's digits into the arguments."""
     date_format: str
-    """Formats `month` (a name from `months`), `day` and `weekday` (a name from `weekdays`, Monday first)."""
+    """Formats `iso` (YYYY-MM-DD), `month` (a name from `months`), `day` and `weekday` (a name from `weekdays`,
+    Monday first). It leads with the ISO date, the form tool arguments take, so the model copies it."""
     months: tuple[str, ...]
     weekdays: tuple[str, ...]
     rooms: tuple[str, ...]
@@ -118,7 +122,8 @@ JAPANESE = Phrasebook(
     ),
     currency="JPY",
     money_format="{value:,.0f}円",
-    date_format="{month}月{day}日（{weekday}）",
+    price_format="{value:g}円",
+    date_format="{iso}（{weekday}）",
     months=tuple(str(month) for month in range(1, 13)),
     weekdays=("月", "火", "水", "木", "金", "土", "日"),
     rooms=("第1会議室", "第2会議室", "大会議室", "応接室A", "応接室B"),
@@ -411,7 +416,8 @@ ENGLISH = Phrasebook(
     ),
     currency="USD",
     money_format="${value:,.2f}",
-    date_format="{weekday}, {month} {day}",
+    price_format="${value:g}",
+    date_format="{iso} ({weekday})",
     months=(
         "January",
         "February",

@@ -107,7 +107,7 @@ def _run_demo_requests(endpoint: str, model: str) -> None:
             "max_tokens": 80,
             "temperature": 0,
             "tools": TOOLS,
-            "messages": [{"role": "user", "content": "Could you check the status of order SO-48213?"}],
+            "messages": [{"role": "user", "content": "Could you check the status of order ORD-48213?"}],
         },
     )
     message = reply["choices"][0]["message"]

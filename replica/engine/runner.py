@@ -36,9 +36,10 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor | None]:
         """-> (indices into batch.seqs that completed their tokens and need sampling, their logits [N, V])."""
         bs = self.block_size
+        device = self.model.device
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        seq_rows: list[int] = []
         context_lens: list[int] = []
         last_rows: list[int] = []
         sample_idx: list[int] = []
@@ -47,30 +48,26 @@ class ModelRunner:
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start : start + n])
-            table = seq.block_table
-            for pos in range(start, start + n):
-                positions.append(pos)
-                slots.append(table[pos // bs] * bs + pos % bs)
+            positions.extend(range(start, start + n))
+            seq_rows.extend([i] * n)
             context_lens.append(start + n)
-            tables.append(table + [0] * (max_blocks - len(table)))
+            tables.append(seq.block_table + [0] * (max_blocks - len(seq.block_table)))
             if start + n == seq.num_tokens:
                 sample_idx.append(i)
                 last_rows.append(len(input_ids) - 1)
-        device = self.model.device
-        attn = AttentionBatch(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        block_tables = torch.tensor(tables, dtype=torch.long, device=device)  # [B, max_blocks]
+        positions_t = torch.tensor(positions, dtype=torch.long, device=device)  # [T]
+        seq_rows_t = torch.tensor(seq_rows, dtype=torch.long, device=device)
+        slot_mapping = block_tables[seq_rows_t, positions_t // bs] * bs + positions_t % bs  # [T]
+        attn = AttentionBatch.build(
+            slot_mapping=slot_mapping,
             query_lens=list(batch.num_new_tokens),
-            context_lens=torch.tensor(context_lens, dtype=torch.long, device=device),
-            block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+            context_lens=context_lens,
+            block_tables=block_tables,
             block_size=bs,
-            is_decode=batch.is_decode,
+            dtype=self.kv_caches[0][0].dtype,
         )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
-            self.kv_caches,
-            attn,
-        )
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=device), positions_t, self.kv_caches, attn)
         if not sample_idx:
             return [], None
         return sample_idx, self.model.compute_logits(hidden[last_rows])

@@ -4,9 +4,15 @@ The cache of one layer is two tensors `k_cache, v_cache [num_slots, Hkv, D]`, sl
 Each step first writes the new tokens' keys and values to their slots (`slot_mapping`), then attends over every
 slot in the sequence's block table, so tokens whose blocks came from the prefix cache are read, never recomputed.
 
-Decode steps (one query per sequence) run as one padded batch; steps with prefill chunks run per sequence with a
-causal mask offset by the tokens already in the cache. Both call `scaled_dot_product_attention`, which picks a
-fused kernel on CPU and GPU.
+Everything about a step's shape that every layer shares (the slots each sequence reads, the additive masks) is built
+once per step by `AttentionBatch.build`, so a layer only projects, writes its cache, gathers and attends. The query,
+key and value projections are one matmul (`qkv_proj`, rows q | k | v, loaded from Hugging Face's three weights), and
+queries and keys go through the per-head norm and RoPE together.
+
+Decode steps (one query per sequence) run as one padded batch. Prefill chunks run per sequence: a chunk with nothing
+cached before it attends causally over its own fresh keys (no gather, no mask); a chunk after cached tokens gathers
+the whole context and attends with a mask offset by the cached length. All call `scaled_dot_product_attention`,
+which picks a fused kernel on CPU and GPU.
 
 T = new tokens in the step, B = sequences, Hq / Hkv = query / key-value heads, D = head dim, L = context slots.
 """
@@ -20,33 +26,74 @@ import torch.nn.functional as F
 from torch import nn
 
 from replica.model.config import ModelConfig
-from replica.model.layers import RMSNorm, apply_rope
-
-
-@dataclass
-class AttentionBatch:
-    """Where a step's tokens go in the cache and what each sequence attends over."""
-
-    slot_mapping: torch.Tensor
-    """[T] int64 cache slot of each new token."""
-    query_lens: list[int]
-    """New tokens of each sequence, in the order they appear in the step."""
-    context_lens: torch.Tensor
-    """[B] int64 tokens in the cache for each sequence after this step (cached + new)."""
-    block_tables: torch.Tensor
-    """[B, max_blocks] int64 block ids, padded with 0 (padding is masked by `context_lens`)."""
-    block_size: int
-    is_decode: bool
-    """Every sequence has exactly one new token."""
-
+from replica.model.layers import RMSNorm, apply_rope, rms_norm
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-def _gather_slots(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[B, max_blocks] block ids -> [B, max_blocks * block_size] slot ids."""
-    offsets = torch.arange(block_size, device=block_tables.device)
-    return (block_tables.unsqueeze(-1) * block_size + offsets).flatten(1)
+@dataclass(frozen=True)
+class PrefillSeq:
+    """One sequence's chunk in a prefill step."""
+
+    start: int
+    """First row of its new tokens in the step's [T, ...] tensors."""
+    num_new: int
+    slots: torch.Tensor | None
+    """[L] int64 cache slots of its whole context (cached + new); None when nothing was cached before the chunk,
+    so the chunk attends over its own fresh keys."""
+    mask: torch.Tensor | None
+    """[n, L] additive mask (0 or -inf) in the attention dtype: query j at position L - n + j sees keys 0..L-n+j."""
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """Where a step's tokens go in the cache and what each sequence attends over, shared by every layer."""
+
+    slot_mapping: torch.Tensor
+    """[T] int64 cache slot of each new token."""
+    is_decode: bool
+    """Every sequence has exactly one new token."""
+    decode_slots: torch.Tensor | None = None
+    """Decode: [B, L] int64 slots of each sequence's context, padded with slots of block 0."""
+    decode_mask: torch.Tensor | None = None
+    """Decode: [B, 1, 1, L] additive mask hiding the padding."""
+    prefill: tuple[PrefillSeq, ...] = ()
+    """Prefill: each sequence's chunk, in step order."""
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        slot_mapping: torch.Tensor,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: torch.Tensor,
+        block_size: int,
+        dtype: torch.dtype,
+    ) -> AttentionBatch:
+        """block_tables [B, max_blocks] int64 (padded with 0); context_lens: cached + new tokens per sequence."""
+        device = block_tables.device
+        offsets = torch.arange(block_size, device=device)
+        if all(n == 1 for n in query_lens):
+            slots = (block_tables.unsqueeze(-1) * block_size + offsets).flatten(1)  # [B, L]
+            positions = torch.arange(slots.shape[1], device=device)
+            lens = torch.tensor(context_lens, device=device).unsqueeze(-1)
+            mask = torch.zeros(slots.shape, dtype=dtype, device=device).masked_fill_(positions >= lens, -torch.inf)
+            return cls(slot_mapping, True, decode_slots=slots, decode_mask=mask[:, None, None, :])
+        seqs = []
+        start = 0
+        for i, (num_new, context) in enumerate(zip(query_lens, context_lens, strict=True)):
+            if num_new == context:
+                seqs.append(PrefillSeq(start, num_new, None, None))
+            else:
+                num_blocks = -(-context // block_size)
+                slots = (block_tables[i, :num_blocks, None] * block_size + offsets).flatten()[:context]
+                query_pos = torch.arange(context - num_new, context, device=device).unsqueeze(-1)
+                hidden = torch.arange(context, device=device) > query_pos  # [n, L]
+                mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, -torch.inf)
+                seqs.append(PrefillSeq(start, num_new, slots, mask))
+            start += num_new
+        return cls(slot_mapping, False, prefill=tuple(seqs))
 
 
 class Attention(nn.Module):
@@ -56,18 +103,24 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
+        self.eps = config.rms_norm_eps
         hidden = config.hidden_size
         kw = {"bias": False, "dtype": dtype, "device": device}
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, **kw)  # type: ignore[arg-type]
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, **kw)  # type: ignore[arg-type]
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, **kw)  # type: ignore[arg-type]
+        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv_proj = nn.Linear(hidden, qkv_rows, **kw)  # type: ignore[arg-type]
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, **kw)  # type: ignore[arg-type]
-        self.q_norm = (
-            RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device) if config.qk_norm else None
-        )
-        self.k_norm = (
-            RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device) if config.qk_norm else None
-        )
+        self.q_norm = RMSNorm(self.head_dim, self.eps, dtype=dtype, device=device) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, self.eps, dtype=dtype, device=device) if config.qk_norm else None
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., H] -> (q | k normed and rotated [..., Hq + Hkv, D], v [..., Hkv, D]); cos/sin broadcast to them."""
+        qkv = self.qkv_proj(x).unflatten(-1, (self.num_heads + 2 * self.num_kv_heads, self.head_dim))
+        qk, v = qkv[..., : self.num_heads + self.num_kv_heads, :], qkv[..., self.num_heads + self.num_kv_heads :, :]
+        if self.q_norm is not None and self.k_norm is not None:
+            q_weight, k_weight = self.q_norm.weight, self.k_norm.weight
+            weight = torch.cat((q_weight.expand(self.num_heads, -1), k_weight.expand(self.num_kv_heads, -1)))
+            qk = rms_norm(qk, weight, self.eps)  # per head, weight [Hq + Hkv, D]: q_norm's rows, then k_norm's
+        return apply_rope(qk, cos, sin), v
 
     def forward(
         self,
@@ -77,76 +130,73 @@ class Attention(nn.Module):
         kv_cache: KVCache,
         batch: AttentionBatch,
     ) -> torch.Tensor:
-        """x [T, H], cos/sin [T, D/2] -> [T, H]."""
+        """x [T, H], cos/sin [T, 1, D] (`RotaryEmbedding`) -> [T, H]."""
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qk, v = self.project(x, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, Hq, D], [T, Hkv, D]
         k_cache, v_cache = kv_cache
         k_cache[batch.slot_mapping] = k.to(k_cache.dtype)
         v_cache[batch.slot_mapping] = v.to(v_cache.dtype)
-        out = self._decode(q, k_cache, v_cache, batch) if batch.is_decode else self._prefill(q, k_cache, v_cache, batch)
+        if batch.is_decode:
+            out = self._decode(q, k_cache, v_cache, batch)
+        else:
+            out = self._prefill(q, k, v, k_cache, v_cache, batch)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))  # type: ignore[no-any-return]
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor:
-        slots = _gather_slots(batch.block_tables, batch.block_size)  # [B, L]
-        k = k_cache[slots].transpose(1, 2)  # [B, Hkv, L, D]
-        v = v_cache[slots].transpose(1, 2)
-        positions = torch.arange(slots.shape[1], device=q.device)
-        mask = (positions < batch.context_lens.unsqueeze(-1))[:, None, None, :]  # [B, 1, 1, L]
+        assert batch.decode_slots is not None
+        k = k_cache[batch.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
+        v = v_cache[batch.decode_slots].transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2).to(k.dtype),  # [B, Hq, 1, D]
             k,
             v,
-            attn_mask=mask,
+            attn_mask=batch.decode_mask,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return out.squeeze(2).to(q.dtype)  # [B, Hq, D]
 
     def _prefill(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: AttentionBatch,
     ) -> torch.Tensor:
+        gqa = self.num_heads != self.num_kv_heads
         outs = []
-        start = 0
-        slots_all = _gather_slots(batch.block_tables, batch.block_size)
-        context_lens = batch.context_lens.tolist()
-        for i, num_new in enumerate(batch.query_lens):
-            context = context_lens[i]
-            slots = slots_all[i, :context]
-            k = k_cache[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-            v = v_cache[slots].transpose(0, 1).unsqueeze(0)
-            qi = q[start : start + num_new].transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, Hq, n, D]
-            start += num_new
-            gqa = self.num_heads != self.num_kv_heads
-            if num_new == context:  # nothing cached before: plain causal attention, the fused kernel's best case
-                out = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
+        for seq in batch.prefill:
+            rows = slice(seq.start, seq.start + seq.num_new)
+            qi = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            if seq.slots is None:  # nothing cached before: plain causal attention, the fused kernel's best case
+                # In the cache's dtype, as if read back from it: the same numbers as a chunk after cached tokens.
+                k = k_new[rows].transpose(0, 1).unsqueeze(0).to(k_cache.dtype)  # [1, Hkv, n, D]
+                v = v_new[rows].transpose(0, 1).unsqueeze(0).to(v_cache.dtype)
+                out = F.scaled_dot_product_attention(
+                    qi.to(k.dtype), k, v, is_causal=True, scale=self.scale, enable_gqa=gqa
+                )
             else:
-                # Query j sits at position context - num_new + j and sees keys up to and including itself.
-                query_pos = torch.arange(context - num_new, context, device=q.device).unsqueeze(-1)
-                mask = torch.arange(context, device=q.device).unsqueeze(0) <= query_pos  # [n, L]
-                out = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+                k = k_cache[seq.slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+                v = v_cache[seq.slots].transpose(0, 1).unsqueeze(0)
+                out = F.scaled_dot_product_attention(
+                    qi.to(k.dtype), k, v, attn_mask=seq.mask, scale=self.scale, enable_gqa=gqa
+                )
             outs.append(out.squeeze(0).transpose(0, 1))  # [n, Hq, D]
-        return torch.cat(outs).to(q.dtype)
+        return (outs[0] if len(outs) == 1 else torch.cat(outs)).to(q.dtype)
 
 
 def dense_causal_attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Training path without a cache: x [B, S, H], cos/sin [S, D/2] -> [B, S, H]."""
+    """Training path without a cache: x [B, S, H], cos/sin [S, 1, D] -> [B, S, H]."""
     batch, seq, _ = x.shape
-    q = attn.q_proj(x).view(batch, seq, attn.num_heads, attn.head_dim)
-    k = attn.k_proj(x).view(batch, seq, attn.num_kv_heads, attn.head_dim)
-    v = attn.v_proj(x).view(batch, seq, attn.num_kv_heads, attn.head_dim)
-    if attn.q_norm is not None and attn.k_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # cos/sin [S, D/2] broadcast over B
-    q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, Hq, S, D], [B, Hkv, S, D]
-    v = v.transpose(1, 2)
+    qk, v = attn.project(x, cos, sin)  # [B, S, Hq + Hkv, D], [B, S, Hkv, D]
+    qk = qk.transpose(1, 2)
+    q, k = qk[:, : attn.num_heads], qk[:, attn.num_heads :]  # [B, Hq, S, D], [B, Hkv, S, D]
     out = F.scaled_dot_product_attention(
-        q, k, v, is_causal=True, scale=attn.scale, enable_gqa=attn.num_heads != attn.num_kv_heads
+        q, k, v.transpose(1, 2), is_causal=True, scale=attn.scale, enable_gqa=attn.num_heads != attn.num_kv_heads
     )
     return attn.o_proj(out.transpose(1, 2).reshape(batch, seq, attn.num_heads * attn.head_dim))  # type: ignore[no-any-return]

@@ -3,8 +3,10 @@
 A Shoal checkpoint folder is `config.json` + `*.safetensors` + `tokenizer.json`, with Hugging Face key names, so
 a Qwen3-MoE (or Qwen2-MoE / DeepSeek-style MoE) folder loads the same way. Loading builds the model on the `meta`
 device (no memory), materialises it empty on the target device, then copies each tensor once; per-expert keys
-(`mlp.experts.{e}.gate_proj.weight` ...) are written into the stacked expert tensors. Every parameter must be
-covered and every key used, else the error names them: a silent partial load serves garbage.
+(`mlp.experts.{e}.gate_proj.weight` ...) are written into the stacked expert tensors, and the projections that run
+as one matmul into their rows of it (`self_attn.q_proj`, `k_proj`, `v_proj` into `self_attn.qkv_proj`; the shared
+expert's `gate_proj`, `up_proj` into `gate_up_proj`); saving splits them back. Every parameter must be covered and
+every key used, else the error names them: a silent partial load serves garbage.
 """
 
 from __future__ import annotations
@@ -25,6 +27,21 @@ _RENAMES = (
     (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".mlp.gate.bias"),
 )
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+_FUSED_KEY = re.compile(r"^(.*\.(?:self_attn|shared_expert))\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$")
+
+
+def _fused_rows(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """HF projection -> (our fused projection, first row, end row) in the fused weight, rows in HF order."""
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    shared = config.shared_expert_intermediate_size
+    return {
+        "q_proj": ("qkv_proj", 0, q),
+        "k_proj": ("qkv_proj", q, q + kv),
+        "v_proj": ("qkv_proj", q + kv, q + 2 * kv),
+        "gate_proj": ("gate_up_proj", 0, shared),
+        "up_proj": ("gate_up_proj", shared, 2 * shared),
+    }
 
 
 class CheckpointError(ValueError):
@@ -65,6 +82,7 @@ def load_model(
     model.init_rope(device)
     params = dict(model.state_dict(keep_vars=True))  # parameters and persistent buffers
     intermediate = config.moe_intermediate_size
+    fused_rows = _fused_rows(config)
     filled: dict[str, int] = {}
     unexpected: list[str] = []
     with torch.no_grad():
@@ -76,11 +94,18 @@ def load_model(
                     name, expert, proj = _target(key)
                     if config.tie_word_embeddings and name == "lm_head.weight":
                         continue
+                    rows = None
+                    fused = _FUSED_KEY.match(name)
+                    if fused:
+                        fused_name, start, end = fused_rows[fused.group(2)]
+                        name, rows = f"{fused.group(1)}.{fused_name}.weight", slice(start, end)
                     target = params.get(name)
                     if target is None:
                         unexpected.append(key)
                         continue
                     tensor = f.get_tensor(key)
+                    if rows is not None:
+                        target = target[rows]
                     if expert is not None:
                         if proj == "gate_proj":
                             target = target[expert, :intermediate]
@@ -108,8 +133,14 @@ def state_dict_hf(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
     """The model's weights under Hugging Face key names, routed experts split per expert."""
     out: dict[str, torch.Tensor] = {}
     intermediate = model.config.moe_intermediate_size
+    fused_rows = _fused_rows(model.config)
     for name, tensor in model.state_dict().items():
-        if name.endswith(".experts.gate_up"):
+        if name.endswith((".qkv_proj.weight", ".gate_up_proj.weight")):
+            prefix, fused_name, _ = name.rsplit(".", 2)
+            for proj, (target, start, end) in fused_rows.items():
+                if target == fused_name:
+                    out[f"{prefix}.{proj}.weight"] = tensor[start:end].contiguous()
+        elif name.endswith(".experts.gate_up"):
             prefix = name.removesuffix(".gate_up")
             for e in range(tensor.shape[0]):
                 out[f"{prefix}.{e}.gate_proj.weight"] = tensor[e, :intermediate].contiguous()

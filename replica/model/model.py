@@ -1,8 +1,9 @@
 """The decoder: embeddings, N x (RMSNorm, attention, RMSNorm, MoE), final norm, LM head.
 
-Module names follow Hugging Face's Qwen3-MoE (`model.layers.{i}.self_attn.q_proj`, `mlp.gate`, ...) so checkpoint
-keys map one to one, except routed experts, which are stacked per layer (`mlp.experts.gate_up [E, 2I, H]`) and
-split or joined by `replica.model.loader`.
+Module names follow Hugging Face's Qwen3-MoE (`model.layers.{i}.self_attn.o_proj`, `mlp.gate`, ...) so checkpoint
+keys map one to one, except weights that run as one matmul, which `replica.model.loader` joins on load and splits on
+save: routed experts stacked per layer (`mlp.experts.gate_up [E, 2I, H]`), the attention's `self_attn.qkv_proj`
+(from `q_proj`, `k_proj`, `v_proj`) and the shared expert's `gate_up_proj` (from `gate_proj`, `up_proj`).
 
 Serving runs on flattened tokens of many sequences ([T, H]) against the paged cache; `forward_train` runs padded
 batches ([B, S]) without a cache for `shoal replica build-demo`.

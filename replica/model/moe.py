@@ -64,7 +64,9 @@ class TopKRouter(nn.Module):
             weights = scores.gather(-1, ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
-        return ids, weights * self.scaling, logits
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
+        return ids, weights, logits
 
 
 class Experts(nn.Module):
@@ -103,16 +105,14 @@ class Experts(nn.Module):
         """x [T, H], topk_ids [T, A], topk_weights [T, A] -> [T, H] in x's dtype."""
         num_slots = topk_ids.shape[1]
         flat_ids = topk_ids.reshape(-1)  # [S], S = T*A
-        order = flat_ids.argsort(stable=True)  # slots grouped by expert
+        sorted_ids, order = flat_ids.sort(stable=True)  # slots grouped by expert
         counts_t = torch.bincount(flat_ids, minlength=self.num_experts)  # [E]
-        flat_weights = topk_weights.reshape(-1, 1).float()
+        flat_weights = topk_weights.reshape(-1, 1).to(torch.float32)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        if (
-            self.has_padded_path
-            and self.observer is None
-            and self.num_experts * int(counts_t.max()) <= self.padded_waste_limit * flat_ids.numel()
-        ):
-            return self._forward_padded(x, flat_ids, order, counts_t, flat_weights, out, num_slots)
+        if self.has_padded_path and self.observer is None:
+            most_rows = int(counts_t.max())
+            if self.num_experts * most_rows <= self.padded_waste_limit * flat_ids.numel():
+                return self._forward_padded(x, sorted_ids, order, counts_t, most_rows, flat_weights, out, num_slots)
         start = 0
         for expert, count in enumerate(counts_t.tolist()):
             if count == 0:
@@ -127,19 +127,20 @@ class Experts(nn.Module):
     def _forward_padded(
         self,
         x: torch.Tensor,
-        flat_ids: torch.Tensor,
+        sorted_ids: torch.Tensor,
         order: torch.Tensor,
         counts: torch.Tensor,
+        most_rows: int,
         flat_weights: torch.Tensor,
         out: torch.Tensor,
         num_slots: int,
     ) -> torch.Tensor:
-        """All experts at once: rows scattered into [E, N, H] (N = most rows of any expert), two batched matmuls."""
-        sorted_ids = flat_ids[order]  # [S] expert of each slot, grouped
+        """All experts at once: rows scattered into [E, N, H] (N = most rows of any expert), two batched matmuls.
+        sorted_ids [S] is the expert of each slot in grouped order, order [S] the slot at each grouped position."""
         starts = torch.cumsum(counts, 0) - counts  # [E] first grouped slot of each expert
         rows = torch.arange(order.numel(), device=x.device) - starts[sorted_ids]  # [S] row within its expert
         tokens = order // num_slots  # [S]
-        padded = x.new_zeros(self.num_experts, int(counts.max()), x.shape[1])  # [E, N, H]
+        padded = x.new_zeros(self.num_experts, most_rows, x.shape[1])  # [E, N, H]
         padded[sorted_ids, rows] = x[tokens]
         gate, up = torch.bmm(padded, self.gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [E, N, I] each
         y = torch.bmm(F.silu(gate) * up, self.down.transpose(1, 2))  # [E, N, H]
@@ -158,18 +159,22 @@ class Experts(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """A dense SwiGLU every token goes through (Qwen2-MoE, DeepSeek-V3); stays BF16 when experts are NVFP4."""
+    """A dense SwiGLU every token goes through (Qwen2-MoE, DeepSeek-V3); stays BF16 when experts are NVFP4.
+
+    Gate and up projections are one matmul (`gate_up_proj`, rows gate | up), loaded from Hugging Face's
+    `gate_proj` and `up_proj`.
+    """
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype, device: torch.device | str | None
     ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype, device=device)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype, device=device)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype, device=device)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
         return out
 
 

@@ -205,7 +205,8 @@ async def test_kv_events_stream_snapshot_then_stored_blocks_with_router_hashes(s
         assert snapshot["snapshot"] is True
         kinds = [e["type"] for e in snapshot["events"]]
         assert kinds[0] == "cleared" and kinds.count("stored") >= 4
-        prompt_ids = replica.state.tokenizer.encode(SYSTEM + "more")
+        system_ids = replica.state.tokenizer.encode(SYSTEM)
+        prompt_ids = system_ids + system_ids[:32]  # two more full blocks, whatever the tokenizer merges
         async with client(replica.url) as c:
             await c.completions.create(model="shoal-demo", prompt=prompt_ids, max_tokens=1)
         message = json.loads((await resp.content.readline()).decode()[len("data: ") :])

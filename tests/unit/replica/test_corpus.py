@@ -126,6 +126,29 @@ def test_tool_calls_match_their_schemas_and_the_text_around_them() -> None:
     assert tools_called == set(_SCHEMAS)
 
 
+def _leaves(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [leaf for item in value.values() for leaf in _leaves(item)]
+    if isinstance(value, list):
+        return [leaf for item in value for leaf in _leaves(item)]
+    return [value]
+
+
+def test_tool_arguments_are_copied_from_the_ask() -> None:
+    """Every argument value is written in the user's ask as the call writes it (ISO dates, plain unit prices), or is
+    a default the tool's scenario always uses: what a small model can learn is copying, not converting."""
+    defaults = {60, "JPY", "USD", *(book.room_booking_title for book in PHRASEBOOKS)}
+    num_calls = 0
+    for conversation in generate_conversations(300, seed=6, tool_fraction=1.0):
+        for index, message in enumerate(conversation):
+            for call in message.get("tool_calls", []):
+                ask = conversation[index - 1]["content"]
+                for leaf in _leaves(json.loads(call["function"]["arguments"])):
+                    assert json.dumps(leaf, ensure_ascii=False).strip('"') in ask or leaf in defaults, (leaf, ask)
+                num_calls += 1
+    assert num_calls == 300
+
+
 def test_every_template_names_only_slots_that_are_drawn() -> None:
     for book in PHRASEBOOKS:
         slots = _draw_slots(random.Random(0), book, book.companies[0], book.people[0])
