@@ -131,8 +131,14 @@ class Profiler:
             self._drain()
         return _sample("prefill", chunk, 0, prefix, chunk * (prefix + (chunk + 1) / 2), times)
 
+    def _startup_steps(self, num_seqs: int, context: int) -> int:
+        """Steps until `num_seqs` prompts of `context` tokens are all decoding, at most: the first ones decode
+        (and must not finish) while the last ones prefill."""
+        return -(-num_seqs * context // self.engine.config.max_num_batched_tokens) + num_seqs + 1
+
     def decode(self, num_seqs: int, context: int, repeats: int, warmup: int) -> StepSample:
-        self._start_decoders(num_seqs, context, max_tokens=warmup + repeats + 2)
+        startup = self._startup_steps(num_seqs, context)
+        self._start_decoders(num_seqs, context, max_tokens=startup + warmup + repeats + 2)
         for _ in range(warmup):
             self.engine.step()
         kv_reads, times = [], []
@@ -143,7 +149,8 @@ class Profiler:
         return _sample("decode", 0, num_seqs, round(statistics.median(kv_reads)), 0.0, times)
 
     def mixed(self, num_seqs: int, chunk: int, context: int, repeats: int, warmup: int) -> StepSample:
-        self._start_decoders(num_seqs, context, max_tokens=warmup + 2 * repeats + 2)
+        startup = self._startup_steps(num_seqs, context)
+        self._start_decoders(num_seqs, context, max_tokens=startup + warmup + 2 * repeats + 2)
         for _ in range(warmup):
             self.engine.step()
         kv_reads, times = [], []
@@ -173,8 +180,9 @@ class Profiler:
         steps = grid.warmup_steps + 2 * grid.repeats + 4
         for context in grid.decode_context_tokens:
             for seqs in grid.decode_seqs:
-                blocks = seqs * -(-(context + steps) // cfg.block_size)
-                if seqs <= cfg.max_num_seqs and context + steps < max_len and blocks <= blocks_free:
+                tokens = context + steps + self._startup_steps(seqs, context)
+                blocks = seqs * -(-tokens // cfg.block_size)
+                if seqs <= cfg.max_num_seqs and tokens < max_len and blocks <= blocks_free:
                     points.append(
                         (
                             f"decode {seqs} x {context}",

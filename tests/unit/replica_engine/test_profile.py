@@ -111,3 +111,13 @@ def test_the_command_writes_a_profile(tmp_path: Path) -> None:
     assert doc["kind"] == "shoal-replica-profile" and doc["engine"]["num_blocks"] == 256
     assert doc["threads"] == 1 and len(doc["samples"]) == 7
     assert "[7/7]" in proc.stderr
+
+
+def test_a_decode_batch_whose_prompts_take_several_steps_to_prefill(model: MoEForCausalLM) -> None:
+    # 8 prompts of 64 tokens against a 128-token step budget: the first ones decode while the last ones prefill,
+    # and none may finish before all of them decode together.
+    eng = engine(model)
+    sample = Profiler(eng).decode(8, 64, repeats=2, warmup=1)
+    assert sample.decode_seqs == 8
+    assert sample.kv_tokens_read >= 8 * 65
+    assert not eng.has_work
