@@ -113,6 +113,10 @@ class RouterConfig(_Model):
     `session_header`: a session goes back to the replica its previous request went to while that one is eligible
     (branch `session`), and consistent_hash keys its ring on the session instead of the first block. Off by
     default, as `session_header` is in the live router; workloads without sessions are unaffected."""
+    overhead_s: float = Field(default=0.0, ge=0.0)
+    """Seconds the serving path adds to every request's first token and end, beyond the engine's steps: the HTTP
+    hops client -> router -> replica and back, and the server's event loop. 0: not modelled. A few milliseconds on
+    a GPU fleet's network; `benchmarks/sim_vs_live.py` measures it on the live stack (one-token requests)."""
     session: SessionAffinityConfig = Field(default_factory=SessionAffinityConfig)
     """When a pin yields to the policy (its replica overloaded) and how many sessions are remembered: the live
     router's `session_affinity` settings."""

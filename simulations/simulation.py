@@ -219,8 +219,8 @@ class Simulation:
         assert seq.first_token_s is not None and seq.hit_tokens is not None
         self.recorder.finished(
             arrival_s=request.arrival_s,
-            first_token_s=seq.first_token_s,
-            finish_s=now,
+            first_token_s=seq.first_token_s + self.scenario.router.overhead_s,
+            finish_s=now + self.scenario.router.overhead_s,
             prompt_tokens=request.prompt_tokens,
             hit_tokens=seq.hit_tokens,
             predicted_tokens=ticket.decision.predicted_cached_tokens,

@@ -124,3 +124,11 @@ def test_a_prefill_only_fleet_serves_the_first_token_and_keeps_the_prompt_cached
     # round_robin sends the second request to the other replica, so it misses; a cache-aware policy hits.
     aware = Simulation(scn, policy_entry("estimated_ttft"), workload(first, again)).run()
     assert list(aware.recorder.hit_tokens) == [0, 96]
+
+
+def test_the_serving_path_latency_adds_to_first_token_and_end() -> None:
+    first = request(0, 0.0, ((1, 100),), output_tokens=3)
+    plain = Simulation(scenario(), policy_entry("round_robin"), workload(first)).run().recorder
+    path = Simulation(scenario(router={"overhead_s": 0.005}), policy_entry("round_robin"), workload(first)).run()
+    assert path.recorder.ttft_s[0] == pytest.approx(plain.ttft_s[0] + 0.005)
+    assert path.recorder.e2e_s[0] == pytest.approx(plain.e2e_s[0] + 0.005)
