@@ -16,7 +16,7 @@ at each tick (no scrape lag is modelled, for every policy alike).
 from __future__ import annotations
 
 import bisect
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -127,6 +127,12 @@ class AutoscaleConfig(_Config):
     own sync and polling periods (15 s, 30 s), which their state tracks."""
     target_requests_per_replica: float = Field(default=8.0, gt=0.0)
     """Requests (waiting plus running) per replica: Shoal's target, HPA's AverageValue, KEDA's trigger target."""
+    metric_lag_s: float = Field(default=0.0, ge=0.0)
+    """Seconds between the fleet's load and the policy seeing it: the demand figures (requests in flight, held,
+    waiting) each tick are those of this long ago; replica counts stay current (the actuator's own view). 0: the
+    policy reads the routers directly each interval, as `shoal autoscaler` does. A Prometheus pipeline with a 15 s
+    scrape, a rate window and an adapter's cache adds some 30-60 s; users report 60-85 s from a burst to the
+    first new replica with HPA on custom metrics."""
     static_replicas: int | None = Field(default=None, ge=1)
     """Fleet size of `static`; None: `max_replicas`."""
     initial_replicas: int | None = Field(default=None, ge=0)
@@ -181,7 +187,10 @@ class PolicyFleet:
     def __init__(self, config: AutoscaleConfig) -> None:
         self.interval_s = config.interval_s
         self.config = config.policy_config()
+        self.metric_lag_s = config.metric_lag_s
         self.reasons: Counter[str] = Counter()
+        self._history: deque[tuple[float, int, int, int]] = deque()
+        """(time, in flight, held, waiting at the routers) of past ticks, for `metric_lag_s`."""
         self._shoal = ScalerState()
         self._hpa = HPAState()
         self._keda = KEDAState()
@@ -189,26 +198,42 @@ class PolicyFleet:
     def desired_replicas(self, observation: FleetObservation) -> int | None:
         obs, now = observation, observation.now_s
         current = obs.num_ready + obs.num_starting
+        in_flight, held, waiting = self._lagged(obs)
         config = self.config
         if isinstance(config, ScalingPolicyConfig):
-            demand = Demand(requests=obs.in_flight + obs.held, waiting=obs.router_waiting + obs.held)
+            demand = Demand(requests=in_flight + held, waiting=waiting + held)
             seen = Observation(demand=demand, num_ready=obs.num_ready, starting_since=obs.starting_since)
             decision, self._shoal = decide(seen, self._shoal, config, now=now)
             self.reasons[decision.reason.value] += 1
             return decision.target_replicas
         if isinstance(config, HPAConfig):
-            pods = HPAObservation(current, metric_total=obs.in_flight, num_with_metric=obs.num_ready)
+            pods = HPAObservation(current, metric_total=in_flight, num_with_metric=obs.num_ready)
             hpa, self._hpa = hpa_decide(pods, self._hpa, config, now=now)
             self.reasons[hpa.reason.value] += 1
             return hpa.target_replicas
         if isinstance(config, KEDAConfig):
-            external = KEDAObservation(current, metric_total=obs.in_flight + obs.held)
+            external = KEDAObservation(current, metric_total=in_flight + held)
             keda, self._keda = keda_decide(external, self._keda, config, now=now)
             self.reasons[keda.reason.value] += 1
             return keda.target_replicas
         static = static_decide(current, config)
         self.reasons[static.reason.value] += 1
         return static.target_replicas
+
+
+    def _lagged(self, obs: FleetObservation) -> tuple[int, int, int]:
+        """(in flight, held, waiting) as of `metric_lag_s` ago: the newest tick at least that old (the oldest
+        one while the run is younger than the lag)."""
+        current = (obs.in_flight, obs.held, obs.router_waiting)
+        if self.metric_lag_s <= 0.0:
+            return current
+        history = self._history
+        history.append((obs.now_s, *current))
+        cutoff = obs.now_s - self.metric_lag_s
+        while len(history) > 1 and history[1][0] <= cutoff:
+            history.popleft()
+        _, in_flight, held, waiting = history[0]
+        return in_flight, held, waiting
 
 
 ScalingConfig = FixedScalingConfig | ScheduledScalingConfig

@@ -60,3 +60,36 @@ def test_autoscale_and_a_schedule_cannot_both_drive_the_fleet() -> None:
         scenario(autoscale={"policy": "hpa"}, scaling={"kind": "schedule", "steps": [[0.0, 1]]})
     with pytest.raises(ValidationError):
         scenario(autoscale={"policy": "shoal", "hpa": {"no_such_knob": 1}})
+
+
+def test_metric_lag_delays_what_the_policy_sees_of_a_burst() -> None:
+    from simulations.scaling import AutoscaleConfig, FleetObservation, PolicyFleet
+
+    def tick(now: float, in_flight: int) -> FleetObservation:
+        return FleetObservation(
+            now_s=now,
+            num_ready=2,
+            num_starting=0,
+            num_draining=0,
+            in_flight=in_flight,
+            router_waiting=0,
+            held=0,
+            engine_running=0,
+            engine_waiting=0,
+            mean_kv_usage=0.0,
+            arrivals_per_s=0.0,
+        )
+
+    def first_scale_up(lag_s: float) -> float:
+        config = AutoscaleConfig(policy="hpa", target_requests_per_replica=8.0, metric_lag_s=lag_s, max_replicas=8)
+        fleet = PolicyFleet(config)
+        for step in range(40):
+            now = 5.0 * step
+            # Idle until t=50, then 48 requests in flight (6 replicas' worth) from then on.
+            if fleet.desired_replicas(tick(now, 48 if now >= 50.0 else 0)) > 2:
+                return now
+        raise AssertionError("never scaled up")
+
+    prompt, lagged = first_scale_up(0.0), first_scale_up(30.0)
+    assert prompt < 50.0 + 15.0 + 5.0  # the HPA's 15 s sync period
+    assert lagged >= prompt + 30.0
