@@ -114,7 +114,12 @@ def table(title: str, rows: list[Row], static: Row, goal: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=["azure", "servegen", "both"], default="both")
+    parser.add_argument(
+        "--workload",
+        choices=["azure", "servegen", "both", "servegen-day"],
+        default="both",
+        help="both: azure and servegen; servegen-day: scenario 13, a whole day uncompressed (~8 min of one core)",
+    )
     parser.add_argument("--attainment", type=float, default=0.99, help="the goal's SLO attainment")
     parser.add_argument("--static-replicas", type=int, help="static peak fleet; default: searched")
     parser.add_argument(
@@ -149,6 +154,17 @@ def main() -> None:
             f"(b) ServeGen {trace.model} day {trace.day}, {trace.compress:g}x compressed "
             f"({workload.duration_s / 60:.0f} min), peak {workload.peak_rate_per_s:g} req/s, "
             f"trough {min(workload.rates_per_s):.1f} req/s"
+        )
+        experiments.append((title, scenario, workload))
+
+    if args.workload == "servegen-day":
+        scenario = load_scenario(SCENARIOS / "13_autoscale_servegen_day.yaml")
+        workload = build_workload(scenario)
+        assert isinstance(workload, ServeGenWorkload)
+        title = (
+            f"(c) ServeGen day, uncompressed ({workload.duration_s / 3600:.0f} h), peak {workload.peak_rate_per_s:g} "
+            f"req/s, trough {min(workload.rates_per_s):.2f} req/s, replicas of {scenario.fleet.engine['max_num_seqs']} "
+            "sequences"
         )
         experiments.append((title, scenario, workload))
 
