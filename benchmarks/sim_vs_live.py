@@ -44,7 +44,7 @@ from simulations.metrics import percentile  # noqa: E402
 from simulations.scenario import FleetConfig, Scenario, policy_entry  # noqa: E402
 from simulations.simulation import Simulation  # noqa: E402
 from simulations.step_model import load_preset  # noqa: E402
-from simulations.synthetic import _Zipf  # noqa: E402
+from simulations.synthetic import Zipf  # noqa: E402
 from simulations.workload import ChainState, ListWorkload, Request  # noqa: E402
 
 MODEL = "shoal-demo"
@@ -70,7 +70,7 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> tuple[ListWorklo
         return [rng.randrange(low, vocab_size) for _ in range(n)]
 
     systems = [ids(rng.randint(*args.system_tokens)) for _ in range(args.system_prompts)]
-    zipf = _Zipf(args.system_prompts, 1.0)
+    zipf = Zipf(args.system_prompts, 1.0)
     seed_bytes = namespace_seed(MODEL)
     requests, prompts = [], []
     now = 0.0

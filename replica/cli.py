@@ -13,6 +13,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
+_ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("--config", {"metavar": "FILE", "help": "YAML file of settings (SHOAL_REPLICA_CONFIG_FILE)"}),
+    ("--model", {"help": "checkpoint folder, or `demo` (default)"}),
+    ("--device", {"help": "torch device (default cpu)"}),
+    ("--dtype", {"choices": ["float32", "bfloat16", "float16"]}),
+    ("--quantization", {"choices": ["none", "nvfp4", "nvfp4-w4a4"]}),
+    ("--activation-scales", {"metavar": "FILE", "help": "calibration output, for nvfp4-w4a4"}),
+    ("--num-blocks", {"type": int, "help": "KV cache blocks"}),
+    ("--max-num-seqs", {"type": int}),
+    ("--threads", {"type": int, "help": "torch CPU threads (default: torch's choice)"}),
+)
+"""The model and engine flags of `shoal replica`, which `shoal replica profile` also takes: a profile must time the
+engine as it will serve."""
+
 
 def add_replica_command(subparsers: Any) -> None:
     from replica.settings import ReplicaSettings
@@ -25,18 +39,11 @@ def add_replica_command(subparsers: Any) -> None:
         epilog=_settings_help(ReplicaSettings),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", metavar="FILE", help="YAML file of settings (SHOAL_REPLICA_CONFIG_FILE)")
-    parser.add_argument("--model", help="checkpoint folder, or `demo` (default)")
+    for flag, kwargs in _ENGINE_FLAGS:
+        parser.add_argument(flag, **kwargs)
     parser.add_argument("--served-model-name", help="model name in the API and in block hashes")
     parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to listen on (default 8100)")
-    parser.add_argument("--device", help="torch device (default cpu)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--quantization", choices=["none", "nvfp4", "nvfp4-w4a4"])
-    parser.add_argument("--activation-scales", metavar="FILE", help="calibration output, for nvfp4-w4a4")
-    parser.add_argument("--num-blocks", type=int, help="KV cache blocks")
-    parser.add_argument("--max-num-seqs", type=int)
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--log-level", help="logging level (default INFO)")
     parser.set_defaults(run=_run_serve)
     actions = parser.add_subparsers(dest="action", metavar="ACTION")
@@ -69,19 +76,9 @@ def add_replica_command(subparsers: Any) -> None:
         "and write them as JSON. `shoal simulate --preset FILE.json` fits the step model to it.",
     )
     prof.add_argument("--out", type=Path, required=True, help="JSON file to write")
-    # The serving flags again, so they may follow `profile` too (SUPPRESS: absent here, the parent's value stays).
-    for flag, kwargs in (
-        ("--config", {"metavar": "FILE", "help": "YAML file of settings"}),
-        ("--model", {"help": "checkpoint folder, or `demo` (default)"}),
-        ("--device", {"help": "torch device (default cpu)"}),
-        ("--dtype", {"choices": ["float32", "bfloat16", "float16"]}),
-        ("--quantization", {"choices": ["none", "nvfp4", "nvfp4-w4a4"]}),
-        ("--activation-scales", {"metavar": "FILE", "help": "calibration output, for nvfp4-w4a4"}),
-        ("--num-blocks", {"type": int, "help": "KV cache blocks"}),
-        ("--max-num-seqs", {"type": int}),
-        ("--threads", {"type": int, "help": "torch CPU threads: profile with what the replica will serve with"}),
-    ):
-        prof.add_argument(flag, default=argparse.SUPPRESS, **kwargs)
+    # The engine's flags again, so they may follow `profile` too (SUPPRESS: absent here, the parent's value stays).
+    for flag, kwargs in _ENGINE_FLAGS:
+        prof.add_argument(flag, **kwargs, default=argparse.SUPPRESS)
     prof.add_argument("--repeats", type=int, default=5, help="timed steps per grid point; the median is kept (5)")
     prof.add_argument("--seed", type=int, default=0, help="seed of the random prompts (0)")
     prof.add_argument(
@@ -134,7 +131,7 @@ def _settings_from_args(args: argparse.Namespace) -> Any:
         "max_num_seqs",
         "log_level",
     ):
-        value = getattr(args, flag)
+        value = getattr(args, flag, None)
         if value is not None:
             overrides[flag] = value
     try:

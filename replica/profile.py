@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -176,7 +177,9 @@ class Profiler:
         for prefix in grid.prefix_tokens:
             for chunk in grid.prefill_tokens:
                 if chunk <= cfg.max_num_batched_tokens and prefix + chunk < max_len:
-                    points.append((f"prefill {chunk} after {prefix}", _bind(self.prefill, chunk, prefix, grid.repeats)))
+                    points.append(
+                        (f"prefill {chunk} after {prefix}", partial(self.prefill, chunk, prefix, grid.repeats))
+                    )
         steps = grid.warmup_steps + 2 * grid.repeats + 4
         for context in grid.decode_context_tokens:
             for seqs in grid.decode_seqs:
@@ -186,7 +189,7 @@ class Profiler:
                     points.append(
                         (
                             f"decode {seqs} x {context}",
-                            _bind(self.decode, seqs, context, grid.repeats, grid.warmup_steps),
+                            partial(self.decode, seqs, context, grid.repeats, grid.warmup_steps),
                         )
                     )
         for seqs, chunk in grid.mixed:
@@ -195,7 +198,7 @@ class Profiler:
                 points.append(
                     (
                         f"mixed {seqs} x {context} + {chunk}",
-                        _bind(self.mixed, seqs, chunk, context, grid.repeats, grid.warmup_steps),
+                        partial(self.mixed, seqs, chunk, context, grid.repeats, grid.warmup_steps),
                     )
                 )
         # Warm the allocator and kernels once before anything is kept.
@@ -208,10 +211,6 @@ class Profiler:
             elapsed = time.perf_counter() - started
             self.progress(f"[{i}/{len(points)}] {label}: {sample.step_s * 1e3:.2f} ms ({elapsed:.0f} s)")
         return samples
-
-
-def _bind(fn: Callable[..., StepSample], *args: Any) -> Callable[[], StepSample]:
-    return lambda: fn(*args)
 
 
 def _sample(

@@ -121,6 +121,8 @@ def load_preset(name_or_path: str) -> Preset:
 # ---- Fitting a step model to `shoal replica profile` output -------------------------------------------------------
 
 PROFILE_KIND = "shoal-replica-profile"
+"""The `kind` that `replica/profile.py` writes (the same constant there: the layer contracts keep the simulator from
+importing the replica, so the file format is the contract)."""
 _FEATURES = ("prefill_tokens", "decode_seqs", "kv_tokens_read", "attention_pairs")
 
 

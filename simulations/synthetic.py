@@ -81,7 +81,7 @@ class SessionsConfig(_Config):
     seed: int = 0
 
 
-class _Zipf:
+class Zipf:
     """Ranks 0..n-1 with P(k) ~ 1 / (k + 1)**s."""
 
     def __init__(self, n: int, s: float) -> None:
@@ -174,7 +174,7 @@ class SharedPrefixWorkload:
         rng = random.Random(cfg.seed)
         lengths = [_draw(rng, cfg.system_prompt_tokens) for _ in range(cfg.num_system_prompts)]
         prompts = _SystemPrompts(lengths, self.seed_bytes, self.block_size)
-        zipf = _Zipf(cfg.num_system_prompts, cfg.zipf_s)
+        zipf = Zipf(cfg.num_system_prompts, cfg.zipf_s)
         now = 0.0
         for i in range(cfg.num_requests):
             now += rng.expovariate(cfg.rate_per_s)
@@ -263,7 +263,7 @@ class SessionsWorkload:
         rng = random.Random(cfg.seed)
         lengths = [_draw(rng, cfg.system_prompt_tokens) for _ in range(cfg.num_system_prompts)]
         prompts = _SystemPrompts(lengths, self.seed_bytes, self.block_size)
-        zipf = _Zipf(cfg.num_system_prompts, cfg.zipf_s)
+        zipf = Zipf(cfg.num_system_prompts, cfg.zipf_s)
         continue_p = 1.0 - 1.0 / cfg.mean_turns
         sessions: list[_Session] = []
         start = 0.0
@@ -294,7 +294,7 @@ class AgenticWorkload:
         rng = random.Random(cfg.seed)
         lengths = [_draw(rng, cfg.system_prompt_tokens) for _ in range(cfg.num_agent_kinds)]
         prompts = _SystemPrompts(lengths, self.seed_bytes, self.block_size)
-        zipf = _Zipf(cfg.num_agent_kinds, cfg.zipf_s)
+        zipf = Zipf(cfg.num_agent_kinds, cfg.zipf_s)
         episodes: list[_Session] = []
         start = 0.0
         for index in range(cfg.num_episodes):

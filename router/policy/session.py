@@ -45,8 +45,6 @@ class SessionTable:
     def __init__(self, config: SessionAffinityConfig | None = None) -> None:
         self.config = config or SessionAffinityConfig()
         self._replica_of: OrderedDict[str, str] = OrderedDict()
-        self.num_released = 0
-        """Pins that yielded to the policy because their replica was overloaded."""
 
     def __len__(self) -> int:
         return len(self._replica_of)
@@ -72,7 +70,6 @@ class SessionTable:
         cfg = self.config
         mean = total / len(eligible)
         if pinned_state.in_flight > mean * cfg.max_in_flight_ratio + cfg.max_in_flight_excess:
-            self.num_released += 1
             return None
         return Decision(pinned, Branch.SESSION, request.matched_blocks.get(pinned, 0), request.cached_tokens(pinned))
 

@@ -119,16 +119,17 @@ class RoutingCore:
             session_key=prepared.session_key,
             max_output_tokens=prepared.max_output_tokens,
         )
+        states = [r.state for r in eligible]
         decision = None
         if prepared.session_key is not None:  # only with `session_header` set (the proxy reads it)
-            decision = self.sessions.decide(request, [r.state for r in eligible])
+            decision = self.sessions.decide(request, states)
         if decision is None:
-            if len(eligible) == 1:
-                only = eligible[0].id
+            if len(states) == 1:
+                only = states[0].id
                 cached = request.cached_tokens(only)
                 decision = Decision(only, Branch.ONLY_REPLICA, matched.get(only, 0), cached)
             else:
-                decision = self.policy.select(request, [r.state for r in eligible], now=now)
+                decision = self.policy.select(request, states, now=now)
         if prepared.session_key is not None:
             self.sessions.remember(prepared.session_key, decision.replica)
         if prepared.hashes:

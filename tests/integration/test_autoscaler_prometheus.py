@@ -26,11 +26,8 @@ from autoscaler.observe import RouterFleet, static_routers
 from autoscaler.policy import (
     Action,
     MetricsConfig,
-    PanicConfig,
     Reason,
     ScaleDecision,
-    ScaleDownConfig,
-    ScalingPolicyConfig,
 )
 from autoscaler.prometheus import PrometheusDemand
 from autoscaler.service import AutoscalerMetrics
@@ -46,19 +43,12 @@ from tests.integration.conftest import (
 )
 from tests.integration.ports import free_ports
 from tests.integration.prometheus_support import Answer, FakePrometheus, error, scalar, vector
+from tests.integration.test_autoscaler_local_controller import POLICY as LOCAL_POLICY
 
 pytestmark = pytest.mark.integration
 
-POLICY = ScalingPolicyConfig(
-    min_replicas=1,
-    max_replicas=4,
-    target_requests_per_replica=2,
-    stable_window_s=2,
-    panic=PanicConfig(window_s=1),
-    expected_start_s=10,
-    scale_down=ScaleDownConfig(stabilization_window_s=3, max_replicas=1, max_percent=0, period_s=1),
-    metrics=MetricsConfig(stale_after_s=10, hold_after_failures=3),
-)
+# The local controller tests' small windows, with staleness and hold limits this file's failures run into.
+POLICY = LOCAL_POLICY.model_copy(update={"metrics": MetricsConfig(stale_after_s=10, hold_after_failures=3)})
 SELECTOR = 'namespace="llm"'
 IN_FLIGHT = 'sum(shoal_router_in_flight{namespace="llm"})'
 QUEUE_DEPTH = 'sum(shoal_router_queue_depth{namespace="llm"})'

@@ -39,10 +39,8 @@ def test_a_pin_yields_when_its_replica_holds_far_more_than_the_mean() -> None:
     table.remember("s1", "r0")
     # Mean 5: the bound is 1.5 x 5 + 4 = 11.5.
     assert table.decide(request("s1"), fleet(11, 2, 2)) is not None
-    assert table.num_released == 0
     # Mean 6: bound 13; 14 in flight on r0 is past it.
     assert table.decide(request("s1"), fleet(14, 2, 2)) is None
-    assert table.num_released == 1
 
 
 def test_one_idle_replica_does_not_release_every_pin() -> None:
