@@ -3,8 +3,11 @@
 The index is first filled with 1,000,000 blocks (prompts of 512 blocks sharing system-prompt prefixes, spread
 over the replicas), then each measured decision hashes a fresh ~8k-token prompt (32 KiB of text in text mode,
 8,192 token ids in token mode) whose first half is cached on a few replicas, matches it, and asks the policy.
-Hashing goes through a `ChainMemo` as in the router, so the shared first half is hashed once; `--no-memo`
-hashes every block afresh. Prints p50/p99 in microseconds per step. Run pinned to one core:
+As in the router, hashing goes through a `ChainMemo` (the shared first half is hashed once) and stops, for the
+decision, after the first 64-block chunk the index does not hold (`PromptChain.prefix`); the rest of the prompt
+is hashed and the prompt recorded in the index after the decision, once the router has written the request to its
+replica: the "after" column. `--no-memo` hashes every block afresh, all of them before the decision. Prints
+p50/p99 in microseconds per step. Run pinned to one core:
 
     taskset -c 0 .venv/bin/python benchmarks/bench_routing.py
 """
@@ -88,15 +91,14 @@ def main() -> None:
         for r in replicas
     ]
     print(f"{args.decisions} decisions per row, {args.replicas} replicas, 8k-token prompts, times in microseconds\n")
-    columns = ("hash p50", "match p50", "select p50", "total p50", "total p99")
+    columns = ("hash p50", "match p50", "select p50", "total p50", "total p99", "after p50")
     header = f"{'policy':<20} {'mode':<6} " + " ".join(f"{c:>10}" for c in columns)
     print(header)
     print("-" * len(header))
     memo = ChainMemo()
-    text_hasher = hash_text if args.no_memo else memo.hash_text
-    token_hasher = hash_tokens if args.no_memo else memo.hash_tokens
     print(
-        "hashing through the router's ChainMemo (half of each prompt is a prefix seen before)"
+        "hashing through the router's ChainMemo (half of each prompt is a prefix seen before), as far as the index"
+        " holds the prompt"
         if not args.no_memo
         else "hashing every block afresh (--no-memo)"
     )
@@ -105,37 +107,53 @@ def main() -> None:
             raise SystemExit(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
         policy = build_policy(parse_policy_config({"kind": name}), seed=1)
         for mode in ("text", "tokens"):
-            hash_us, match_us, select_us, total_us = [], [], [], []
+            hash_us, match_us, select_us, total_us, after_us = [], [], [], [], []
             gc.collect()
             for i in range(args.decisions):
+                chain = None
                 if mode == "text":
                     data = system_text + os.urandom(16 * 1024)
                     t0 = time.perf_counter()
-                    hashes = text_hasher(data, seed, TEXT_BLOCK)
+                    if args.no_memo:
+                        hashes = hash_text(data, seed, TEXT_BLOCK)
+                    else:
+                        chain = memo.chain_text(data, seed, TEXT_BLOCK)
+                        hashes = chain.prefix(index.holds)
                     tokens_per_block = TEXT_BLOCK / BYTES_PER_TOKEN
                     prompt_tokens = int(len(data) / BYTES_PER_TOKEN)
                 else:
                     ids = system_tokens + [rng.randrange(150_000) for _ in range(4096)]
                     t0 = time.perf_counter()
-                    hashes = token_hasher(ids, seed)
+                    if args.no_memo:
+                        hashes = hash_tokens(ids, seed)
+                    else:  # packing the ids as far as needed is part of the decision here
+                        chain = memo.chain_tokens(ids, seed)
+                        hashes = chain.prefix(index.holds)
                     tokens_per_block = 16.0
                     prompt_tokens = len(ids)
+                num_blocks = len(hashes) if chain is None else chain.num_blocks
                 t1 = time.perf_counter()
                 matched = index.match(hashes, now=1e6 + i)
                 t2 = time.perf_counter()
-                request = RouteRequest(hashes, prompt_tokens, tokens_per_block, matched)
-                policy.select(request, states, now=1e6 + i)
+                request = RouteRequest(hashes, prompt_tokens, tokens_per_block, matched, num_blocks=num_blocks)
+                decision = policy.select(request, states, now=1e6 + i)
                 t3 = time.perf_counter()
+                if chain is not None:
+                    hashes = chain.complete()
+                index.record(decision.replica, hashes, now=1e6 + i)
+                t4 = time.perf_counter()
                 hash_us.append((t1 - t0) * 1e6)
                 match_us.append((t2 - t1) * 1e6)
                 select_us.append((t3 - t2) * 1e6)
                 total_us.append((t3 - t0) * 1e6)
+                after_us.append((t4 - t3) * 1e6)
             figures = (
                 percentile(hash_us, 0.5),
                 percentile(match_us, 0.5),
                 percentile(select_us, 0.5),
                 percentile(total_us, 0.5),
                 percentile(total_us, 0.99),
+                percentile(after_us, 0.5),
             )
             print(f"{name:<20} {mode:<6} " + " ".join(f"{f:>10.1f}" for f in figures))
 

@@ -20,7 +20,7 @@ import struct
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from struct import Struct
 
 import xxhash
@@ -179,11 +179,33 @@ class ChainMemo:
     def __len__(self) -> int:
         return len(self._chunks)
 
+    def chain_text(
+        self, data: bytes, seed: bytes, block_size: int = DEFAULT_TEXT_BLOCK_SIZE, max_blocks: int | None = None
+    ) -> PromptChain:
+        """The block hashes of `hash_text(data, seed, block_size, max_blocks)`, computed on demand."""
+        return PromptChain(self, data, None, block_size, seed, _num_blocks(len(data), block_size, max_blocks))
+
+    def chain_tokens(
+        self,
+        token_ids: Sequence[int],
+        seed: bytes,
+        block_size: int = DEFAULT_TOKEN_BLOCK_SIZE,
+        max_blocks: int | None = None,
+        packed: bytes | None = None,
+    ) -> PromptChain:
+        """The block hashes of `hash_tokens(token_ids, seed, block_size, max_blocks=max_blocks)`, computed on
+        demand; the ids are packed as far as the hashes need them, unless `packed` (`pack_tokens(token_ids)`)
+        is given."""
+        num_blocks = _num_blocks(len(token_ids), block_size, max_blocks)
+        if packed is not None:
+            return PromptChain(self, packed, None, 4 * block_size, seed, num_blocks)
+        return PromptChain(self, b"", token_ids, 4 * block_size, seed, num_blocks)
+
     def hash_text(
         self, data: bytes, seed: bytes, block_size: int = DEFAULT_TEXT_BLOCK_SIZE, max_blocks: int | None = None
     ) -> list[int]:
         """Exactly `hash_text(data, seed, block_size, max_blocks)`."""
-        return self._chain(data, block_size, seed, _num_blocks(len(data), block_size, max_blocks))
+        return self.chain_text(data, seed, block_size, max_blocks).complete()
 
     def hash_tokens(
         self,
@@ -193,54 +215,10 @@ class ChainMemo:
         max_blocks: int | None = None,
     ) -> list[int]:
         """Exactly `hash_tokens(token_ids, seed, block_size, max_blocks=max_blocks)`."""
-        num_blocks = _num_blocks(len(token_ids), block_size, max_blocks)
-        if num_blocks == 0:
-            return []
-        return self._chain(pack_tokens(_head(token_ids, num_blocks * block_size)), 4 * block_size, seed, num_blocks)
+        return self.chain_tokens(token_ids, seed, block_size, max_blocks).complete()
 
-    def _chain(self, data: bytes, width: int, seed: bytes, num_blocks: int) -> list[int]:
-        """Hashes of the first `num_blocks` blocks of `width` bytes of `data`."""
-        if num_blocks == 0:
-            return []
-        per_chunk = self.checkpoint_blocks
-        chunk_bytes = per_chunk * width
-        view = memoryview(data)
-        out: list[int] = []
-        missed: list[tuple[int, int]] = []  # keys of the chunks since the last hit, not hashed yet
-        coarse = _xxh3(seed)
-        chunks = self._chunks
-        for start in range(0, (num_blocks // per_chunk) * chunk_bytes, chunk_bytes):
-            coarse = _xxh3(view[start : start + chunk_bytes], seed=coarse)
-            key = (width, coarse)
-            if key not in chunks:
-                missed.append(key)
-                continue
-            if missed:
-                # Chunks that missed in a row are hashed in one pass (a call per chunk costs ~1 us), then
-                # admitted in order, as if one by one; an admission may evict the chunk just found.
-                self._hash_missed(out, data, width, seed, missed, len(missed) * per_chunk)
-                missed = []
-                if key not in chunks:
-                    missed.append(key)
-                    continue
-            chunks.move_to_end(key)
-            out.extend(chunks[key])
-            self.hits += 1
-        self._hash_missed(out, data, width, seed, missed, num_blocks - len(out))
-        return out
-
-    def _hash_missed(
-        self, out: list[int], data: bytes, width: int, seed: bytes, missed: list[tuple[int, int]], num_blocks: int
-    ) -> None:
-        """Extend `out` by the next `num_blocks` block hashes (the `missed` chunks, then any partial chunk) and
-        count and admit the `missed` chunks."""
-        first = len(out)
-        if num_blocks > 0:
-            if first == 0:
-                out.append(_xxh3(seed + data[:width]))
-                _extend_chain(out, data, width, num_blocks - 1, width, out[0])
-            else:
-                _extend_chain(out, data, first * width, num_blocks, width, out[-1])
+    def _admit(self, missed: list[tuple[int, int]], hashes: list[int], first: int) -> None:
+        """Count the `missed` chunks, whose fine hashes start at `hashes[first]`, and store those seen before."""
         chunks = self._chunks
         seen = self._seen
         per_chunk = self.checkpoint_blocks
@@ -251,10 +229,116 @@ class ChainMemo:
             if key in seen:
                 del seen[key]
                 offset = first + i * per_chunk
-                chunks[key] = array("Q", out[offset : offset + per_chunk])
+                chunks[key] = array("Q", hashes[offset : offset + per_chunk])
                 if len(chunks) > self.max_entries:
                     chunks.popitem(last=False)
             elif self.max_entries:
                 seen[key] = None
                 if len(seen) > self.max_seen:
                     seen.popitem(last=False)
+
+
+class PromptChain:
+    """One prompt's block hashes through a `ChainMemo`, computed as far as they are asked for.
+
+    A routing decision needs a prompt's hashes only up to the first block no replica holds: chained hashes
+    cannot match past it. `prefix(is_indexed)` hashes chunk by chunk and stops after the first chunk whose last
+    hash the index does not know, so a prompt's new tail is hashed after the request has gone to its replica
+    (`complete()`, for the index's record) instead of before. `hashes` is one list that grows in place; once
+    complete it equals `hash_text` / `hash_tokens` of the prompt.
+    """
+
+    __slots__ = ("_coarse", "_data", "_ids", "_memo", "_next_chunk", "_seed", "_view", "_width", "hashes", "num_blocks")
+
+    def __init__(
+        self, memo: ChainMemo, data: bytes, ids: Sequence[int] | None, width: int, seed: bytes, num_blocks: int
+    ) -> None:
+        self._memo = memo
+        self._data = data
+        self._ids = ids
+        """Token ids still to pack into `_data` as far as needed (token mode), else None."""
+        self._view = memoryview(data)
+        self._width = width
+        self._seed = seed
+        self._coarse = _xxh3(seed)
+        self._next_chunk = 0
+        self.num_blocks = num_blocks
+        """Blocks of the whole prompt, hashed or not."""
+        self.hashes: list[int] = []
+
+    @property
+    def is_complete(self) -> bool:
+        return len(self.hashes) == self.num_blocks
+
+    def prefix(self, is_indexed: Callable[[int], bool]) -> list[int]:
+        """`hashes`, computed at least up to the first chunk whose last block hash `is_indexed` rejects (the
+        whole prompt when every chunk passes). A match over them equals a match over all of the prompt's."""
+        return self._run(is_indexed)
+
+    def complete(self) -> list[int]:
+        """`hashes`, all of them."""
+        return self._run(None) if len(self.hashes) < self.num_blocks else self.hashes
+
+    def _need(self, num_bytes: int) -> None:
+        """Pack token ids until `_data` holds `num_bytes` (doubling, so a prompt is packed in O(log) calls)."""
+        have = len(self._data)
+        if have >= num_bytes or self._ids is None:
+            return
+        end = min(max(num_bytes, 2 * have), self.num_blocks * self._width) // 4
+        self._data += pack_tokens(self._ids[have // 4 : end])
+        self._view = memoryview(self._data)
+
+    def _run(self, is_indexed: Callable[[int], bool] | None) -> list[int]:
+        out = self.hashes
+        memo = self._memo
+        chunks = memo._chunks
+        width = self._width
+        per_chunk = memo.checkpoint_blocks
+        chunk_bytes = per_chunk * width
+        num_chunks = self.num_blocks // per_chunk
+        missed: list[tuple[int, int]] = []  # keys of the chunks since the last hit, not hashed yet
+        while self._next_chunk < num_chunks:
+            start = self._next_chunk * chunk_bytes
+            self._next_chunk += 1
+            self._need(start + chunk_bytes)
+            self._coarse = _xxh3(self._view[start : start + chunk_bytes], seed=self._coarse)
+            key = (width, self._coarse)
+            if key not in chunks:
+                missed.append(key)
+                if is_indexed is None:
+                    continue  # chunks that miss in a row are hashed in one pass (a call per chunk costs ~1 us)
+                self._hash_missed(missed, per_chunk)
+                missed = []
+            else:
+                if missed:
+                    # Admitted in order, as if one by one; an admission may evict the chunk just found.
+                    self._hash_missed(missed, len(missed) * per_chunk)
+                    missed = []
+                hit = chunks.get(key)
+                if hit is None:
+                    missed.append(key)
+                    continue
+                chunks.move_to_end(key)
+                out.extend(hit)
+                memo.hits += 1
+            if is_indexed is not None and not is_indexed(out[-1]):
+                return out
+        self._hash_missed(missed, self.num_blocks - len(out))
+        return out
+
+    def _hash_missed(self, missed: list[tuple[int, int]], num_blocks: int) -> None:
+        """Extend `hashes` by the next `num_blocks` block hashes (the `missed` chunks, then any partial chunk)
+        and count and admit the `missed` chunks."""
+        out = self.hashes
+        first = len(out)
+        if num_blocks > 0:
+            width = self._width
+            self._need((first + num_blocks) * width)
+            data = self._data
+            if first == 0:
+                out.append(_xxh3(self._seed + data[:width]))
+                _extend_chain(out, data, width, num_blocks - 1, width, out[0])
+            else:
+                _extend_chain(out, data, first * width, num_blocks, width, out[-1])
+        if missed:
+            self._memo._admit(missed, out, first)

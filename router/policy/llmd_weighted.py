@@ -51,7 +51,7 @@ class LLMDWeighted:
         cfg = self.config
         queues = [_queue_size(r) for r in replicas]
         q_min, q_max = min(queues), max(queues)
-        num_blocks = len(request.hashes)
+        num_blocks = request.total_blocks
         out: list[float] = []
         for replica, queue in zip(replicas, queues, strict=True):
             queue_score = 1.0 if q_max == q_min else (q_max - queue) / (q_max - q_min)

@@ -411,6 +411,11 @@ class PrefixIndex:
         bound = self._bounds[shard].get(block_hash)
         return held if bound is None or bound > now else self._live_holders(block_hash, held, now)
 
+    def holds(self, block_hash: int) -> bool:
+        """Whether any replica has an entry for the block, live or expired: when none has, no match reaches past
+        it (`hashing.PromptChain.prefix` stops hashing there)."""
+        return block_hash in self._holders[block_hash & _SHARD_MASK]
+
     def stats(self) -> IndexStats:
         per_replica = {rep.id: len(rep.guesses) + rep.num_exact for rep in self._replicas.values()}
         return IndexStats(

@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from router.policy.hashing import pack_tokens
+
 _RECORD = "\x1e"  # ASCII record separator: starts each message
 _UNIT = "\x1f"  # ASCII unit separator: between the fields of one message
 
@@ -35,6 +37,8 @@ class RoutingKey:
 
     text: bytes | None = None
     token_ids: tuple[int, ...] | list[int] | None = None
+    packed: bytes | None = None
+    """`token_ids` as `hashing.pack_tokens` packs them, when the parser has packed them already."""
 
     @property
     def is_tokens(self) -> bool:
@@ -104,8 +108,36 @@ def chat_routing_key(body: dict[str, Any]) -> RoutingKey:
     return RoutingKey(text="".join(parts).encode())
 
 
-def _is_token_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+def _packed_token_list(value: Any) -> bytes | None:
+    """`value` packed as token ids when it is a non-empty list of ints (None when it is not one), checked in
+    C: a Python-level type and range check costs about 1 ms for 8k ids, packing them 60-80 us.
+
+    Raises RoutingInputError for an int outside [0, 2**32).
+    """
+    if not isinstance(value, list) or not value or type(value[0]) is not int:
+        return None
+    try:
+        packed = pack_tokens(value)  # TypeError for a float, a string, a list...
+    except TypeError:
+        return None
+    except OverflowError:
+        raise RoutingInputError("token ids in 'prompt' must be in [0, 2**32)", "prompt") from None
+    return None if _holds_a_bool(value) else packed
+
+
+def _holds_a_bool(ids: list[int]) -> bool:
+    """Whether JSON `true` or `false` sits among the ids (packing takes them for 1 and 0): a C-speed search
+    for the values 1 and 0, then an identity check per hit."""
+    for flag in (True, False):
+        i = -1
+        try:
+            while True:
+                i = ids.index(flag, i + 1)
+                if ids[i] is flag:
+                    return True
+        except ValueError:
+            pass
+    return False
 
 
 def completion_routing_key(body: dict[str, Any]) -> RoutingKey:
@@ -115,15 +147,14 @@ def completion_routing_key(body: dict[str, Any]) -> RoutingKey:
     prompt = body["prompt"]
     if isinstance(prompt, str):
         return RoutingKey(text=prompt.encode())
-    if _is_token_list(prompt):
-        if any(t < 0 or t >= 2**32 for t in prompt):
-            raise RoutingInputError("token ids in 'prompt' must be in [0, 2**32)", "prompt")
-        return RoutingKey(token_ids=prompt)
+    packed = _packed_token_list(prompt)
+    if packed is not None:
+        return RoutingKey(token_ids=prompt, packed=packed)
     if isinstance(prompt, list) and prompt:
         first = prompt[0]
         if all(isinstance(p, str) for p in prompt):
             return RoutingKey(text=first.encode())
-        if all(_is_token_list(p) for p in prompt):
+        if all(_packed_token_list(p) is not None for p in prompt):
             return completion_routing_key({"prompt": first})
     raise RoutingInputError(
         "'prompt' must be a string, an array of strings, an array of token ids or an array of such arrays",

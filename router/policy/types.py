@@ -83,7 +83,7 @@ class RouteRequest:
     """One request as policies see it."""
 
     hashes: Sequence[int]
-    """Chained block hashes of the routing key (router.policy.hashing)."""
+    """Chained block hashes of the routing key (router.policy.hashing), at least as far as any replica matches."""
     prompt_tokens: int
     """Prompt length in tokens (estimated from bytes in text mode)."""
     tokens_per_block: float
@@ -94,6 +94,14 @@ class RouteRequest:
     """Session-affinity key (a header), when the client sent one."""
     max_output_tokens: int | None = None
     """The request's max_tokens, when given (a decode-length hint)."""
+    num_blocks: int | None = None
+    """Blocks of the whole routing key when `hashes` holds only their prefix (the live router hashes up to the
+    first block no replica holds, `hashing.PromptChain`); None: `len(hashes)`."""
+
+    @property
+    def total_blocks(self) -> int:
+        """Blocks of the whole routing key, hashed or not."""
+        return len(self.hashes) if self.num_blocks is None else self.num_blocks
 
     def cached_tokens(self, replica_id: str) -> int:
         """Predicted cached prompt tokens on a replica, never more than the prompt."""

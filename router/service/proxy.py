@@ -15,6 +15,7 @@ replica can serve yet are held (`hold` settings) until one joins the rotation.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -226,8 +227,9 @@ class Proxy:
             assert replica is not None
             tried.append(replica.id)
             ticket = self.core.begin(replica, decision, prepared, now)
+            commit = functools.partial(self.core.commit, prepared, decision, now)
             try:
-                response = await self._attempt(request, ticket, headers, raw)
+                response = await self._attempt(request, ticket, headers, raw, commit)
             except _Retry as failure:
                 last_failure = failure
                 self.metrics.retries.inc((failure.reason,))
@@ -284,6 +286,7 @@ class Proxy:
         ticket: Ticket,
         headers: list[tuple[str, str]],
         raw: bytes,
+        on_sent: Callable[[], object],
     ) -> web.StreamResponse:
         replica = ticket.replica
         limits = self.settings.limits
@@ -292,7 +295,13 @@ class Proxy:
         try:
             async with asyncio.timeout(limits.request_timeout_s):
                 upstream = await self.upstream.request(
-                    request.method, replica.host, replica.port, replica.base_path + request.path_qs, headers, raw
+                    request.method,
+                    replica.host,
+                    replica.port,
+                    replica.base_path + request.path_qs,
+                    headers,
+                    raw,
+                    on_sent,
                 )
                 if upstream.status in _RETRYABLE_STATUS:
                     body = await upstream.read()

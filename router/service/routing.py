@@ -2,10 +2,17 @@
 
 This is the only place the service touches the pure policy layer, so the simulator can mirror it step by step:
 
-    hashes  = hashing.hash_text / hash_tokens(routing key, seed of the model)   # through a ChainMemo
+    chain   = memo.chain_text / chain_tokens(routing key, seed of the model)   # hashing.PromptChain
+    hashes  = chain.prefix(index.holds)                 # as far as any replica could match
     matched = index.match(hashes, now)
     decision = policy.select(RouteRequest(hashes, prompt_tokens, tokens_per_block, matched), eligible, now)
-    index.record(decision.replica, hashes, now)         # approximate mode: the router's own prediction
+    ... the request is written to the replica ...
+    index.record(decision.replica, chain.complete(), now)   # approximate mode: the router's own prediction
+
+A decision hashes a prompt only up to its first chunk that no replica holds, since chained hashes cannot match
+past it; the rest of the prompt is hashed for the record once the request is on its way (`commit`, which the
+proxy runs as soon as the request is written and before the event loop runs anything else, so the next decision
+sees the record just as if it had been made before the request left).
 
 In exact mode (a live KV-event stream from the chosen replica, `kv_events.py`), the record of a token-id prompt is
 a predicted entry, short-lived: the engine's `stored` event makes it exact, and without one it expires. A text
@@ -22,7 +29,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router.policy.hashing import ChainMemo, namespace_seed
+from router.policy.hashing import ChainMemo, PromptChain, namespace_seed
 from router.policy.prefill_rate import PrefillRate, PrefillRateEstimator
 from router.policy.prefix_index import PrefixIndex
 from router.policy.routing_text import RoutingKey
@@ -42,6 +49,8 @@ class Prepared:
     model: str | None
     session_key: str | None
     max_output_tokens: int | None
+    chain: PromptChain
+    """Computes the rest of `hashes` (the same list) for the index's record."""
     is_tokens: bool = False
     """Hashed over token ids (token mode), the units engines' KV events name."""
 
@@ -88,25 +97,35 @@ class RoutingCore:
             seed = self._seeds[model] = namespace_seed(model or "")
         h = self.settings.hashing
         if key.token_ids is not None:
-            hashes = self._memo.hash_tokens(key.token_ids, seed, h.token_block_size, max_blocks=h.max_blocks)
+            chain = self._memo.chain_tokens(
+                key.token_ids, seed, h.token_block_size, max_blocks=h.max_blocks, packed=key.packed
+            )
             return Prepared(
-                hashes,
+                chain.prefix(self.index.holds),
                 len(key.token_ids),
                 float(h.token_block_size),
                 model,
                 session_key,
                 max_output_tokens,
+                chain,
                 is_tokens=True,
             )
         text = key.text or b""
-        hashes = self._memo.hash_text(text, seed, h.text_block_size, max_blocks=h.max_blocks)
+        chain = self._memo.chain_text(text, seed, h.text_block_size, max_blocks=h.max_blocks)
         prompt_tokens = math.ceil(len(text) / h.bytes_per_token)
         return Prepared(
-            hashes, prompt_tokens, h.text_block_size / h.bytes_per_token, model, session_key, max_output_tokens
+            chain.prefix(self.index.holds),
+            prompt_tokens,
+            h.text_block_size / h.bytes_per_token,
+            model,
+            session_key,
+            max_output_tokens,
+            chain,
         )
 
     def choose(self, prepared: Prepared, exclude: Sequence[str], now: float) -> Decision | None:
-        """Pick a replica among the eligible ones, or None when there is none."""
+        """Pick a replica among the eligible ones, or None when there is none. The caller `commit`s a decision
+        it acts on."""
         eligible = self.pool.eligible(prepared.model, exclude)
         if not eligible:
             return None
@@ -118,6 +137,7 @@ class RoutingCore:
             matched_blocks=matched,
             session_key=prepared.session_key,
             max_output_tokens=prepared.max_output_tokens,
+            num_blocks=prepared.chain.num_blocks,
         )
         states = [r.state for r in eligible]
         decision = None
@@ -132,11 +152,16 @@ class RoutingCore:
                 decision = self.policy.select(request, states, now=now)
         if prepared.session_key is not None:
             self.sessions.remember(prepared.session_key, decision.replica)
-        if prepared.hashes:
+        return decision
+
+    def commit(self, prepared: Prepared, decision: Decision, now: float) -> None:
+        """Record the prompt on the replica `decision` sent it to, hashing what `prepare` left unhashed. Once per
+        attempt, `now` as given to `choose`."""
+        hashes = prepared.chain.complete()
+        if hashes:
             chosen = self.pool.get(decision.replica)
             is_confirmed = prepared.is_tokens and chosen is not None and chosen.has_live_kv_events
-            self.index.record(decision.replica, prepared.hashes, now=now, predicted=is_confirmed)
-        return decision
+            self.index.record(decision.replica, hashes, now=now, predicted=is_confirmed)
 
     # --- load bookkeeping ---------------------------------------------------------------------------------
 

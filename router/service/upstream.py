@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import socket
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import cast
 
@@ -492,13 +492,24 @@ class UpstreamPool:
         self._num_retried = 0
 
     async def request(
-        self, method: str, host: str, port: int, target: str, headers: list[tuple[str, str]], body: bytes
+        self,
+        method: str,
+        host: str,
+        port: int,
+        target: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        on_sent: Callable[[], object] | None = None,
     ) -> UpstreamResponse:
         """Sends a request and returns once the response's head is parsed.
 
         `headers` must not carry hop-by-hop fields; Host, Content-Length, Transfer-Encoding and Connection among
         them are ignored, since the pool frames the request itself. Raises ValueError for a CR or LF in the request
         line or a header (they would let a caller inject headers or requests).
+
+        `on_sent` runs once, before the event loop runs anything else: right after the request is written to a
+        kept-alive connection, or before a new connection is opened. The router records its routing decision
+        there, off the request's path but before the next decision.
         """
         if self._is_closed:
             raise UpstreamError("the upstream pool is closed")
@@ -509,11 +520,14 @@ class UpstreamPool:
         conn = self._pop_idle(key)
         if conn is not None:
             try:
-                return await self._exchange(conn, method, head, body)
+                return await self._exchange(conn, method, head, body, on_sent)
             except _StaleConnection:
                 self._num_retried += 1
+                on_sent = None  # it ran when the request was first written
+        if on_sent is not None:
+            on_sent()
         conn = await self._connect(key)
-        return await self._exchange(conn, method, head, body)
+        return await self._exchange(conn, method, head, body, None)
 
     async def close(self) -> None:
         """Closes every connection, idle or in use (their responses fail with UpstreamDisconnected)."""
@@ -568,7 +582,9 @@ class UpstreamPool:
             raise ValueError("CR or LF in the request line or a header")
         return head.encode("utf-8", "surrogateescape")
 
-    async def _exchange(self, conn: _Connection, method: str, head: bytes, body: bytes) -> UpstreamResponse:
+    async def _exchange(
+        self, conn: _Connection, method: str, head: bytes, body: bytes, on_sent: Callable[[], object] | None
+    ) -> UpstreamResponse:
         transport = conn.transport
         assert transport is not None
         conn.has_data = False
@@ -580,6 +596,8 @@ class UpstreamPool:
         buffer = conn.buffer
         scanned = 0  # the head's end is not before this: a head arriving in pieces is searched once
         try:
+            if on_sent is not None:
+                on_sent()
             while True:
                 end = buffer.find(b"\r\n\r\n", scanned)
                 if end < 0:

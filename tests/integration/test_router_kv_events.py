@@ -128,13 +128,17 @@ async def test_the_index_follows_what_the_replicas_report(
     core = router.app[CORE]
     now = asyncio.get_running_loop().time()
     unsent = prompt(rng, 3)
-    decision = core.choose(core.prepare(RoutingKey(token_ids=unsent), MODEL, None, None), [], now)
+    prepared = core.prepare(RoutingKey(token_ids=unsent), MODEL, None, None)
+    decision = core.choose(prepared, [], now)
     assert decision is not None
+    core.commit(prepared, decision, now)
     assert core.index.match(hash_tokens(unsent, SEED, BLOCK), now=now + 0.1) == {decision.replica: 3}
     assert core.index.match(hash_tokens(unsent, SEED, BLOCK), now=now + 1.0) == {}
     text = core.prepare(RoutingKey(text=b"x" * 640), MODEL, None, None)
     decision = core.choose(text, [], now)
-    assert decision is not None and core.index.match(text.hashes, now=now + 60) == {decision.replica: 10}
+    assert decision is not None
+    core.commit(text, decision, now)
+    assert core.index.match(text.hashes, now=now + 60) == {decision.replica: 10}
 
     # A evicts the first prompt's blocks (traffic the router never saw): the index drops them too.
     removed_before = await counter(router, "shoal_router_kv_events_applied_total", {"kind": "removed"})

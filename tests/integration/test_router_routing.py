@@ -116,6 +116,25 @@ async def test_hot_prefix_spills_when_its_replica_backs_up(start_fakes: StartFak
     assert sum(f.requests_by_path["/v1/completions"] for f in fakes) == 25
 
 
+async def test_a_burst_sees_the_record_of_its_first_request(
+    start_fakes: StartFakes, start_router: StartRouter
+) -> None:
+    # The router records a routed prompt once the request is written (or before it connects), not within the
+    # decision, but still before the next decision runs: a burst of one new prefix has a single cache miss.
+    fakes = await start_fakes(3, first_byte_delay_s=0.2, num_output_tokens=2)
+    router = await start_router(fakes)
+    prefix = unique_text(LONG_PREFIX_BYTES, "new in a burst")
+
+    async def one(i: int) -> str | None:
+        reply = await router.complete(prefix + unique_text(300, f"tail {i}"))
+        assert reply.status == 200, reply.body
+        return reply.branch
+
+    branches = Counter(await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(8))), timeout=10))
+    assert branches["cache_miss"] == 1, branches
+    assert branches["cache_hit"] + branches["spill"] == 7, branches
+
+
 async def test_session_header_pins_distinct_prompts(start_fakes: StartFakes, start_router: StartRouter) -> None:
     fakes = await start_fakes(3)
     router = await start_router(fakes, session_header="x-session-id")

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from router.policy.hashing import ChainMemo, hash_text, hash_tokens, namespace_seed, pack_tokens
+from router.policy.prefix_index import PrefixIndex, PrefixIndexConfig
 from router.policy.routing_text import chat_routing_key
 
 SEED = namespace_seed("shoal-demo")
@@ -124,3 +125,53 @@ def test_the_chain_memo_stores_chunks_seen_twice_and_stays_bounded() -> None:
     assert (memo.hits, memo.misses, len(memo)) == (4, 8, 2)
     memo.hash_text(system, namespace_seed("another model"))
     assert memo.misses == 10  # another seed never shares a chunk
+
+
+def test_a_prompt_chain_hashes_only_as_far_as_the_index_knows() -> None:
+    memo = ChainMemo(checkpoint_blocks=4)
+    data = bytes(range(256)) * 9  # 36 blocks of 64 bytes: 9 chunks of 4
+    expected = hash_text(data, SEED)
+    known = set(expected[:10])  # an index holding the first 10 blocks
+
+    chain = memo.chain_text(data, SEED)
+    prefix = chain.prefix(known.__contains__)
+    assert prefix == expected[:12]  # up to the end of the first chunk that ends outside the index
+    assert not chain.is_complete and chain.num_blocks == 36
+    assert chain.complete() is prefix and prefix == expected  # one list, completed in place
+    assert chain.is_complete and chain.complete() == expected
+
+    # Token ids are packed only as far as the hashes need them, and give the same hashes as when packed first.
+    ids = list(range(1000))
+    tokens = hash_tokens(ids, SEED, block_size=4)
+    lazy = memo.chain_tokens(ids, SEED, block_size=4)
+    assert lazy.prefix(lambda _: False) == tokens[:4]
+    assert len(lazy._data) < 4 * len(ids)
+    assert lazy.complete() == tokens
+    assert memo.chain_tokens(ids, SEED, block_size=4, packed=pack_tokens(ids)).complete() == tokens
+
+
+@given(
+    st.binary(min_size=0, max_size=64 * 40),
+    st.integers(0, 40),
+    st.sampled_from([1, 3, 8]),
+    st.booleans(),
+)
+def test_a_match_over_the_chain_prefix_equals_a_match_over_all_hashes(
+    data: bytes, indexed_blocks: int, checkpoint_blocks: int, is_seen_before: bool
+) -> None:
+    """What `RoutingCore.prepare` relies on: a decision on the prefix is the decision on the whole prompt."""
+    index = PrefixIndex(PrefixIndexConfig(capacity_blocks=1000, ttl_s=100.0))
+    index.add_replica("a")
+    index.add_replica("b")
+    full = hash_text(data, SEED)
+    index.record("a", full[:indexed_blocks], now=0.0)
+    index.record("b", full[: indexed_blocks // 2], now=0.0)
+    memo = ChainMemo(checkpoint_blocks=checkpoint_blocks)
+    if is_seen_before:  # chunks come from the memo
+        memo.hash_text(data, SEED)
+        memo.hash_text(data, SEED)
+    chain = memo.chain_text(data, SEED)
+    prefix = list(chain.prefix(index.holds))
+    assert prefix == full[: len(prefix)]
+    assert index.match(prefix, now=1.0) == index.match(full, now=1.0)
+    assert chain.complete() == full

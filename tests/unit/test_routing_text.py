@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+from router.policy.hashing import pack_tokens
 from router.policy.routing_text import RoutingInputError, chat_routing_key, completion_routing_key
 
 
@@ -83,3 +86,24 @@ def test_bad_completion_bodies(body: dict[str, object]) -> None:
 def test_bad_chat_bodies(body: dict[str, object]) -> None:
     with pytest.raises(RoutingInputError):
         chat_routing_key(body)
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [[5, True], [1, 1, 0, False], [3, 1.0], [3, "4"], [3, None], [[1, 2], [3, True]]],
+    ids=["true", "false-after-ones-and-zeros", "float", "string", "null", "batch with a bool"],
+)
+def test_token_lists_with_anything_but_ints_are_refused(prompt: list[Any]) -> None:
+    with pytest.raises(RoutingInputError, match="must be a string, an array of strings") as caught:
+        completion_routing_key({"prompt": prompt})
+    assert caught.value.param == "prompt"
+
+
+def test_token_ids_are_range_checked_and_packed_once() -> None:
+    with pytest.raises(RoutingInputError, match=r"\[0, 2\*\*32\)"):
+        completion_routing_key({"prompt": [1, 2**32]})
+    with pytest.raises(RoutingInputError, match=r"\[0, 2\*\*32\)"):
+        completion_routing_key({"prompt": [1, -1]})
+    ids = [*range(0, 2**32, 2**20), 1, 0, 2**32 - 1]
+    key = completion_routing_key({"prompt": ids})
+    assert key.token_ids is ids and key.packed == pack_tokens(ids)

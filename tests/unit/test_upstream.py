@@ -469,6 +469,45 @@ async def test_stale_reused_connection_is_retried_once(pool: UpstreamPool, is_re
         assert pool.stats() == {"open": 1, "idle": 1, "created": 2, "reused": 2, "retried": 1}
 
 
+async def test_on_sent_runs_once_before_the_loop_moves_on(pool: UpstreamPool) -> None:
+    """`on_sent` runs once per request: after the write on a kept-alive connection, before connecting on a new
+    one, and not again when a stale connection's request is retried; always before another task runs."""
+    events: list[str] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int) -> None:
+        while (request := await read_request(reader)) is not None:
+            events.append(f"served {request[2].decode()}")
+            if number == 1 and request[2] == b"two":
+                return  # the kept-alive connection dies with the second request on it: a stale retry
+            writer.write(ok(request[2]))
+
+    async def other_task() -> None:
+        events.append("other task")
+
+    async with RawServer(serve) as server:
+        for body in (b"one", b"two", b"three"):
+            other = asyncio.ensure_future(other_task())  # runs at the request's first suspension
+            sent = f"sent {body.decode()}"
+            response = await pool.request(
+                "POST", HOST, server.port, "/", [], body, on_sent=lambda s=sent: events.append(s)
+            )
+            assert await response.read() == body
+            await other
+    assert events == [
+        "sent one",  # a new connection: before connecting
+        "other task",
+        "served one",
+        "sent two",  # written on the kept-alive connection, which dies
+        "other task",
+        "served two",
+        "served two",  # retried on a fresh connection, without a second `on_sent`
+        "sent three",
+        "other task",
+        "served three",
+    ]
+    assert pool.stats()["retried"] == 1
+
+
 async def test_fresh_connection_dying_is_not_retried(pool: UpstreamPool) -> None:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int) -> None:
         if number == 1:
