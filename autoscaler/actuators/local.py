@@ -5,13 +5,16 @@ Each replica takes the first free port slot (`base_port + i`, i < `num_slots`), 
 exited. The controller registers ready replicas with the routers and drains a victim before `scale_down`; this
 actuator then stops the process gracefully (SIGTERM, which lets aiohttp finish open connections) and kills it
 only after `stop_timeout_s`. Replicas are children of this process: `close()` stops them all, so an autoscaler
-that exits leaves nothing behind.
+that exits leaves nothing behind; on Linux each replica also gets SIGTERM from the kernel when the autoscaler dies
+without a chance to stop them (SIGKILL, a crash), through `PR_SET_PDEATHSIG`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import os
 import shutil
@@ -41,6 +44,30 @@ def shoal_command() -> list[str]:
     if found:
         return [found]
     return [sys.executable, "-c", "import sys; from router.cli import main; sys.exit(main())"]
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A `preexec_fn` that asks the kernel to SIGTERM the child when this process dies; None off Linux.
+
+    libc's `prctl` is looked up here, in the parent, so the child between fork and exec runs one foreign call
+    and no imports or allocations of note. A child whose parent died before the call is not signalled; the
+    parent is alive while it starts replicas, so that race is its own death during the start.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return None
+    prctl = ctypes.CDLL(libc_name, use_errno=True).prctl
+    signal_number = int(signal.SIGTERM)
+
+    def set_parent_death_signal() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal_number, 0, 0, 0)
+
+    return set_parent_death_signal
 
 
 @dataclass
@@ -81,6 +108,9 @@ class LocalActuator:
         self._session = session
         self._wall_clock = wall_clock
         self._replicas: dict[str, _Replica] = {}
+        self._preexec = _parent_death_signal()
+        """The kernel signals on the death of the thread that started the child: the event loop's thread,
+        which lives as long as the autoscaler (`asyncio.run` in the main thread)."""
 
     # The Actuator protocol ------------------------------------------------------------------------------------
 
@@ -133,7 +163,11 @@ class LocalActuator:
             log_file = (s.log_dir / f"{name}.log").open("ab")
         try:
             process = await asyncio.create_subprocess_exec(
-                *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file
+                *cmd,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=log_file,
+                preexec_fn=self._preexec,
             )
         except OSError as exc:
             if log_file is not None:
