@@ -11,6 +11,11 @@ prefill backlog) gives a finite sample at most `max_sample_age_s` old. An error 
 in time, an empty vector, NaN or an old sample fails the round (the policy then holds, as when a router does not
 answer its scrape), and the log names the query. TTFT and KV usage are optional figures: no sample, or NaN (a
 rate over a window without requests), is no figure, while an error still fails the round.
+
+A sum cannot tell a router that went away from one that died: a dead router's series go stale and drop out of
+it, and demand looks smaller than it is. So each round also counts the router targets Prometheus finds down
+(`up == 0`, the `routers_down` query); while any is, the round fails and the log says how many. A router that
+was removed (its target gone from discovery) is no longer counted.
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ from autoscaler.settings import PrometheusSettings
 
 log = logging.getLogger(__name__)
 
-_OPTIONAL = frozenset({"ttft_s", "kv_usage"})
-"""Figures whose absence is no failure."""
+_OPTIONAL = frozenset({"ttft_s", "kv_usage", "routers_down"})
+"""Figures whose absence is no failure (no router down: `count()` of nothing is no series)."""
 
 
 class PrometheusError(RuntimeError):
@@ -100,6 +105,12 @@ class PrometheusDemand:
                 continue
             values[name] = value
             oldest_s = min(oldest_s, taken_at)
+        down = values.get("routers_down")
+        if down:
+            errors.append(
+                f"{down:.0f} router target(s) down (query {self.queries['routers_down']!r}): the sums miss their"
+                " requests"
+            )
         for error in errors:
             log.warning("Prometheus observation failed: %s", error)
         if errors:

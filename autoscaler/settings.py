@@ -105,6 +105,11 @@ class PrometheusQueries(_Section):
     gives it, as with `source: routers`. Set it (e.g. `sum(vllm:kv_cache_usage_perc{namespace="llm"})`) when
     Prometheus scrapes the engines themselves. No sample means no KV figure."""
 
+    routers_down: str | None = None
+    """Router scrape targets Prometheus finds down. While any is, the sums above miss its requests (its series
+    go stale and drop out of `sum()`), so the observation is missing and the policy holds, naming the count.
+    Default: `count(up{<selector>} == 0)` (no series when none is down); `none`: no check."""
+
     def resolved(self, selector: str, ttft_quantile: float) -> dict[str, str]:
         """Every query to run, by `Demand` field name, defaults filled in."""
         matchers = "{" + selector + "}" if selector else ""
@@ -120,6 +125,8 @@ class PrometheusQueries(_Section):
         }
         if self.kv_usage:
             queries["kv_usage"] = self.kv_usage
+        if self.routers_down != "none":
+            queries["routers_down"] = self.routers_down or f"count(up{matchers} == 0)"
         return queries
 
 

@@ -55,12 +55,14 @@ QUEUE_DEPTH = 'sum(shoal_router_queue_depth{namespace="llm"})'
 HELD = 'sum(shoal_router_held_requests{namespace="llm"})'
 PREFILL = 'sum(shoal_router_prefill_backlog_tokens{namespace="llm"})'
 TTFT = 'histogram_quantile(0.9, sum by (le) (rate(shoal_router_ttft_seconds_bucket{namespace="llm"}[1m])))'
+ROUTERS_DOWN = 'count(up{namespace="llm"} == 0)'
 QUIET = {
     IN_FLIGHT: vector(0.0),
     QUEUE_DEPTH: vector(0.0),
     HELD: vector(0.0),
     PREFILL: vector(0.0),
     TTFT: vector(math.nan),
+    ROUTERS_DOWN: Answer(),  # no router down: `count()` of no series is no series
 }
 """A fleet without requests, as Prometheus reports it (no request in the rate window: the quantile is NaN)."""
 
@@ -174,7 +176,7 @@ async def test_each_query_maps_to_its_figure(rig: Rig) -> None:
     assert d.kv_usage == pytest.approx(sum(r.kv_usage or 0.0 for r in view.replicas.values()))
     assert d.kv_usage is not None
     # One instant query per figure, at Prometheus' now (no `time`), with the credentials and headers set.
-    assert {r.query for r in rig.prometheus.received} == {IN_FLIGHT, QUEUE_DEPTH, HELD, PREFILL, TTFT}
+    assert {r.query for r in rig.prometheus.received} == {IN_FLIGHT, QUEUE_DEPTH, HELD, PREFILL, TTFT, ROUTERS_DOWN}
     for request in rig.prometheus.received:
         assert "time" not in request.params and request.params["timeout"] == "0.5s"
         assert request.headers["Authorization"] == "Bearer prom-token"
@@ -218,6 +220,9 @@ FAULTS = {
     "proxy error page": ({QUEUE_DEPTH: Answer(raw_body="<html>502 Bad Gateway</html>", http_status=502)}, QUEUE_DEPTH),
     "no answer in time": ({HELD: Answer(values=(({}, 0.0),), delay_s=2.0)}, HELD),
     "TTFT query error": ({TTFT: error("bad_data", "parse error")}, TTFT),
+    # A router died: its series left the sums, which now look like less demand than there is.
+    "a router target down": ({IN_FLIGHT: vector(0.0), ROUTERS_DOWN: vector(1.0)}, ROUTERS_DOWN),
+    "the up query failing": ({ROUTERS_DOWN: error("execution", "too many samples")}, ROUTERS_DOWN),
     "server down": ({}, IN_FLIGHT),
 }
 

@@ -148,3 +148,6 @@ def test_default_queries_follow_the_selector_and_the_ttft_quantile() -> None:
     assert bare["queue_depth"] == "sum(shoal_router_queue_depth)"
     assert bare["ttft_s"] == "histogram_quantile(0.9, sum by (le) (rate(my_ttft_bucket[5m])))"
     assert bare["kv_usage"] == "sum(vllm:kv_cache_usage_perc)"
+    assert queries["routers_down"] == 'count(up{namespace="llm",service="r"} == 0)'
+    assert bare["routers_down"] == "count(up == 0)"
+    assert "routers_down" not in PrometheusQueries(routers_down="none").resolved("", 0.9)
