@@ -242,13 +242,26 @@ class PromptChain:
     """One prompt's block hashes through a `ChainMemo`, computed as far as they are asked for.
 
     A routing decision needs a prompt's hashes only up to the first block no replica holds: chained hashes
-    cannot match past it. `prefix(is_indexed)` hashes chunk by chunk and stops after the first chunk whose last
-    hash the index does not know, so a prompt's new tail is hashed after the request has gone to its replica
-    (`complete()`, for the index's record) instead of before. `hashes` is one list that grows in place; once
-    complete it equals `hash_text` / `hash_tokens` of the prompt.
+    cannot match past it. `prefix(is_indexed)` takes chunks from the memo while the index knows their last
+    block, and hashes a chunk the memo lacks block by block until the first block the index does not know; a
+    prompt's new tail is hashed after the request has gone to its replica (`complete()`, for the index's record)
+    instead of before. `hashes` is one list that grows in place; once complete it equals `hash_text` /
+    `hash_tokens` of the prompt.
     """
 
-    __slots__ = ("_coarse", "_data", "_ids", "_memo", "_next_chunk", "_seed", "_view", "_width", "hashes", "num_blocks")
+    __slots__ = (
+        "_coarse",
+        "_data",
+        "_ids",
+        "_memo",
+        "_next_chunk",
+        "_partial",
+        "_seed",
+        "_view",
+        "_width",
+        "hashes",
+        "num_blocks",
+    )
 
     def __init__(
         self, memo: ChainMemo, data: bytes, ids: Sequence[int] | None, width: int, seed: bytes, num_blocks: int
@@ -262,6 +275,8 @@ class PromptChain:
         self._seed = seed
         self._coarse = _xxh3(seed)
         self._next_chunk = 0
+        self._partial: tuple[int, int] | None = None
+        """The key of a chunk the memo lacks that `prefix` left part-hashed (its blocks end at `_next_chunk`)."""
         self.num_blocks = num_blocks
         """Blocks of the whole prompt, hashed or not."""
         self.hashes: list[int] = []
@@ -271,8 +286,8 @@ class PromptChain:
         return len(self.hashes) == self.num_blocks
 
     def prefix(self, is_indexed: Callable[[int], bool]) -> list[int]:
-        """`hashes`, computed at least up to the first chunk whose last block hash `is_indexed` rejects (the
-        whole prompt when every chunk passes). A match over them equals a match over all of the prompt's."""
+        """`hashes`, computed at least up to the first block hash `is_indexed` rejects (the whole prompt when it
+        rejects none). A match over them equals a match over all of the prompt's."""
         return self._run(is_indexed)
 
     def complete(self) -> list[int]:
@@ -296,6 +311,11 @@ class PromptChain:
         per_chunk = memo.checkpoint_blocks
         chunk_bytes = per_chunk * width
         num_chunks = self.num_blocks // per_chunk
+        if self._partial is not None:  # finish the chunk `prefix` stopped in
+            key, self._partial = self._partial, None
+            self._hash_missed(
+                [key], self._next_chunk * per_chunk - len(out), first=self._next_chunk * per_chunk - per_chunk
+            )
         missed: list[tuple[int, int]] = []  # keys of the chunks since the last hit, not hashed yet
         while self._next_chunk < num_chunks:
             start = self._next_chunk * chunk_bytes
@@ -304,41 +324,68 @@ class PromptChain:
             self._coarse = _xxh3(self._view[start : start + chunk_bytes], seed=self._coarse)
             key = (width, self._coarse)
             if key not in chunks:
-                missed.append(key)
                 if is_indexed is None:
-                    continue  # chunks that miss in a row are hashed in one pass (a call per chunk costs ~1 us)
-                self._hash_missed(missed, per_chunk)
-                missed = []
-            else:
-                if missed:
-                    # Admitted in order, as if one by one; an admission may evict the chunk just found.
-                    self._hash_missed(missed, len(missed) * per_chunk)
-                    missed = []
-                hit = chunks.get(key)
-                if hit is None:
-                    missed.append(key)
+                    missed.append(key)  # chunks that miss in a row are hashed in one pass (~1 us a call saved)
                     continue
-                chunks.move_to_end(key)
-                out.extend(hit)
-                memo.hits += 1
+                if not self._hash_until_unindexed(self._next_chunk * per_chunk, is_indexed):
+                    self._partial = key
+                    return out
+                self._memo._admit([key], out, len(out) - per_chunk)
+                continue
+            if missed:
+                # Admitted in order, as if one by one; an admission may evict the chunk just found.
+                self._hash_missed(missed, len(missed) * per_chunk)
+                missed = []
+            hit = chunks.get(key)
+            if hit is None:
+                missed.append(key)
+                continue
+            chunks.move_to_end(key)
+            out.extend(hit)
+            memo.hits += 1
             if is_indexed is not None and not is_indexed(out[-1]):
                 return out
         self._hash_missed(missed, self.num_blocks - len(out))
         return out
 
-    def _hash_missed(self, missed: list[tuple[int, int]], num_blocks: int) -> None:
-        """Extend `hashes` by the next `num_blocks` block hashes (the `missed` chunks, then any partial chunk)
-        and count and admit the `missed` chunks."""
+    def _hash_until_unindexed(self, end: int, is_indexed: Callable[[int], bool]) -> bool:
+        """Hash blocks up to block `end`, one at a time, stopping after the first that `is_indexed` rejects;
+        True when all of them passed."""
         out = self.hashes
-        first = len(out)
+        width = self._width
+        data = self._data
+        pack = Struct(f"<Q{width}s").pack
+        i = len(out)
+        if i == 0:
+            out.append(_xxh3(self._seed + data[:width]))
+            if not is_indexed(out[0]):
+                return False
+            i = 1
+        prev = out[-1]
+        append = out.append
+        for block in struct.unpack_from(f"{width}s" * (end - i), data, i * width):
+            prev = _xxh3(pack(prev, block))
+            append(prev)
+            if not is_indexed(prev):
+                return False
+        return True
+
+    def _hash_missed(self, missed: list[tuple[int, int]], num_blocks: int, first: int | None = None) -> None:
+        """Extend `hashes` by the next `num_blocks` block hashes (the `missed` chunks, then any partial chunk)
+        and count and admit the `missed` chunks, the first of which starts at block `first` (default: at the
+        first of the new hashes)."""
+        out = self.hashes
+        start = len(out)
+        if first is None:
+            first = start
         if num_blocks > 0:
             width = self._width
-            self._need((first + num_blocks) * width)
+            self._need((start + num_blocks) * width)
             data = self._data
-            if first == 0:
+            if start == 0:
                 out.append(_xxh3(self._seed + data[:width]))
                 _extend_chain(out, data, width, num_blocks - 1, width, out[0])
             else:
-                _extend_chain(out, data, first * width, num_blocks, width, out[-1])
+                _extend_chain(out, data, start * width, num_blocks, width, out[-1])
         if missed:
             self._memo._admit(missed, out, first)
