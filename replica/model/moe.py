@@ -5,10 +5,10 @@ T = tokens, H = hidden size, I = one expert's hidden size, E = routed experts, A
 The routed experts are stacked tensors (`gate_up [E, 2I, H]`, `down [E, H, I]`) and run grouped by expert: the
 (token, slot) pairs are sorted by expert id, each expert with work multiplies its rows once, and the results are
 scattered back weighted. On the CPU at inference the grouped rows go through one `grouped_mm` per projection: each
-expert's rows in one GEMM, as the expert-by-expert loop computes them (the same numbers, bit for bit), in two ops
-instead of ~12 per expert. Elsewhere (training, other devices, torch without `grouped_mm`) experts run in one padded
-batched matmul while the padding is cheap, else one by one. A single token (a batch-1 decode step) skips the
-grouping: its A experts' weights are gathered for two batched matmuls of one row each.
+expert's rows in one GEMM, as the expert-by-expert loop computes them (the same numbers, bit for bit, tested), in
+two ops instead of ~12 per expert. Elsewhere (training, other devices, torch without `grouped_mm`) experts run in
+one padded batched matmul while the padding is cheap, else one by one. A single token (a batch-1 decode step)
+skips the grouping: its A experts' weights are gathered for two batched matmuls of one row each.
 
 `Experts.expert_forward(e, x)` is the one per-expert step; `replica.quant.NVFP4Experts` overrides only that (and
 sets `has_stacked_weights` False), so quantized experts are drop-in with the same `forward(x, topk_ids, topk_weights)`.
@@ -139,8 +139,8 @@ class Experts(nn.Module):
     def _forward_one_token(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """One token (a batch-1 decode step): its A experts' weights gathered, two batched matmuls of one row each.
 
-        Each expert sees exactly the one row it sees on the other paths, and the weighted rows are summed in expert
-        order, as `index_add_` adds them there, so the result is the same to the bit.
+        Each expert multiplies exactly the one row it gets on the other paths, and the weighted rows are summed in
+        expert order, as `index_add_` adds them there: on the CPU the result is the same to the bit (tested).
         """
         ids, order = topk_ids[0].sort()  # [A], experts in increasing id
         rows = x.expand(ids.shape[0], 1, -1)  # [A, 1, H]
