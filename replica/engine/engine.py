@@ -107,8 +107,8 @@ class LLMEngine:
         if not prompt_token_ids:
             raise RequestError("the prompt is empty")
         vocab = self.model.config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:  # two C loops, not a Python one per token
+            bad = next(t for t in prompt_token_ids if not 0 <= t < vocab)
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
         if len(prompt_token_ids) >= self.max_model_len:
             raise RequestError(

@@ -1,5 +1,8 @@
 """Runs one scheduled step on the model: builds the flat token batch, the slot mapping and block tables, and
-returns the logits of the sequences whose last token was in the step.
+returns the logits of the sequences whose last token was in the step (the LM head runs on those rows only).
+
+Step inputs (token ids, positions, cache slots by runs of one block) are built as Python lists and become tensors
+once, so a step spends only a few tensor ops before the model.
 
 The KV cache is allocated here, once: per layer `k_cache, v_cache [num_blocks * block_size, Hkv, D]`.
 """
@@ -11,6 +14,18 @@ import torch
 from replica.engine.scheduler import ScheduledBatch
 from replica.model.attention import AttentionBatch, KVCache
 from replica.model.model import MoEForCausalLM
+
+
+def append_slots(slots: list[int], block_table: list[int], start: int, end: int, block_size: int) -> None:
+    """Append the cache slots of positions start..end-1 (`block_table[p // block_size] * block_size + p % block_size`),
+    one run per block they touch."""
+    pos = start
+    while pos < end:
+        block = pos // block_size
+        run_end = min((block + 1) * block_size, end)
+        offset = (block_table[block] - block) * block_size
+        slots.extend(range(pos + offset, run_end + offset))
+        pos = run_end
 
 
 class ModelRunner:
@@ -39,7 +54,7 @@ class ModelRunner:
         device = self.model.device
         input_ids: list[int] = []
         positions: list[int] = []
-        seq_rows: list[int] = []
+        slots: list[int] = []
         context_lens: list[int] = []
         last_rows: list[int] = []
         sample_idx: list[int] = []
@@ -49,7 +64,7 @@ class ModelRunner:
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
-            seq_rows.extend([i] * n)
+            append_slots(slots, seq.block_table, start, start + n, bs)
             context_lens.append(start + n)
             tables.append(seq.block_table + [0] * (max_blocks - len(seq.block_table)))
             if start + n == seq.num_tokens:
@@ -57,10 +72,8 @@ class ModelRunner:
                 last_rows.append(len(input_ids) - 1)
         block_tables = torch.tensor(tables, dtype=torch.long, device=device)  # [B, max_blocks]
         positions_t = torch.tensor(positions, dtype=torch.long, device=device)  # [T]
-        seq_rows_t = torch.tensor(seq_rows, dtype=torch.long, device=device)
-        slot_mapping = block_tables[seq_rows_t, positions_t // bs] * bs + positions_t % bs  # [T]
         attn = AttentionBatch.build(
-            slot_mapping=slot_mapping,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),  # [T]
             query_lens=list(batch.num_new_tokens),
             context_lens=context_lens,
             block_tables=block_tables,
@@ -70,4 +83,7 @@ class ModelRunner:
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=device), positions_t, self.kv_caches, attn)
         if not sample_idx:
             return [], None
-        return sample_idx, self.model.compute_logits(hidden[last_rows])
+        first, last = last_rows[0], last_rows[-1]
+        # Increasing rows; when they are one run (a decode step, a single sequence's chunk) a slice, not a gather.
+        rows = hidden[first : last + 1] if last - first + 1 == len(last_rows) else hidden[last_rows]
+        return sample_idx, self.model.compute_logits(rows)

@@ -3,6 +3,8 @@
 The cache of one layer is two tensors `k_cache, v_cache [num_slots, Hkv, D]`, slot = block * block_size + offset.
 Each step first writes the new tokens' keys and values to their slots (`slot_mapping`), then attends over every
 slot in the sequence's block table, so tokens whose blocks came from the prefix cache are read, never recomputed.
+Both copy whole rows along the slot dimension: writes with `index_copy_` (a step's new slots are distinct), reads
+with `index_select`, which on the CPU is several times faster than advanced indexing.
 
 Everything about a step's shape that every layer shares (the slots each sequence reads, the additive masks) is built
 once per step by `AttentionBatch.build`, so a layer only projects, writes its cache, gathers and attends. The query,
@@ -88,10 +90,10 @@ class AttentionBatch:
             else:
                 num_blocks = -(-context // block_size)
                 slots = (block_tables[i, :num_blocks, None] * block_size + offsets).flatten()[:context]
-                query_pos = torch.arange(context - num_new, context, device=device).unsqueeze(-1)
-                hidden = torch.arange(context, device=device) > query_pos  # [n, L]
-                mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, -torch.inf)
-                seqs.append(PrefillSeq(start, num_new, slots, mask))
+                # Query j sits at position L - n + j: keys after it (column - row > L - n) are hidden. One fill and
+                # one triangle, 2-3x cheaper than comparing positions and masked_fill_ on a long context.
+                mask = torch.full((num_new, context), -torch.inf, dtype=dtype, device=device)
+                seqs.append(PrefillSeq(start, num_new, slots, mask.triu_(context - num_new + 1)))  # [n, L]
             start += num_new
         return cls(slot_mapping, False, prefill=tuple(seqs))
 
@@ -135,8 +137,8 @@ class Attention(nn.Module):
         qk, v = self.project(x, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, Hq, D], [T, Hkv, D]
         k_cache, v_cache = kv_cache
-        k_cache[batch.slot_mapping] = k.to(k_cache.dtype)
-        v_cache[batch.slot_mapping] = v.to(v_cache.dtype)
+        k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
         if batch.is_decode:
             out = self._decode(q, k_cache, v_cache, batch)
         else:
@@ -147,8 +149,8 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor:
         assert batch.decode_slots is not None
-        k = k_cache[batch.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
-        v = v_cache[batch.decode_slots].transpose(1, 2)
+        k = _gather(k_cache, batch.decode_slots).transpose(1, 2)  # [B, Hkv, L, D]
+        v = _gather(v_cache, batch.decode_slots).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2).to(k.dtype),  # [B, Hq, 1, D]
             k,
@@ -181,13 +183,18 @@ class Attention(nn.Module):
                     qi.to(k.dtype), k, v, is_causal=True, scale=self.scale, enable_gqa=gqa
                 )
             else:
-                k = k_cache[seq.slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-                v = v_cache[seq.slots].transpose(0, 1).unsqueeze(0)
+                k = k_cache.index_select(0, seq.slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+                v = v_cache.index_select(0, seq.slots).transpose(0, 1).unsqueeze(0)
                 out = F.scaled_dot_product_attention(
                     qi.to(k.dtype), k, v, attn_mask=seq.mask, scale=self.scale, enable_gqa=gqa
                 )
             outs.append(out.squeeze(0).transpose(0, 1))  # [n, Hq, D]
         return (outs[0] if len(outs) == 1 else torch.cat(outs)).to(q.dtype)
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache [num_slots, Hkv, D], slots [B, L] -> [B, L, Hkv, D]: `cache[slots]`."""
+    return cache.index_select(0, slots.flatten()).view(*slots.shape, *cache.shape[1:])
 
 
 def dense_causal_attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

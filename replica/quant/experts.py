@@ -42,7 +42,7 @@ ActivationAmax = Mapping[ObservePoint, torch.Tensor]
 class NVFP4Experts(Experts):
     """E routed SwiGLU experts with NVFP4 weights (and, in W4A4, NVFP4-rounded activations)."""
 
-    has_padded_path = False  # experts dequantize one by one; only experts with rows are dequantized
+    has_stacked_weights = False  # experts dequantize one by one; only experts with rows are dequantized
 
     gate_up_packed: torch.Tensor  # [E, 2I, H/2] uint8
     gate_up_scales: torch.Tensor  # [E, 2I, H/16] float8_e4m3fn

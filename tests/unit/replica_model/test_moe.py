@@ -1,5 +1,5 @@
-"""The MoE feed-forward against a per-token reference: softmax and sigmoid routers, shared expert, and the
-padded batched path equal to the expert-by-expert path."""
+"""The MoE feed-forward against a per-token reference: softmax and sigmoid routers, shared expert, and every way
+the routed experts run (grouped, one token, padded) equal to the expert-by-expert path."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from replica.model import moe
 from replica.model.config import ModelConfig
 from replica.model.moe import Experts, MoEBlock
 
@@ -65,20 +66,71 @@ def test_block_matches_per_token_reference(router_kind: str, shared: int) -> Non
         torch.testing.assert_close(block(x), _reference(block, x), rtol=1e-5, atol=1e-5)
 
 
+def _expert_by_expert(experts: Experts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    experts.has_stacked_weights = False
+    try:
+        return experts(x, ids, weights)
+    finally:
+        del experts.has_stacked_weights  # back to the class's value
+
+
+@pytest.mark.parametrize("num_tokens", [2, 3, 64])
+def test_grouped_path_equals_expert_by_expert_to_the_bit(num_tokens: int) -> None:
+    """On the CPU at inference every expert's rows go through one grouped GEMM: the same GEMMs as the loop."""
+    block = _block("softmax", 0)
+    x = torch.randn(num_tokens, 32, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        ids, weights, _ = block.gate(x)
+        assert block.experts._can_group(x) == moe._HAS_GROUPED_MM
+        grouped = block.experts(x, ids, weights)
+        looped = _expert_by_expert(block.experts, x, ids, weights)
+    assert torch.equal(grouped, looped)
+
+
+@pytest.mark.parametrize(
+    ("num_experts_per_tok", "dtype"), [(2, torch.float32), (3, torch.float32), (2, torch.bfloat16)]
+)
+def test_one_token_path_equals_expert_by_expert_to_the_bit(num_experts_per_tok: int, dtype: torch.dtype) -> None:
+    """A batch-1 decode step gathers its experts' weights; the sum over them keeps the loop path's expert order."""
+    experts = Experts(6, 32, 24, dtype=dtype)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    with torch.inference_mode():
+        for _ in range(20):
+            x = torch.randn(1, 32, generator=g).to(dtype)
+            ids = torch.randperm(6, generator=g)[:num_experts_per_tok].unsqueeze(0)  # unsorted, as topk gives them
+            weights = torch.rand(1, num_experts_per_tok, generator=g)
+            assert torch.equal(experts(x, ids, weights), _expert_by_expert(experts, x, ids, weights))
+
+
 @pytest.mark.parametrize("num_tokens", [1, 3, 64])
 def test_padded_path_equals_expert_by_expert(num_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where grouped GEMMs are not taken (training, other devices), the padded batched path."""
+    monkeypatch.setattr(moe, "_HAS_GROUPED_MM", False)
     block = _block("softmax", 0)
     x = torch.randn(num_tokens, 32, generator=torch.Generator().manual_seed(2))
     ids, weights, _ = block.gate(x)
     with torch.no_grad():
         padded = block.experts(x, ids, weights)
-        monkeypatch.setattr(Experts, "has_padded_path", False)
-        looped = block.experts(x, ids, weights)
+        looped = _expert_by_expert(block.experts, x, ids, weights)
     torch.testing.assert_close(padded, looped, rtol=1e-5, atol=1e-6)
 
 
-def test_skewed_routing_falls_back_to_expert_by_expert() -> None:
+def test_training_takes_a_differentiable_path() -> None:
+    """grouped_mm has no backward on the CPU: with gradients on, the experts run padded or one by one."""
+    block = _block("softmax", 0)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    ids, weights, _ = block.gate(x)
+    assert not block.experts._can_group(x)
+    block.experts(x, ids, weights).sum().backward()
+    assert x.grad is not None and block.experts.gate_up.grad is not None
+
+
+def test_skewed_routing_falls_back_to_expert_by_expert(monkeypatch: pytest.MonkeyPatch) -> None:
     """All tokens on one expert would pad the batch E-fold; the loop path must take it, with the same result."""
+    monkeypatch.setattr(moe, "_HAS_GROUPED_MM", False)
     block = _block("softmax", 0)
     x = torch.randn(40, 32, generator=torch.Generator().manual_seed(3))
     ids = torch.zeros(40, 2, dtype=torch.long)
