@@ -6,7 +6,9 @@ over the replicas), then each measured decision hashes a fresh ~8k-token prompt 
 As in the router, hashing goes through a `ChainMemo` (the shared first half is hashed once) and stops, for the
 decision, after the first 64-block chunk the index does not hold (`PromptChain.prefix`); the rest of the prompt
 is hashed and the prompt recorded in the index after the decision, once the router has written the request to its
-replica: the "after" column. `--no-memo` hashes every block afresh, all of them before the decision. Prints
+replica: the "after" column. In token mode the ids are checked and packed when the request is parsed, as in the
+router (its cost is printed under the table). `--no-memo` hashes every block afresh, all of them before the
+decision. Prints
 p50/p99 in microseconds per step. Run pinned to one core:
 
     taskset -c 0 .venv/bin/python benchmarks/bench_routing.py
@@ -23,6 +25,7 @@ import time
 from router.policy.config import POLICY_NAMES, build_policy, parse_policy_config
 from router.policy.hashing import ChainMemo, hash_text, hash_tokens, namespace_seed
 from router.policy.prefix_index import PrefixIndex, PrefixIndexConfig
+from router.policy.routing_text import completion_routing_key
 from router.policy.types import ReplicaState, RouteRequest
 
 BLOCKS_PER_PROMPT = 512
@@ -96,6 +99,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     memo = ChainMemo()
+    parse_lines: list[str] = []
     print(
         "hashing through the router's ChainMemo (half of each prompt is a prefix seen before), as far as the index"
         " holds the prompt"
@@ -108,6 +112,7 @@ def main() -> None:
         policy = build_policy(parse_policy_config({"kind": name}), seed=1)
         for mode in ("text", "tokens"):
             hash_us, match_us, select_us, total_us, after_us = [], [], [], [], []
+            parse_us: list[float] = []
             gc.collect()
             for i in range(args.decisions):
                 chain = None
@@ -123,11 +128,15 @@ def main() -> None:
                     prompt_tokens = int(len(data) / BYTES_PER_TOKEN)
                 else:
                     ids = system_tokens + [rng.randrange(150_000) for _ in range(4096)]
+                    # The router checks and packs the ids when it parses the request, before deciding.
+                    p0 = time.perf_counter()
+                    key = completion_routing_key({"prompt": ids})
+                    parse_us.append((time.perf_counter() - p0) * 1e6)
                     t0 = time.perf_counter()
                     if args.no_memo:
                         hashes = hash_tokens(ids, seed)
-                    else:  # packing the ids as far as needed is part of the decision here
-                        chain = memo.chain_tokens(ids, seed)
+                    else:
+                        chain = memo.chain_tokens(ids, seed, packed=key.packed)
                         hashes = chain.prefix(index.holds)
                     tokens_per_block = 16.0
                     prompt_tokens = len(ids)
@@ -156,6 +165,10 @@ def main() -> None:
                 percentile(after_us, 0.5),
             )
             print(f"{name:<20} {mode:<6} " + " ".join(f"{f:>10.1f}" for f in figures))
+            if parse_us:
+                parse_p50 = percentile(parse_us, 0.5)
+                parse_lines.append(f"{name}: checking and packing 8,192 token ids when parsing, p50 {parse_p50:.1f} us")
+    print("\n" + "\n".join(parse_lines))
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def chain_hashes(blocks: Sequence[bytes], seed: bytes, parent_hash: int | None =
     return out
 
 
-def _extend_chain(out: list[int], data: bytes, start: int, num_blocks: int, width: int, prev: int) -> None:
+def _extend_chain(out: list[int], data: bytes | bytearray, start: int, num_blocks: int, width: int, prev: int) -> None:
     """Append to `out` the hashes of `num_blocks` blocks of `width` bytes of `data` from byte `start`, chained
     from the block hash `prev`.
 
@@ -267,7 +267,7 @@ class PromptChain:
         self, memo: ChainMemo, data: bytes, ids: Sequence[int] | None, width: int, seed: bytes, num_blocks: int
     ) -> None:
         self._memo = memo
-        self._data = data
+        self._data: bytes | bytearray = data
         self._ids = ids
         """Token ids still to pack into `_data` as far as needed (token mode), else None."""
         self._view = memoryview(data)
@@ -295,12 +295,16 @@ class PromptChain:
         return self._run(None) if len(self.hashes) < self.num_blocks else self.hashes
 
     def _need(self, num_bytes: int) -> None:
-        """Pack token ids until `_data` holds `num_bytes` (doubling, so a prompt is packed in O(log) calls)."""
+        """Pack token ids until `_data` holds `num_bytes`, and no more: a decision may need only a few chunks."""
         have = len(self._data)
         if have >= num_bytes or self._ids is None:
             return
-        end = min(max(num_bytes, 2 * have), self.num_blocks * self._width) // 4
-        self._data += pack_tokens(self._ids[have // 4 : end])
+        packed = pack_tokens(self._ids[have // 4 : num_bytes // 4])
+        self._view.release()  # a bytearray with an exported buffer cannot grow
+        if isinstance(self._data, bytearray):
+            self._data += packed
+        else:
+            self._data = bytearray(packed)
         self._view = memoryview(self._data)
 
     def _run(self, is_indexed: Callable[[int], bool] | None) -> list[int]:

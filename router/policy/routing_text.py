@@ -110,7 +110,7 @@ def chat_routing_key(body: dict[str, Any]) -> RoutingKey:
 
 def _packed_token_list(value: Any) -> bytes | None:
     """`value` packed as token ids when it is a non-empty list of ints (None when it is not one), checked in
-    C: a Python-level type and range check costs about 1 ms for 8k ids, packing them 60-80 us.
+    C: a Python-level type and range check costs about 1 ms for 8k ids, packing them 50-80 us.
 
     Raises RoutingInputError for an int outside [0, 2**32).
     """
@@ -122,21 +122,21 @@ def _packed_token_list(value: Any) -> bytes | None:
         return None
     except OverflowError:
         raise RoutingInputError("token ids in 'prompt' must be in [0, 2**32)", "prompt") from None
-    return None if _holds_a_bool(value) else packed
+    return None if _holds_a_bool(value, packed) else packed
 
 
-def _holds_a_bool(ids: list[int]) -> bool:
-    """Whether JSON `true` or `false` sits among the ids (packing takes them for 1 and 0): a C-speed search
-    for the values 1 and 0, then an identity check per hit."""
-    for flag in (True, False):
-        i = -1
-        try:
-            while True:
-                i = ids.index(flag, i + 1)
-                if ids[i] is flag:
-                    return True
-        except ValueError:
-            pass
+def _holds_a_bool(ids: list[int], packed: bytes) -> bool:
+    """Whether JSON `true` or `false` sits among the ids, which packing took for 1 and 0: a byte search of the
+    packed ids for the values 1 and 0 (one `find` over memory), then an identity check per id that has one."""
+    for flag, value in ((True, b"\x01\x00\x00\x00"), (False, b"\x00\x00\x00\x00")):
+        at = packed.find(value)
+        while at >= 0:
+            if at % 4:  # the bytes straddle two ids
+                at = packed.find(value, at + 1)
+                continue
+            if ids[at // 4] is flag:
+                return True
+            at = packed.find(value, at + 4)
     return False
 
 
