@@ -10,7 +10,7 @@ equal attainment.
 
     .venv/bin/python benchmarks/bench_autoscale.py                      # both workloads, ~3 min of one core
     .venv/bin/python benchmarks/bench_autoscale.py --workload azure --static-replicas 11   # skip the search
-    .venv/bin/python benchmarks/bench_autoscale.py --workload azure --static-replicas 11 \
+    .venv/bin/python benchmarks/bench_autoscale.py --workload azure --static-replicas 11 --policies '' \
         --shoal-variant '{"min_replicas": 6, "shoal": {"scale_down": {"stabilization_window_s": 900}}}'
 
 Attainment is TTFT-only: requests with TTFT <= the scenario's `slo.ttft_s`, over all requests (rejected ones
@@ -125,11 +125,19 @@ def main() -> None:
     parser.add_argument(
         "--shoal-variant", type=json.loads, help="JSON overrides of the `autoscale` section: one more shoal row"
     )
+    parser.add_argument(
+        "--policies",
+        default="shoal,hpa,keda",
+        help="comma-separated autoscalers to run beside static peak (default shoal,hpa,keda); '' for none",
+    )
     parser.add_argument("--servegen-model", help="the curve's model column (scenario 09: m-large)")
     parser.add_argument("--servegen-day", type=int, help="day of the curve (scenario 09: 0)")
     parser.add_argument("--servegen-compress", type=float, help="time compression (scenario 09: 48)")
     parser.add_argument("--servegen-peak-rate", type=float, help="req/s at the curve's peak (scenario 09: 40)")
     args = parser.parse_args()
+    policies = [p for p in args.policies.split(",") if p]
+    if unknown := set(policies) - {"shoal", "hpa", "keda"}:
+        parser.error(f"--policies: unknown {sorted(unknown)}")
 
     experiments: list[tuple[str, Scenario, Workload]] = []
     if args.workload in ("azure", "both"):
@@ -175,7 +183,7 @@ def main() -> None:
         else:
             static = static_peak(scenario, workload, args.attainment)
         static.policy = f"static peak ({static.max_replicas})"
-        rows = [run(scenario, workload, policy) for policy in ("shoal", "hpa", "keda")]
+        rows = [run(scenario, workload, policy) for policy in policies]
         if args.shoal_variant:
             variant = run(scenario, workload, "shoal", **args.shoal_variant)
             variant.policy = f"shoal {json.dumps(args.shoal_variant)}"
