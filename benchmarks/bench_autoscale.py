@@ -49,10 +49,18 @@ class Row:
     reasons: dict[str, int]
 
 
+def merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `overrides` laid over it, mappings merged key by key."""
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def run(scenario: Scenario, workload: Workload, policy: str, **overrides: Any) -> Row:
     assert scenario.autoscale is not None
-    autoscale = scenario.autoscale.model_copy(update={"policy": policy, **overrides})
-    scn = scenario.model_copy(update={"autoscale": AutoscaleConfig.model_validate(autoscale.model_dump())})
+    autoscale = AutoscaleConfig.model_validate(merged(scenario.autoscale.model_dump(), {"policy": policy, **overrides}))
+    scn = scenario.model_copy(update={"autoscale": autoscale})
     started = time.process_time()
     simulation = Simulation(scn, scn.policies[0], workload)
     result = simulation.run()
@@ -95,7 +103,7 @@ def table(title: str, rows: list[Row], static: Row, goal: float) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         print(
-            f"| {row.policy} | {row.replica_seconds:.0f} | {100 * row.replica_seconds / static.replica_seconds:.0f}% "
+            f"| {row.policy} | {row.replica_seconds:.0f} | {100 * row.replica_seconds / static.replica_seconds:.1f}% "
             f"| {100 * row.attainment:.2f}% | {row.ttft_p50_s:.2f} | {row.ttft_p99_s:.2f} | {row.max_replicas} "
             f"| {row.mean_replicas:.1f} |"
         )
@@ -123,7 +131,12 @@ def main() -> None:
     parser.add_argument("--attainment", type=float, default=0.99, help="the goal's SLO attainment")
     parser.add_argument("--static-replicas", type=int, help="static peak fleet; default: searched")
     parser.add_argument(
-        "--shoal-variant", type=json.loads, help="JSON overrides of the `autoscale` section: one more shoal row"
+        "--shoal-variant",
+        type=json.loads,
+        action="append",
+        default=[],
+        help="JSON merged into the scenario's `autoscale` section (mappings key by key): one more row, shoal unless "
+        "it sets `policy`; repeatable",
     )
     parser.add_argument(
         "--policies",
@@ -184,10 +197,12 @@ def main() -> None:
             static = static_peak(scenario, workload, args.attainment)
         static.policy = f"static peak ({static.max_replicas})"
         rows = [run(scenario, workload, policy) for policy in policies]
-        if args.shoal_variant:
-            variant = run(scenario, workload, "shoal", **args.shoal_variant)
-            variant.policy = f"shoal {json.dumps(args.shoal_variant)}"
-            rows.insert(1, variant)
+        for i, overrides in enumerate(args.shoal_variant):
+            overrides = dict(overrides)
+            policy = overrides.pop("policy", "shoal")
+            variant = run(scenario, workload, policy, **overrides)
+            variant.policy = f"{policy} {json.dumps(overrides)}"
+            rows.insert(min(1 + i, len(rows)), variant)
         slo = f"TTFT <= {scenario.slo.ttft_s:g} s"
         a = scenario.autoscale
         table(
