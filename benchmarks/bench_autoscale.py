@@ -82,6 +82,10 @@ def run(scenario: Scenario, workload: Workload, policy: str, **overrides: Any) -
     )
 
 
+def seeded(scenario: Scenario, seed: int | None) -> Scenario:
+    return scenario if seed is None else scenario.model_copy(update={"seed": seed})
+
+
 def static_peak(scenario: Scenario, workload: Workload, goal: float) -> Row:
     """The fewest static replicas meeting `goal` attainment (bisection; attainment grows with the fleet)."""
     assert scenario.autoscale is not None
@@ -143,6 +147,7 @@ def main() -> None:
         default="shoal,hpa,keda",
         help="comma-separated autoscalers to run beside static peak (default shoal,hpa,keda); '' for none",
     )
+    parser.add_argument("--seed", type=int, help="the scenarios' seed (arrivals of servegen traces, policies' draws)")
     parser.add_argument("--servegen-model", help="the curve's model column (scenario 09: m-large)")
     parser.add_argument("--servegen-day", type=int, help="day of the curve (scenario 09: 0)")
     parser.add_argument("--servegen-compress", type=float, help="time compression (scenario 09: 48)")
@@ -154,10 +159,10 @@ def main() -> None:
 
     experiments: list[tuple[str, Scenario, Workload]] = []
     if args.workload in ("azure", "both"):
-        scenario = load_scenario(SCENARIOS / "08_autoscale_azure_code.yaml")
+        scenario = seeded(load_scenario(SCENARIOS / "08_autoscale_azure_code.yaml"), args.seed)
         experiments.append(("(a) Azure code trace, bursty, 1 h", scenario, build_workload(scenario)))
     if args.workload in ("servegen", "both"):
-        scenario = load_scenario(SCENARIOS / "09_autoscale_servegen_diurnal.yaml")
+        scenario = seeded(load_scenario(SCENARIOS / "09_autoscale_servegen_diurnal.yaml"), args.seed)
         assert isinstance(scenario.trace, ServeGenTraceConfig)
         flags = {
             "model": args.servegen_model,
@@ -179,7 +184,7 @@ def main() -> None:
         experiments.append((title, scenario, workload))
 
     if args.workload == "servegen-day":
-        scenario = load_scenario(SCENARIOS / "13_autoscale_servegen_day.yaml")
+        scenario = seeded(load_scenario(SCENARIOS / "13_autoscale_servegen_day.yaml"), args.seed)
         workload = build_workload(scenario)
         assert isinstance(workload, ServeGenWorkload)
         title = (
