@@ -10,7 +10,7 @@ equal attainment.
 
     .venv/bin/python benchmarks/bench_autoscale.py                      # both workloads, ~3 min of one core
     .venv/bin/python benchmarks/bench_autoscale.py --workload azure --static-replicas 11   # skip the search
-    .venv/bin/python benchmarks/bench_autoscale.py --workload azure --static-replicas 11 \
+    .venv/bin/python benchmarks/bench_autoscale.py --workload azure --static-replicas 11 --policies '' \
         --shoal-variant '{"min_replicas": 6, "shoal": {"scale_down": {"stabilization_window_s": 900}}}'
 
 Attainment is TTFT-only: requests with TTFT <= the scenario's `slo.ttft_s`, over all requests (rejected ones
@@ -49,10 +49,18 @@ class Row:
     reasons: dict[str, int]
 
 
+def merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `overrides` laid over it, mappings merged key by key."""
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def run(scenario: Scenario, workload: Workload, policy: str, **overrides: Any) -> Row:
     assert scenario.autoscale is not None
-    autoscale = scenario.autoscale.model_copy(update={"policy": policy, **overrides})
-    scn = scenario.model_copy(update={"autoscale": AutoscaleConfig.model_validate(autoscale.model_dump())})
+    autoscale = AutoscaleConfig.model_validate(merged(scenario.autoscale.model_dump(), {"policy": policy, **overrides}))
+    scn = scenario.model_copy(update={"autoscale": autoscale})
     started = time.process_time()
     simulation = Simulation(scn, scn.policies[0], workload)
     result = simulation.run()
@@ -72,6 +80,10 @@ def run(scenario: Scenario, workload: Workload, policy: str, **overrides: Any) -
         cpu_s=time.process_time() - started,
         reasons=reasons,
     )
+
+
+def seeded(scenario: Scenario, seed: int | None) -> Scenario:
+    return scenario if seed is None else scenario.model_copy(update={"seed": seed})
 
 
 def static_peak(scenario: Scenario, workload: Workload, goal: float) -> Row:
@@ -95,7 +107,7 @@ def table(title: str, rows: list[Row], static: Row, goal: float) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         print(
-            f"| {row.policy} | {row.replica_seconds:.0f} | {100 * row.replica_seconds / static.replica_seconds:.0f}% "
+            f"| {row.policy} | {row.replica_seconds:.0f} | {100 * row.replica_seconds / static.replica_seconds:.1f}% "
             f"| {100 * row.attainment:.2f}% | {row.ttft_p50_s:.2f} | {row.ttft_p99_s:.2f} | {row.max_replicas} "
             f"| {row.mean_replicas:.1f} |"
         )
@@ -123,20 +135,34 @@ def main() -> None:
     parser.add_argument("--attainment", type=float, default=0.99, help="the goal's SLO attainment")
     parser.add_argument("--static-replicas", type=int, help="static peak fleet; default: searched")
     parser.add_argument(
-        "--shoal-variant", type=json.loads, help="JSON overrides of the `autoscale` section: one more shoal row"
+        "--shoal-variant",
+        type=json.loads,
+        action="append",
+        default=[],
+        help="JSON merged into the scenario's `autoscale` section (mappings key by key): one more row, shoal unless "
+        "it sets `policy`; repeatable",
     )
+    parser.add_argument(
+        "--policies",
+        default="shoal,hpa,keda",
+        help="comma-separated autoscalers to run beside static peak (default shoal,hpa,keda); '' for none",
+    )
+    parser.add_argument("--seed", type=int, help="the scenarios' seed (arrivals of servegen traces, policies' draws)")
     parser.add_argument("--servegen-model", help="the curve's model column (scenario 09: m-large)")
     parser.add_argument("--servegen-day", type=int, help="day of the curve (scenario 09: 0)")
     parser.add_argument("--servegen-compress", type=float, help="time compression (scenario 09: 48)")
     parser.add_argument("--servegen-peak-rate", type=float, help="req/s at the curve's peak (scenario 09: 40)")
     args = parser.parse_args()
+    policies = [p for p in args.policies.split(",") if p]
+    if unknown := set(policies) - {"shoal", "hpa", "keda"}:
+        parser.error(f"--policies: unknown {sorted(unknown)}")
 
     experiments: list[tuple[str, Scenario, Workload]] = []
     if args.workload in ("azure", "both"):
-        scenario = load_scenario(SCENARIOS / "08_autoscale_azure_code.yaml")
+        scenario = seeded(load_scenario(SCENARIOS / "08_autoscale_azure_code.yaml"), args.seed)
         experiments.append(("(a) Azure code trace, bursty, 1 h", scenario, build_workload(scenario)))
     if args.workload in ("servegen", "both"):
-        scenario = load_scenario(SCENARIOS / "09_autoscale_servegen_diurnal.yaml")
+        scenario = seeded(load_scenario(SCENARIOS / "09_autoscale_servegen_diurnal.yaml"), args.seed)
         assert isinstance(scenario.trace, ServeGenTraceConfig)
         flags = {
             "model": args.servegen_model,
@@ -158,7 +184,7 @@ def main() -> None:
         experiments.append((title, scenario, workload))
 
     if args.workload == "servegen-day":
-        scenario = load_scenario(SCENARIOS / "13_autoscale_servegen_day.yaml")
+        scenario = seeded(load_scenario(SCENARIOS / "13_autoscale_servegen_day.yaml"), args.seed)
         workload = build_workload(scenario)
         assert isinstance(workload, ServeGenWorkload)
         title = (
@@ -175,11 +201,13 @@ def main() -> None:
         else:
             static = static_peak(scenario, workload, args.attainment)
         static.policy = f"static peak ({static.max_replicas})"
-        rows = [run(scenario, workload, policy) for policy in ("shoal", "hpa", "keda")]
-        if args.shoal_variant:
-            variant = run(scenario, workload, "shoal", **args.shoal_variant)
-            variant.policy = f"shoal {json.dumps(args.shoal_variant)}"
-            rows.insert(1, variant)
+        rows = [run(scenario, workload, policy) for policy in policies]
+        for i, overrides in enumerate(args.shoal_variant):
+            overrides = dict(overrides)
+            policy = overrides.pop("policy", "shoal")
+            variant = run(scenario, workload, policy, **overrides)
+            variant.policy = f"{policy} {json.dumps(overrides)}"
+            rows.insert(min(1 + i, len(rows)), variant)
         slo = f"TTFT <= {scenario.slo.ttft_s:g} s"
         a = scenario.autoscale
         table(

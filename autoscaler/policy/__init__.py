@@ -16,6 +16,7 @@ from autoscaler.policy.baselines import (
     static_decide,
 )
 from autoscaler.policy.config import (
+    ForecastConfig,
     MetricsConfig,
     PanicConfig,
     ScaleDownConfig,
@@ -42,6 +43,7 @@ __all__ = [
     "BaselineReason",
     "Cap",
     "Demand",
+    "ForecastConfig",
     "HPAConfig",
     "KEDAConfig",
     "MetricsConfig",

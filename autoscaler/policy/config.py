@@ -59,7 +59,36 @@ class PanicConfig(_Config):
     threshold: float = Field(2.0, gt=1.0)
     """Panic when short-window demand needs at least this many times the ready replicas. Knative's default
     (200%): twice the ready capacity cannot be absorbed by queueing, and lower values make ordinary growth
-    look like a burst. Panic ends once a stable window has passed without the condition."""
+    look like a burst. Panic ends once a stable window has passed without the condition. Unlike Knative, the
+    demand is compared before rounding up to whole replicas: at a few requests per replica the rounding alone
+    reads 1.6x as 2x."""
+    noise_margin_sd: float = Field(2.5, ge=0)
+    """On the requests signal, panic also needs the short window's requests to exceed the ready replicas'
+    capacity (ready x `target_requests_per_replica`) by more than this many standard deviations of a Poisson
+    count of that mean (this x sqrt(capacity)). It binds only where that capacity is under (this / (threshold
+    - 1))^2 requests (6.25 by default: one or two replicas at a small target), where a 2x reading is often
+    noise. 2.5: at 3 requests per replica one replica's noise (3 on average) never panics in hours, while a 3x
+    burst does at any capacity from 2 requests up (6 requests on one replica of 2). 0: the threshold alone."""
+
+
+class ForecastConfig(_Config):
+    """Predictive scale-up: size the fleet on the demand expected when a replica started now is ready, carried
+    forward along the recent trend (see `autoscaler.policy.forecast`). It only ever raises the recommendation."""
+
+    enabled: bool = False
+    """Off by default: on bursty traffic a trend fitted just after a burst adds replicas that arrive once it is
+    over (on the Azure code trace, scenario 08, more replica-seconds for lower attainment), and a fleet whose cold
+    starts are short has little to gain. Turn it on for smooth curves (a diurnal day) with cold starts of minutes."""
+    window_s: float = Field(600.0, gt=0)
+    """Seconds of demand samples the trend (a least-squares slope) is fitted on; at least the stable window, so
+    the trend is less noisy than the level it extends. Ten minutes, five 120 s cold starts: at a few requests per
+    replica a shorter window fits its slope to Poisson noise (on scenario 13, 300 s added replicas that 600 s
+    did not, for less attainment per replica-second), a longer one still reports a rise that has stopped."""
+    horizon_s: float | None = Field(None, gt=0)
+    """Seconds ahead of now to forecast. Unset: `expected_start_s`, when a replica started now would serve."""
+    max_ratio: float = Field(1.5, gt=1.0)
+    """The forecast is at most this many times the measured (stable window) demand. 1.5: a trend never asks for
+    more than half again what is measured; faster rises are bursts, which panic mode sizes on its own window."""
 
 
 class ScaleToZeroConfig(_Config):
@@ -103,6 +132,13 @@ class ScalingPolicyConfig(_Config):
     """Requests (waiting plus running) one replica should carry. Demand is absolute: desired replicas =
     ceil(total requests / this). 8 is a quarter of the bundled engine's batch of 32 sequences, leaving room
     for a burst while panic mode sizes it; tune per model and GPU (vLLM on an H100 carries 32 or more)."""
+    requests_headroom_sd: float = Field(0.0, ge=0)
+    """Headroom for Poisson noise on the requests signal, in standard deviations: desired replicas =
+    ceil((requests + this x sqrt(requests)) / `target_requests_per_replica`), the square-root staffing rule.
+    Requests in flight under Poisson arrivals fluctuate around their mean by sqrt(mean), so a fixed per-replica
+    target leaves small fleets too little room and large ones more than they need; with this headroom a fleet
+    holds about the same queueing probability at every size, and the target can be closer to what a replica
+    carries at scale. 0 (off): plain `ceil(requests / target)`, the behaviour of HPA and KEDA."""
     target_prefill_backlog_tokens_per_replica: float | None = Field(None, gt=0)
     """Uncached prompt tokens waiting for prefill that one replica should carry: about its prefill rate
     (tokens/s) times the queueing delay you accept. Unset (off): it depends on the model and the GPU."""
@@ -134,6 +170,8 @@ class ScalingPolicyConfig(_Config):
     """Stabilization window and step of shrinking."""
     panic: PanicConfig = Field(default_factory=PanicConfig)
     """Burst handling (Knative's panic mode)."""
+    forecast: ForecastConfig = Field(default_factory=ForecastConfig)
+    """Predictive scale-up on the demand trend (off by default)."""
     scale_to_zero: ScaleToZeroConfig = Field(default_factory=ScaleToZeroConfig)
     """Idle fleets to zero replicas (off by default)."""
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
@@ -147,7 +185,17 @@ class ScalingPolicyConfig(_Config):
             raise ValueError(
                 f"panic.window_s ({self.panic.window_s}) must not exceed stable_window_s ({self.stable_window_s})"
             )
+        if self.forecast.enabled and self.forecast.window_s < self.stable_window_s:
+            raise ValueError(
+                f"forecast.window_s ({self.forecast.window_s}) must not be shorter than stable_window_s "
+                f"({self.stable_window_s})"
+            )
         return self
+
+    @property
+    def forecast_horizon_s(self) -> float:
+        """Seconds ahead of now that predictive scale-up forecasts demand for."""
+        return self.forecast.horizon_s if self.forecast.horizon_s is not None else self.expected_start_s
 
     @property
     def start_deadline_s(self) -> float:

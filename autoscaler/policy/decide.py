@@ -7,10 +7,16 @@ Per call:
 2. Missing or stale figures hold the current size, never lower it; after `hold_after_failures` such
    observations the decision says so and applies the fallback, if any.
 3. Demand is absolute: per signal, desired = ceil(total / per-replica target), averaged over the stable window
-   and over the short panic window; the largest signal wins.
-4. Panic (Knative) when the short window needs at least `threshold` x the ready replicas: size on the short
-   window, never below the current size, until a stable window passes without the condition.
+   and over the short panic window; the largest signal wins. The requests signal may keep a square-root
+   headroom for Poisson noise (`requests_headroom_sd`): ceil((requests + beta x sqrt(requests)) / target).
+4. Panic (Knative) when the short window needs at least `threshold` x the ready replicas (before rounding up) and,
+   on the requests signal, exceeds their capacity by more than Poisson noise (`noise_margin_sd`): size on the
+   short window, never below the current size, until a stable window passes without the condition.
 5. Otherwise size on the stable window, unless within the tolerance band of the current size.
+5b. Predictive scale-up (`forecast`, off by default): the demand forecast at now + the expected start time
+   (`forecast.py`: the stable mean carried along the recent trend) may raise the recommendation of steps 4-5
+   (window `forecast`): above the current size once past the tolerance band, else up to the current size, so a
+   rising trend also holds off a scale-down. It never lowers it.
 6. Up at once, capped by the rate policy over its period; down to the highest recommendation over the
    stabilization window, by at most the down step per period. To zero only after the idle window with nothing
    starting (the idle window is its own stabilization); from zero, any waiting request wakes the fleet.
@@ -26,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from autoscaler.policy.config import ScaleDownConfig, ScaleUpConfig, ScalingPolicyConfig
+from autoscaler.policy.forecast import forecast_demand
 from autoscaler.policy.types import (
     Action,
     Cap,
@@ -75,20 +82,26 @@ def decide(
             verdict, state, config, now=now, current=current, num_overdue=num_overdue, is_panicking=is_panicking
         )
 
-    horizon = max(config.stable_window_s, config.panic.window_s if config.panic.enabled else 0.0)
+    horizon = max(
+        config.stable_window_s,
+        config.panic.window_s if config.panic.enabled else 0.0,
+        config.forecast.window_s if config.forecast.enabled else 0.0,
+    )
     samples = (*(s for s in state.samples if s.at > now - horizon), Sample(now, demand))
     last_busy_at = now if demand.is_busy else (state.last_busy_at if state.last_busy_at is not None else now)
-    stable = _raw_desired(_mean_demand(samples, now - config.stable_window_s), observation.num_ready, config)
+    stable_mean = _mean_demand(samples, now - config.stable_window_s)
+    stable = _raw_desired(stable_mean, observation.num_ready, config)
     stable_signal, stable_raw = _largest(stable)
     stable_n = _ceil(stable_raw)
 
     panic_until = state.panic_until if state.panic_until is not None and now < state.panic_until else None
     short, short_signal, short_n = stable, stable_signal, stable_n
     if config.panic.enabled:
-        short = _raw_desired(_mean_demand(samples, now - config.panic.window_s), observation.num_ready, config)
+        short_mean = _mean_demand(samples, now - config.panic.window_s)
+        short = _raw_desired(short_mean, observation.num_ready, config)
         short_signal, short_raw = _largest(short)
         short_n = _ceil(short_raw)
-        if short_n > 0 and short_n >= config.panic.threshold * max(1, observation.num_ready):
+        if _is_burst(short_mean, short_signal, short_raw, observation.num_ready, config):
             panic_until = now + config.stable_window_s
     is_panicking = panic_until is not None
 
@@ -106,6 +119,14 @@ def decide(
         f"{_figure(_mean_demand(samples, now - window_s), signal)} over the {window} window ({window_s:.0f} s) "
         f"needs {wanted} (ready {observation.num_ready}, starting {num_starting})"
     )
+    ahead = None
+    if config.forecast.enabled:
+        ahead = _ahead(samples, stable_mean, observation.num_ready, config, now=now, current=current)
+    if ahead is not None and ahead.recommended > recommended:
+        window, signal, by_signal = Window.FORECAST, ahead.signal, ahead.by_signal
+        wanted, recommended = ahead.wanted, ahead.recommended
+        figures = f"{ahead.figures}; {figures}"
+        is_within_tolerance = False
     is_resuming = state.failed_observations > 0
     state = ScalerState(
         samples=samples,
@@ -319,9 +340,68 @@ def _mean_demand(samples: tuple[Sample, ...], since: float) -> Demand:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Ahead:
+    """What the demand forecast asks for."""
+
+    recommended: int
+    """The forecast's recommendation: `wanted` once past the tolerance band, else at most the current size."""
+    wanted: int
+    signal: Signal
+    by_signal: dict[Signal, float]
+    figures: str
+
+
+def _ahead(
+    samples: tuple[Sample, ...],
+    stable_mean: Demand,
+    num_ready: int,
+    config: ScalingPolicyConfig,
+    *,
+    now: float,
+    current: int,
+) -> _Ahead | None:
+    """Replicas for the demand forecast at now + the horizon; None without a trend yet."""
+    forecast = forecast_demand(
+        samples,
+        stable_mean,
+        config.forecast,
+        horizon_s=config.forecast_horizon_s,
+        stable_since=now - config.stable_window_s,
+        now=now,
+    )
+    if forecast is None:
+        return None
+    by_signal = _raw_desired(forecast.demand, num_ready, config)
+    signal, raw = _largest(by_signal)
+    wanted = _ceil(raw)
+    # Above the current size only past the tolerance band, as any rise; below it a rising trend can still hold
+    # off a scale-down. The caller takes it only when it raises the measured recommendation.
+    recommended = wanted if raw > current * (1.0 + config.tolerance) else min(wanted, current)
+    figures = (
+        f"{_figure(forecast.demand, signal)} forecast in {config.forecast_horizon_s:.0f} s "
+        f"(trend {60.0 * forecast.requests_per_s:+.2f} requests/min over {config.forecast.window_s:.0f} s) "
+        f"needs {wanted}"
+    )
+    return _Ahead(recommended, wanted, signal, by_signal, figures)
+
+
+def _is_burst(short: Demand, signal: Signal, desired: float, num_ready: int, config: ScalingPolicyConfig) -> bool:
+    """Panic's condition: the short window needs `threshold` x the ready replicas (unrounded), and, on the
+    requests signal, its requests exceed the ready capacity by more than the noise margin."""
+    ready = max(1, num_ready)
+    if desired <= 0 or desired < config.panic.threshold * ready - _CEIL_SLACK:
+        return False
+    if signal is not Signal.REQUESTS:
+        return True
+    capacity = ready * config.target_requests_per_replica
+    return short.requests - capacity > config.panic.noise_margin_sd * math.sqrt(capacity)
+
+
 def _raw_desired(demand: Demand, num_ready: int, config: ScalingPolicyConfig) -> dict[Signal, float]:
     """Desired replicas per configured signal, before rounding up."""
-    desired = {Signal.REQUESTS: demand.requests / config.target_requests_per_replica}
+    requests = demand.requests + config.requests_headroom_sd * math.sqrt(max(0.0, demand.requests))
+    desired = {Signal.REQUESTS: requests / config.target_requests_per_replica}
     if config.target_prefill_backlog_tokens_per_replica is not None:
         desired[Signal.PREFILL_BACKLOG] = (
             demand.prefill_backlog_tokens / config.target_prefill_backlog_tokens_per_replica

@@ -65,6 +65,8 @@ class Window(enum.StrEnum):
 
     STABLE = "stable"
     PANIC = "panic"
+    FORECAST = "forecast"
+    """The demand forecast at now + the expected start time (predictive scale-up)."""
     STABILIZATION = "stabilization"
     """The highest recommendation over the scale-down stabilization window."""
     IDLE = "idle"

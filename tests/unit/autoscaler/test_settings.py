@@ -110,6 +110,22 @@ def test_every_setting_documents_itself() -> None:
     assert "SHOAL_AUTOSCALER_METRICS__PROMETHEUS__QUERIES__TTFT_S" in text
 
 
+def test_prediction_noise_and_headroom_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    policy = AutoscalerSettings().policy
+    assert not policy.forecast.enabled and policy.requests_headroom_sd == 0 and policy.panic.noise_margin_sd == 2.5
+    monkeypatch.setenv("SHOAL_AUTOSCALER_POLICY__FORECAST__ENABLED", "true")
+    monkeypatch.setenv("SHOAL_AUTOSCALER_POLICY__FORECAST__WINDOW_S", "600")
+    monkeypatch.setenv("SHOAL_AUTOSCALER_POLICY__REQUESTS_HEADROOM_SD", "1.5")
+    monkeypatch.setenv("SHOAL_AUTOSCALER_POLICY__PANIC__NOISE_MARGIN_SD", "0")
+    policy = AutoscalerSettings().policy
+    assert policy.forecast.enabled and policy.forecast.window_s == 600
+    assert policy.forecast_horizon_s == policy.expected_start_s
+    assert policy.requests_headroom_sd == 1.5 and policy.panic.noise_margin_sd == 0
+    text = settings_help()
+    for env in ("POLICY__FORECAST__MAX_RATIO", "POLICY__REQUESTS_HEADROOM_SD", "POLICY__PANIC__NOISE_MARGIN_SD"):
+        assert f"SHOAL_AUTOSCALER_{env}" in text
+
+
 def test_prometheus_source_from_the_environment_and_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     assert AutoscalerSettings().metrics.source == "routers"
     monkeypatch.setenv("SHOAL_AUTOSCALER_METRICS__SOURCE", "prometheus")
