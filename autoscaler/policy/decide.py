@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from autoscaler.policy.config import ScaleDownConfig, ScaleUpConfig, ScalingPolicyConfig
+from autoscaler.policy.demand import ceil_replicas, describe, is_burst, largest, mean_demand, raw_desired
 from autoscaler.policy.forecast import forecast_demand
 from autoscaler.policy.types import (
     Action,
@@ -45,9 +46,6 @@ from autoscaler.policy.types import (
     Signal,
     Window,
 )
-
-# Float demand that lands a hair above an integer number of replicas (8.000000001 / 8) must not add one.
-_CEIL_SLACK = 1e-9
 
 
 def is_start_overdue(created_at: float, config: ScalingPolicyConfig, *, now: float) -> bool:
@@ -89,19 +87,19 @@ def decide(
     )
     samples = (*(s for s in state.samples if s.at > now - horizon), Sample(now, demand))
     last_busy_at = now if demand.is_busy else (state.last_busy_at if state.last_busy_at is not None else now)
-    stable_mean = _mean_demand(samples, now - config.stable_window_s)
-    stable = _raw_desired(stable_mean, observation.num_ready, config)
-    stable_signal, stable_raw = _largest(stable)
-    stable_n = _ceil(stable_raw)
+    stable_mean = mean_demand(samples, now - config.stable_window_s)
+    stable = raw_desired(stable_mean, observation.num_ready, config)
+    stable_signal, stable_raw = largest(stable)
+    stable_n = ceil_replicas(stable_raw)
 
     panic_until = state.panic_until if state.panic_until is not None and now < state.panic_until else None
     short, short_signal, short_n = stable, stable_signal, stable_n
     if config.panic.enabled:
-        short_mean = _mean_demand(samples, now - config.panic.window_s)
-        short = _raw_desired(short_mean, observation.num_ready, config)
-        short_signal, short_raw = _largest(short)
-        short_n = _ceil(short_raw)
-        if _is_burst(short_mean, short_signal, short_raw, observation.num_ready, config):
+        short_mean = mean_demand(samples, now - config.panic.window_s)
+        short = raw_desired(short_mean, observation.num_ready, config)
+        short_signal, short_raw = largest(short)
+        short_n = ceil_replicas(short_raw)
+        if is_burst(short_mean, short_signal, short_raw, observation.num_ready, config):
             panic_until = now + config.stable_window_s
     is_panicking = panic_until is not None
 
@@ -116,7 +114,7 @@ def decide(
         is_within_tolerance = current > 0 and abs(stable_raw / current - 1.0) <= config.tolerance
         recommended = current if is_within_tolerance else stable_n
     figures = (
-        f"{_figure(_mean_demand(samples, now - window_s), signal)} over the {window} window ({window_s:.0f} s) "
+        f"{describe(mean_demand(samples, now - window_s), signal)} over the {window} window ({window_s:.0f} s) "
         f"needs {wanted} (ready {observation.num_ready}, starting {num_starting})"
     )
     ahead = None
@@ -177,7 +175,7 @@ def decide(
         num_overdue=num_overdue,
         is_panicking=is_panicking,
         signal=signal,
-        desired_by_signal={s: _ceil(v) for s, v in by_signal.items()},
+        desired_by_signal={s: ceil_replicas(v) for s, v in by_signal.items()},
     )
 
 
@@ -325,21 +323,6 @@ def _down_limit(current: int, steps: tuple[tuple[float, int], ...], rule: ScaleD
     return max(0, start - max(rule.max_replicas, math.ceil(start * rule.max_percent / 100.0)))
 
 
-def _mean_demand(samples: tuple[Sample, ...], since: float) -> Demand:
-    """The mean of each figure over the samples after `since` (the last sample is always included)."""
-    window = [s.demand for s in samples if s.at > since] or [samples[-1].demand]
-    kv = [d.kv_usage for d in window if d.kv_usage is not None]
-    ttft = [d.ttft_s for d in window if d.ttft_s is not None]
-    n = len(window)
-    return Demand(
-        requests=sum(d.requests for d in window) / n,
-        waiting=sum(d.waiting for d in window) / n,
-        prefill_backlog_tokens=sum(d.prefill_backlog_tokens for d in window) / n,
-        kv_usage=sum(kv) / len(kv) if kv else None,
-        ttft_s=sum(ttft) / len(ttft) if ttft else None,
-    )
-
-
 @dataclass(frozen=True, slots=True)
 class _Ahead:
     """What the demand forecast asks for."""
@@ -372,65 +355,15 @@ def _ahead(
     )
     if forecast is None:
         return None
-    by_signal = _raw_desired(forecast.demand, num_ready, config)
-    signal, raw = _largest(by_signal)
-    wanted = _ceil(raw)
+    by_signal = raw_desired(forecast.demand, num_ready, config)
+    signal, raw = largest(by_signal)
+    wanted = ceil_replicas(raw)
     # Above the current size only past the tolerance band, as any rise; below it a rising trend can still hold
     # off a scale-down. The caller takes it only when it raises the measured recommendation.
     recommended = wanted if raw > current * (1.0 + config.tolerance) else min(wanted, current)
     figures = (
-        f"{_figure(forecast.demand, signal)} forecast in {config.forecast_horizon_s:.0f} s "
+        f"{describe(forecast.demand, signal)} forecast in {config.forecast_horizon_s:.0f} s "
         f"(trend {60.0 * forecast.requests_per_s:+.2f} requests/min over {config.forecast.window_s:.0f} s) "
         f"needs {wanted}"
     )
     return _Ahead(recommended, wanted, signal, by_signal, figures)
-
-
-def _is_burst(short: Demand, signal: Signal, desired: float, num_ready: int, config: ScalingPolicyConfig) -> bool:
-    """Panic's condition: the short window needs `threshold` x the ready replicas (unrounded), and, on the
-    requests signal, its requests exceed the ready capacity by more than the noise margin."""
-    ready = max(1, num_ready)
-    if desired <= 0 or desired < config.panic.threshold * ready - _CEIL_SLACK:
-        return False
-    if signal is not Signal.REQUESTS:
-        return True
-    capacity = ready * config.target_requests_per_replica
-    return short.requests - capacity > config.panic.noise_margin_sd * math.sqrt(capacity)
-
-
-def _raw_desired(demand: Demand, num_ready: int, config: ScalingPolicyConfig) -> dict[Signal, float]:
-    """Desired replicas per configured signal, before rounding up."""
-    requests = demand.requests + config.requests_headroom_sd * math.sqrt(max(0.0, demand.requests))
-    desired = {Signal.REQUESTS: requests / config.target_requests_per_replica}
-    if config.target_prefill_backlog_tokens_per_replica is not None:
-        desired[Signal.PREFILL_BACKLOG] = (
-            demand.prefill_backlog_tokens / config.target_prefill_backlog_tokens_per_replica
-        )
-    if config.target_kv_usage_per_replica is not None and demand.kv_usage is not None:
-        desired[Signal.KV_USAGE] = demand.kv_usage / config.target_kv_usage_per_replica
-    if config.target_ttft_s is not None and demand.ttft_s is not None:
-        desired[Signal.TTFT] = num_ready * demand.ttft_s / config.target_ttft_s
-    return desired
-
-
-def _figure(mean: Demand, signal: Signal) -> str:
-    if signal is Signal.REQUESTS:
-        return f"{mean.requests:.1f} requests"
-    if signal is Signal.PREFILL_BACKLOG:
-        return f"{mean.prefill_backlog_tokens:.0f} prefill backlog tokens"
-    if signal is Signal.KV_USAGE:
-        return f"{mean.kv_usage or 0.0:.2f} summed KV usage"
-    return f"{mean.ttft_s or 0.0:.2f} s TTFT"
-
-
-def _largest(desired: Mapping[Signal, float]) -> tuple[Signal, float]:
-    """The signal that needs the most replicas; ties go to the earlier signal (requests first)."""
-    best = Signal.REQUESTS
-    for signal, value in desired.items():
-        if value > desired[best]:
-            best = signal
-    return best, desired[best]
-
-
-def _ceil(replicas: float) -> int:
-    return max(0, math.ceil(replicas - _CEIL_SLACK))

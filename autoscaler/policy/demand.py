@@ -1,0 +1,78 @@
+"""Demand in replicas: the figures `decide` reads from the samples, and the replicas each signal asks for."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from autoscaler.policy.config import ScalingPolicyConfig
+from autoscaler.policy.types import Demand, Sample, Signal
+
+CEIL_SLACK = 1e-9
+"""Float demand that lands a hair above an integer number of replicas (8.000000001 / 8) must not add one."""
+
+
+def mean_demand(samples: tuple[Sample, ...], since: float) -> Demand:
+    """The mean of each figure over the samples after `since` (the last sample is always included)."""
+    window = [s.demand for s in samples if s.at > since] or [samples[-1].demand]
+    kv = [d.kv_usage for d in window if d.kv_usage is not None]
+    ttft = [d.ttft_s for d in window if d.ttft_s is not None]
+    n = len(window)
+    return Demand(
+        requests=sum(d.requests for d in window) / n,
+        waiting=sum(d.waiting for d in window) / n,
+        prefill_backlog_tokens=sum(d.prefill_backlog_tokens for d in window) / n,
+        kv_usage=sum(kv) / len(kv) if kv else None,
+        ttft_s=sum(ttft) / len(ttft) if ttft else None,
+    )
+
+
+def is_burst(short: Demand, signal: Signal, desired: float, num_ready: int, config: ScalingPolicyConfig) -> bool:
+    """Panic's condition: the short window needs `threshold` x the ready replicas (unrounded), and, on the
+    requests signal, its requests exceed the ready capacity by more than the noise margin."""
+    ready = max(1, num_ready)
+    if desired <= 0 or desired < config.panic.threshold * ready - CEIL_SLACK:
+        return False
+    if signal is not Signal.REQUESTS:
+        return True
+    capacity = ready * config.target_requests_per_replica
+    return short.requests - capacity > config.panic.noise_margin_sd * math.sqrt(capacity)
+
+
+def raw_desired(demand: Demand, num_ready: int, config: ScalingPolicyConfig) -> dict[Signal, float]:
+    """Desired replicas per configured signal, before rounding up."""
+    requests = demand.requests + config.requests_headroom_sd * math.sqrt(max(0.0, demand.requests))
+    desired = {Signal.REQUESTS: requests / config.target_requests_per_replica}
+    if config.target_prefill_backlog_tokens_per_replica is not None:
+        desired[Signal.PREFILL_BACKLOG] = (
+            demand.prefill_backlog_tokens / config.target_prefill_backlog_tokens_per_replica
+        )
+    if config.target_kv_usage_per_replica is not None and demand.kv_usage is not None:
+        desired[Signal.KV_USAGE] = demand.kv_usage / config.target_kv_usage_per_replica
+    if config.target_ttft_s is not None and demand.ttft_s is not None:
+        desired[Signal.TTFT] = num_ready * demand.ttft_s / config.target_ttft_s
+    return desired
+
+
+def describe(mean: Demand, signal: Signal) -> str:
+    """The figure of `signal` in `mean`, for a decision's reason."""
+    if signal is Signal.REQUESTS:
+        return f"{mean.requests:.1f} requests"
+    if signal is Signal.PREFILL_BACKLOG:
+        return f"{mean.prefill_backlog_tokens:.0f} prefill backlog tokens"
+    if signal is Signal.KV_USAGE:
+        return f"{mean.kv_usage or 0.0:.2f} summed KV usage"
+    return f"{mean.ttft_s or 0.0:.2f} s TTFT"
+
+
+def largest(desired: Mapping[Signal, float]) -> tuple[Signal, float]:
+    """The signal that needs the most replicas; ties go to the earlier signal (requests first)."""
+    best = Signal.REQUESTS
+    for signal, value in desired.items():
+        if value > desired[best]:
+            best = signal
+    return best, desired[best]
+
+
+def ceil_replicas(replicas: float) -> int:
+    return max(0, math.ceil(replicas - CEIL_SLACK))
