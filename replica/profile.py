@@ -14,6 +14,7 @@ Each point is repeated and the median kept (the spread is written too), after wa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import random
@@ -28,7 +29,7 @@ from typing import Any, Literal
 
 import torch
 
-from replica.engine.engine import EngineConfig, LLMEngine
+from replica.engine.engine import LLMEngine
 from replica.engine.sampling import SamplingParams
 
 PROFILE_KIND = "shoal-replica-profile"
@@ -251,7 +252,6 @@ def run_profile(settings: Any, *, out: Path, grid: ProfileGrid, threads: int | N
     """Load the model `settings` (a ReplicaSettings) names, profile an engine configured as `shoal replica` would
     serve it, and write the JSON to `out`."""
     from replica.server.serve import load_for_serving
-    from router.policy.hashing import namespace_seed
 
     if threads:
         torch.set_num_threads(threads)
@@ -259,16 +259,8 @@ def run_profile(settings: Any, *, out: Path, grid: ProfileGrid, threads: int | N
     from replica.model.model import MoEForCausalLM
 
     assert isinstance(model, MoEForCausalLM)
-    config = EngineConfig(
-        num_blocks=settings.num_blocks,
-        block_size=settings.block_size,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_model_len=settings.max_model_len,
-        enable_prefix_caching=True,
-        hash_seed=namespace_seed(settings.model_name),
-        seed=settings.seed,
-    )
+    # Prefix caching on whatever the settings say: the grid times steps after cached prefixes.
+    config = dataclasses.replace(settings.engine_config(), enable_prefix_caching=True)
     engine = LLMEngine(model, config)
     started = time.perf_counter()
     samples = Profiler(engine, seed=seed, progress=lambda line: print(line, file=sys.stderr, flush=True)).run(grid)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import (
@@ -17,6 +17,10 @@ from pydantic_settings import (
 )
 
 Quantization = Literal["none", "nvfp4", "nvfp4-w4a4"]
+
+
+if TYPE_CHECKING:
+    from replica.engine.engine import EngineConfig
 
 
 class ReplicaSettings(BaseSettings):
@@ -100,3 +104,19 @@ class ReplicaSettings(BaseSettings):
         if self.served_model_name:
             return self.served_model_name
         return "shoal-demo" if self.model == "demo" else Path(self.model).resolve().name
+
+    def engine_config(self) -> EngineConfig:
+        """The engine these settings describe (imported here: the settings load without torch)."""
+        from replica.engine.engine import EngineConfig
+        from router.policy.hashing import namespace_seed
+
+        return EngineConfig(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
+            hash_seed=namespace_seed(self.model_name),
+            seed=self.seed,
+        )

@@ -21,7 +21,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from replica.engine.engine import EngineConfig, LLMEngine, RequestError, RequestOutput, StepResult
+from replica.engine.engine import LLMEngine, RequestError, RequestOutput, StepResult
 from replica.model.model import MoEForCausalLM
 from replica.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from replica.server.kv_events import KVEventHub
@@ -336,18 +336,7 @@ async def kv_events(request: web.Request) -> web.StreamResponse:
 
 def create_app(settings: ReplicaSettings, model: MoEForCausalLM, tokenizer: Tokenizer) -> web.Application:
     model_name = settings.model_name
-    from router.policy.hashing import namespace_seed
-
-    config = EngineConfig(
-        num_blocks=settings.num_blocks,
-        block_size=settings.block_size,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_model_len=settings.max_model_len,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        hash_seed=namespace_seed(model_name),
-        seed=settings.seed,
-    )
+    config = settings.engine_config()
     engine = LLMEngine(model, config, eos_token_ids=tokenizer.eos_token_ids)
     metrics_ = ReplicaMetrics(model_name)
     metrics_.cache_config.labels(model_name, str(settings.block_size), str(settings.num_blocks)).set(1)

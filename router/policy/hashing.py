@@ -292,7 +292,7 @@ class PromptChain:
 
     def complete(self) -> list[int]:
         """`hashes`, all of them."""
-        return self._run(None) if len(self.hashes) < self.num_blocks else self.hashes
+        return self.hashes if self.is_complete else self._run(None)
 
     def _need(self, num_bytes: int) -> None:
         """Pack token ids until `_data` holds `num_bytes`, and no more: a decision may need only a few chunks."""

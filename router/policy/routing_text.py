@@ -154,8 +154,9 @@ def completion_routing_key(body: dict[str, Any]) -> RoutingKey:
         first = prompt[0]
         if all(isinstance(p, str) for p in prompt):
             return RoutingKey(text=first.encode())
-        if all(_packed_token_list(p) is not None for p in prompt):
-            return completion_routing_key({"prompt": first})
+        packed_prompts = [_packed_token_list(p) for p in prompt]
+        if None not in packed_prompts:
+            return RoutingKey(token_ids=first, packed=packed_prompts[0])
     raise RoutingInputError(
         "'prompt' must be a string, an array of strings, an array of token ids or an array of such arrays",
         "prompt",

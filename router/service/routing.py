@@ -43,16 +43,20 @@ from router.service.settings import RouterSettings
 class Prepared:
     """A request's routing inputs, computed once and reused across retries."""
 
-    hashes: list[int]
+    chain: PromptChain
+    """The routing key's block hashes: `prepare` hashes what a decision needs, `commit` the rest."""
     prompt_tokens: int
     tokens_per_block: float
     model: str | None
     session_key: str | None
     max_output_tokens: int | None
-    chain: PromptChain
-    """Computes the rest of `hashes` (the same list) for the index's record."""
     is_tokens: bool = False
     """Hashed over token ids (token mode), the units engines' KV events name."""
+
+    @property
+    def hashes(self) -> list[int]:
+        """The block hashes computed so far (all of them once committed)."""
+        return self.chain.hashes
 
 
 @dataclass(slots=True)
@@ -100,27 +104,16 @@ class RoutingCore:
             chain = self._memo.chain_tokens(
                 key.token_ids, seed, h.token_block_size, max_blocks=h.max_blocks, packed=key.packed
             )
+            chain.prefix(self.index.holds)
             return Prepared(
-                chain.prefix(self.index.holds),
-                len(key.token_ids),
-                float(h.token_block_size),
-                model,
-                session_key,
-                max_output_tokens,
-                chain,
-                is_tokens=True,
+                chain, len(key.token_ids), float(h.token_block_size), model, session_key, max_output_tokens, True
             )
         text = key.text or b""
         chain = self._memo.chain_text(text, seed, h.text_block_size, max_blocks=h.max_blocks)
+        chain.prefix(self.index.holds)
         prompt_tokens = math.ceil(len(text) / h.bytes_per_token)
         return Prepared(
-            chain.prefix(self.index.holds),
-            prompt_tokens,
-            h.text_block_size / h.bytes_per_token,
-            model,
-            session_key,
-            max_output_tokens,
-            chain,
+            chain, prompt_tokens, h.text_block_size / h.bytes_per_token, model, session_key, max_output_tokens
         )
 
     def choose(self, prepared: Prepared, exclude: Sequence[str], now: float) -> Decision | None:

@@ -33,10 +33,12 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import attrs
 import kmock
+import pytest
 from kubernetes import client as k8s
 
 DEPLOYMENTS = kmock.resource("apps", "v1", "deployments")
@@ -478,3 +480,18 @@ def api_client_for(api: KubeApi, user_agent: str = "shoal-tests") -> k8s.ApiClie
     api_client = k8s.ApiClient(configuration)
     api_client.user_agent = user_agent
     return api_client
+
+
+def use_kubeconfig(api: KubeApi, path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Write a kubeconfig at `path` whose current context is `api`, and point this process (and its children)
+    at it, out of any in-cluster configuration."""
+    path.write_text(
+        "apiVersion: v1\nkind: Config\n"
+        f"clusters: [{{name: kmock, cluster: {{server: '{str(api.url).rstrip('/')}'}}}}]\n"
+        "users: [{name: tester, user: {token: test-token}}]\n"
+        "contexts: [{name: kmock, context: {cluster: kmock, user: tester}}]\n"
+        "current-context: kmock\n"
+    )
+    monkeypatch.setenv("KUBECONFIG", str(path))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    return path

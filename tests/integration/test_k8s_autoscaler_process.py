@@ -29,7 +29,15 @@ from autoscaler.actuators.kubernetes import DELETION_COST, VICTIM_COST
 from router.service.settings import DiscoverySettings
 from tests.fakes import FakeReplica, FakeReplicaConfig
 from tests.integration.conftest import ADMIN_TOKEN, MODEL, RouterHandle, StartRouter, eventually, unique_text
-from tests.integration.kmock_support import DEPLOYMENTS, ENDPOINT_SLICES, LEASES, PODS, KubeApi, running_kube_api
+from tests.integration.kmock_support import (
+    DEPLOYMENTS,
+    ENDPOINT_SLICES,
+    LEASES,
+    PODS,
+    KubeApi,
+    running_kube_api,
+    use_kubeconfig,
+)
 from tests.integration.ports import free_ports
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -158,17 +166,7 @@ async def kube_api() -> AsyncIterator[KubeApi]:
 @pytest.fixture
 def kubeconfig(kube_api: KubeApi, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """kmock as the current context, for the router in this process and the autoscaler process alike."""
-    path = tmp_path / "kubeconfig"
-    path.write_text(
-        "apiVersion: v1\nkind: Config\n"
-        f"clusters: [{{name: kmock, cluster: {{server: '{str(kube_api.url).rstrip('/')}'}}}}]\n"
-        "users: [{name: tester, user: {token: test-token}}]\n"
-        "contexts: [{name: kmock, context: {cluster: kmock, user: tester}}]\n"
-        "current-context: kmock\n"
-    )
-    monkeypatch.setenv("KUBECONFIG", str(path))
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    return path
+    return use_kubeconfig(kube_api, tmp_path / "kubeconfig", monkeypatch)
 
 
 def autoscaler_config(path: Path, *, replica_port: int, metrics_port: int) -> Path:

@@ -16,7 +16,7 @@ import pytest
 from router.service.settings import DiscoverySettings
 from tests.fakes import FakeReplica, FakeReplicaConfig
 from tests.integration.conftest import RouterHandle, StartRouter, eventually, unique_text
-from tests.integration.kmock_support import ENDPOINT_SLICES, KubeApi, running_kube_api
+from tests.integration.kmock_support import ENDPOINT_SLICES, KubeApi, running_kube_api, use_kubeconfig
 
 pytestmark = pytest.mark.integration
 
@@ -49,17 +49,7 @@ async def pods() -> AsyncIterator[dict[str, FakeReplica]]:
 
 @pytest.fixture
 def kubeconfig(kube_api: KubeApi, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "kubeconfig"
-    path.write_text(
-        "apiVersion: v1\nkind: Config\n"
-        f"clusters: [{{name: kmock, cluster: {{server: '{str(kube_api.url).rstrip('/')}'}}}}]\n"
-        "users: [{name: tester, user: {token: test-token}}]\n"
-        "contexts: [{name: kmock, context: {cluster: kmock, user: tester}}]\n"
-        "current-context: kmock\n"
-    )
-    monkeypatch.setenv("KUBECONFIG", str(path))
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    return path
+    return use_kubeconfig(kube_api, tmp_path / "kubeconfig", monkeypatch)
 
 
 def endpoint(fake: FakeReplica, state: str) -> dict[str, Any]:
