@@ -19,8 +19,8 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
@@ -28,6 +28,7 @@ from multidict import CIMultiDict
 
 from router.policy.routing_text import RoutingInputError, RoutingKey, chat_routing_key, completion_routing_key
 from router.service.errors import error_response, sse_error_event
+from router.service.front import FrontRequest, FrontStream
 from router.service.metrics import RouterMetrics
 from router.service.pool import Replica, ReplicaPool
 from router.service.routing import Prepared, RoutingCore, Ticket
@@ -64,6 +65,54 @@ _RESPONSE_DROP = _HOP_BY_HOP
 _DECODER = json.JSONDecoder()
 _RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 _ROUTED_PATHS = {"/v1/completions": completion_routing_key, "/v1/chat/completions": chat_routing_key}
+
+
+class _Stream(Protocol):
+    """A streamed answer being written: aiohttp's prepared `web.StreamResponse`, or the front's `FrontStream`."""
+
+    @property
+    def status(self) -> int: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def write_eof(self) -> None: ...
+
+
+class _Inbound(Protocol):
+    """A request being proxied: what the proxy reads of it, and how it starts a streamed answer."""
+
+    @property
+    def method(self) -> str: ...
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def path_qs(self) -> str: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    async def start_stream(self, status: int, headers: CIMultiDict[str]) -> _Stream: ...
+
+
+class _AiohttpInbound:
+    """A request aiohttp's server parsed: its answer stream is a `web.StreamResponse`, prepared on it."""
+
+    __slots__ = ("headers", "method", "path", "path_qs", "request", "response")
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.method = request.method
+        self.path = request.path
+        self.path_qs = request.path_qs
+        self.headers = request.headers
+        self.response: web.StreamResponse | None = None
+
+    async def start_stream(self, status: int, headers: CIMultiDict[str]) -> _Stream:
+        response = self.response = web.StreamResponse(status=status, headers=headers)
+        await response.prepare(self.request)
+        return response
 
 
 class _Retry(Exception):
@@ -111,10 +160,31 @@ class Proxy:
 
     async def handle_routed(self, request: web.Request) -> web.StreamResponse:
         started = self._clock()
-        parsed = await self._read_json(request)
-        if isinstance(parsed, web.Response):
-            return parsed
-        body, raw = parsed
+        if request.content_type != "application/json":
+            return _wrong_content_type(request.content_type)
+        raw = await self._read_body(request)
+        if isinstance(raw, web.Response):
+            return raw
+        inbound = _AiohttpInbound(request)
+        answer = await self._route_json(inbound, raw, started)
+        return _aiohttp_answer(inbound, answer)
+
+    async def handle_front(self, request: FrontRequest, raw: bytes) -> web.StreamResponse | FrontStream:
+        """A routed request the front parsed, its body read: a whole answer to write, or the stream it wrote."""
+        started = self._clock()
+        if request.content_type != "application/json":
+            return _wrong_content_type(request.content_type)
+        answer = await self._route_json(request, raw, started)
+        assert isinstance(answer, (web.StreamResponse, FrontStream))  # its streams are the front's
+        return answer
+
+    async def _route_json(self, request: _Inbound, raw: bytes, started: float) -> web.StreamResponse | _Stream:
+        try:
+            body = orjson.loads(raw)
+        except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep for the decoder
+            return error_response(400, f"request body is not valid JSON: {exc}", code="invalid_json")
+        if not isinstance(body, dict):
+            return error_response(400, "request body must be a JSON object", code="invalid_json")
         try:
             key = _ROUTED_PATHS[request.path](body)
         except RoutingInputError as exc:
@@ -138,9 +208,11 @@ class Proxy:
                     return error_response(400, "request body is not valid JSON", code="invalid_json")
                 if isinstance(decoded, dict):
                     body = decoded
-        return await self._route_and_forward(request, body, raw, RoutingKey(text=b""), started)
+        inbound = _AiohttpInbound(request)
+        answer = await self._route_and_forward(inbound, body, raw, RoutingKey(text=b""), started)
+        return _aiohttp_answer(inbound, answer)
 
-    async def handle_models(self, request: web.Request) -> web.Response:
+    async def handle_models(self, request: web.Request | FrontRequest) -> web.Response:
         seen: dict[str, dict[str, Any]] = {}
         for replica in self.pool:
             if replica.is_healthy:
@@ -170,27 +242,11 @@ class Proxy:
                 408, f"request body not received within {limits.body_read_timeout_s} s", code="request_timeout"
             )
 
-    async def _read_json(self, request: web.Request) -> tuple[dict[str, Any], bytes] | web.Response:
-        if request.content_type != "application/json":
-            return error_response(
-                400, f"Content-Type must be application/json, got {request.content_type!r}", code="invalid_content_type"
-            )
-        raw = await self._read_body(request)
-        if isinstance(raw, web.Response):
-            return raw
-        try:
-            body = orjson.loads(raw)
-        except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep for the decoder
-            return error_response(400, f"request body is not valid JSON: {exc}", code="invalid_json")
-        if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object", code="invalid_json")
-        return body, raw
-
     # --- routing and forwarding ---------------------------------------------------------------------------
 
     async def _route_and_forward(
-        self, request: web.Request, body: dict[str, Any], raw: bytes, key: RoutingKey, started: float
-    ) -> web.StreamResponse:
+        self, request: _Inbound, body: dict[str, Any], raw: bytes, key: RoutingKey, started: float
+    ) -> web.StreamResponse | _Stream:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             return error_response(400, "'model' must be a string", param="model")
@@ -264,7 +320,7 @@ class Proxy:
             self.metrics.held_requests -= 1
         return True
 
-    def _give_up(self, request: web.Request, failure: _Retry | None, tried: list[str], started: float) -> web.Response:
+    def _give_up(self, request: _Inbound, failure: _Retry | None, tried: list[str], started: float) -> web.Response:
         branch = "none"
         if failure is not None and failure.status is not None:
             # Every attempt got a 5xx: pass the last replica's answer on as it was.
@@ -282,12 +338,12 @@ class Proxy:
 
     async def _attempt(
         self,
-        request: web.Request,
+        request: _Inbound,
         ticket: Ticket,
         headers: list[tuple[str, str]],
         raw: bytes,
         on_sent: Callable[[], object],
-    ) -> web.StreamResponse:
+    ) -> web.StreamResponse | _Stream:
         replica = ticket.replica
         limits = self.settings.limits
         deadline = ticket.started + limits.request_timeout_s
@@ -314,9 +370,9 @@ class Proxy:
                 return await self._relay_stream(request, ticket, upstream, deadline)
             self._first_byte(ticket, is_stream=False)
             self._observe_cached_tokens(upstream, body)
-            response = web.Response(status=upstream.status, body=body, headers=_response_headers(upstream))
-            self._tag(response, ticket, upstream.status)
-            return response
+            answer_headers = _response_headers(upstream)
+            self._tag(answer_headers, ticket, upstream.status)
+            return web.Response(status=upstream.status, body=body, headers=answer_headers)
         except UpstreamConnectError as exc:
             if replica.mark_unreachable(str(exc)):
                 log.warning("replica %s unreachable, out of rotation: %s", replica.id, exc)
@@ -337,10 +393,10 @@ class Proxy:
                 upstream.close()  # back to the pool when complete; otherwise aborted, which stops the replica
 
     async def _relay_stream(
-        self, request: web.Request, ticket: Ticket, upstream: UpstreamResponse, deadline: float
-    ) -> web.StreamResponse:
-        response = web.StreamResponse(status=upstream.status, headers=_response_headers(upstream))
-        self._tag(response, ticket, upstream.status)
+        self, request: _Inbound, ticket: Ticket, upstream: UpstreamResponse, deadline: float
+    ) -> _Stream:
+        headers = _response_headers(upstream)
+        self._tag(headers, ticket, upstream.status)
         chunks = upstream.iter_chunks()
         # Wait for the first chunk before answering: a replica that dies before it can still be retried.
         try:
@@ -353,7 +409,7 @@ class Proxy:
             self._request_failed(ticket, str(exc) or type(exc).__name__)
             raise _Retry("disconnected") from exc
         self._first_byte(ticket, is_stream=True)
-        await response.prepare(request)
+        response = await request.start_stream(upstream.status, headers)
         try:
             if first:
                 await response.write(first)
@@ -389,10 +445,10 @@ class Proxy:
         if ticket.replica.request_failed(self.settings.breaker, self._clock(), error):
             log.warning("circuit opened for replica %s after repeated failures: %s", ticket.replica.id, error)
 
-    def _tag(self, response: web.StreamResponse, ticket: Ticket, status: int) -> None:
+    def _tag(self, headers: CIMultiDict[str], ticket: Ticket, status: int) -> None:
         decision = ticket.decision
-        response.headers["x-shoal-replica"] = ticket.replica.id
-        response.headers["x-shoal-route-branch"] = decision.branch.value
+        headers["x-shoal-replica"] = ticket.replica.id
+        headers["x-shoal-route-branch"] = decision.branch.value
         self.metrics.requests.inc((str(status), decision.branch.value, ticket.replica.id))
         if decision.predicted_cached_tokens:
             self.metrics.predicted_cached_tokens.inc(amount=decision.predicted_cached_tokens)
@@ -420,7 +476,7 @@ class Proxy:
 
     def _log(
         self,
-        request: web.Request,
+        request: _Inbound,
         ticket: Ticket,
         prepared: Prepared,
         status: int,
@@ -446,7 +502,7 @@ class Proxy:
 
     def _log_line(
         self,
-        request: web.Request,
+        request: _Inbound,
         status: int,
         replica: str,
         branch: str,
@@ -468,6 +524,20 @@ class Proxy:
             **extra,
         }
         request_log.info(json.dumps(record))
+
+
+def _aiohttp_answer(inbound: _AiohttpInbound, answer: web.StreamResponse | _Stream) -> web.StreamResponse:
+    """What an aiohttp handler returns: the whole answer, or the stream it prepared and wrote."""
+    if inbound.response is not None:
+        return inbound.response
+    assert isinstance(answer, web.StreamResponse)
+    return answer
+
+
+def _wrong_content_type(content_type: str) -> web.Response:
+    return error_response(
+        400, f"Content-Type must be application/json, got {content_type!r}", code="invalid_content_type"
+    )
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -1,4 +1,5 @@
-"""Running the app: uvloop where available, handler cancellation on client disconnect, graceful drain."""
+"""Running the router: uvloop where available, the front and aiohttp on one port, handler cancellation on client
+disconnect, graceful drain."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import signal
 
 from aiohttp import web
 
-from router.service.app import SHUTTING_DOWN, create_app
+from router.service.app import PROXY, SHUTTING_DOWN, create_app
+from router.service.front import FrontServer, Handler
 from router.service.settings import RouterSettings
 
 log = logging.getLogger("shoal.router")
@@ -25,25 +27,59 @@ def serve(settings: RouterSettings) -> None:
     runner(_serve(settings))
 
 
-def make_runner(app: web.Application, settings: RouterSettings) -> web.AppRunner:
-    """The runner `shoal router` uses; tests start the router through it too."""
-    return web.AppRunner(
-        app,
-        handler_cancellation=True,  # a client that goes away cancels its handler, and so the upstream request
-        access_log=None,  # the proxy logs one structured line per request itself
-        shutdown_timeout=settings.limits.shutdown_grace_s,
-        keepalive_timeout=settings.limits.keepalive_timeout_s,
-    )
+class RouterServer:
+    """The router listening on one address: the front (`router.service.front`) owns its connections and serves the
+    routed endpoints; aiohttp's runner serves the app's other endpoints on connections the front hands over."""
+
+    def __init__(self, app: web.Application, settings: RouterSettings) -> None:
+        self.app = app
+        self.settings = settings
+        self.runner = web.AppRunner(
+            app,
+            handler_cancellation=True,  # a client that goes away cancels its handler, and so the upstream request
+            access_log=None,  # the proxy logs one structured line per request itself
+            shutdown_timeout=settings.limits.shutdown_grace_s,
+            keepalive_timeout=settings.limits.keepalive_timeout_s,
+        )
+        self.front: FrontServer | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        """Starts the app (its services included) and listens; port 0 picks a free port (see `address`)."""
+        await self.runner.setup()
+        reuse_port = self.settings.reuse_port or None
+        if not self.settings.front:
+            site = web.TCPSite(self.runner, host, port, backlog=1024, reuse_address=True, reuse_port=reuse_port)
+            await site.start()
+            return
+        assert self.runner.server is not None
+        proxy = self.app[PROXY]
+        routes: dict[tuple[str, str], Handler] = {
+            ("POST", "/v1/chat/completions"): proxy.handle_front,
+            ("POST", "/v1/completions"): proxy.handle_front,
+            ("GET", "/v1/models"): lambda request, body: proxy.handle_models(request),
+        }
+        self.front = FrontServer(routes, self.runner.server, self.settings.limits)
+        await self.front.start(host, port, reuse_port=reuse_port)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        if self.front is None:
+            host, port = self.runner.addresses[0][:2]
+            return host, port
+        return self.front.addresses[0]
+
+    async def stop(self) -> None:
+        """Stops accepting, lets requests in flight finish within `limits.shutdown_grace_s`, then stops the app."""
+        self.app[SHUTTING_DOWN].set()
+        if self.front is not None:
+            await self.front.shutdown(self.settings.limits.shutdown_grace_s)
+        await self.runner.cleanup()
 
 
 async def _serve(settings: RouterSettings) -> None:
-    app = create_app(settings)
-    runner = make_runner(app, settings)
-    await runner.setup()
-    site = web.TCPSite(
-        runner, settings.host, settings.port, backlog=1024, reuse_address=True, reuse_port=settings.reuse_port or None
-    )
-    await site.start()
+    server = RouterServer(create_app(settings), settings)
+    await server.start(settings.host, settings.port)
+    app = server.app
     # Everything built so far lives as long as the process: keep it out of the collector's full passes.
     gc.freeze()
     log.info(
@@ -73,4 +109,4 @@ async def _serve(settings: RouterSettings) -> None:
             await asyncio.sleep(limits.unready_delay_s)
         log.info("shutting down: draining in-flight requests for up to %.0f s", limits.shutdown_grace_s)
     finally:
-        await runner.cleanup()
+        await server.stop()

@@ -86,6 +86,8 @@ class RetrySettings(_Section):
 class LimitSettings(_Section):
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
     """Largest request body accepted (413 beyond). 32 MiB fits a 1M-token prompt with room to spare."""
+    header_read_timeout_s: float = Field(30.0, gt=0)
+    """Seconds allowed to receive a request's head once its first byte arrived (408 beyond)."""
     body_read_timeout_s: float = Field(30.0, gt=0)
     """Seconds allowed to receive a request body (408 beyond): stops slow-body clients tying up the router."""
     request_timeout_s: float = Field(1800.0, gt=0)
@@ -189,6 +191,9 @@ class RouterSettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     reuse_port: bool = False
     """Bind with SO_REUSEPORT so several router processes share one port (the kernel spreads connections)."""
+    front: bool = True
+    """Serve the inference endpoints with the router's own HTTP/1.1 front (router/service/front.py), which costs a
+    fraction of aiohttp's CPU per request; off, aiohttp serves every request."""
     replicas: list[str] = Field(default_factory=list)
     """Static replica base URLs (http://host:port). More can be added through the admin API. Replicas speak plain
     HTTP/1.1 inside the cluster; TLS belongs at the router's ingress."""

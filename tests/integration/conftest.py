@@ -1,9 +1,9 @@
 """Real routers in front of real fake replicas, all on loopback, on the test's own event loop.
 
 `start_fakes(n, ...)` starts `FakeReplica`s; `start_router(fakes, ...)` builds the router with `create_app` and runs
-it through `make_runner` (the runner `shoal router` uses: handler cancellation on client disconnect, graceful
-shutdown), then waits on `GET /ready` until the expected replicas are in rotation. Everything is torn down by the
-fixtures. State is awaited by polling with a deadline (`eventually`), never by a bare sleep.
+it as `shoal router` does (`RouterServer`: the front and aiohttp on one port, handler cancellation on client
+disconnect, graceful shutdown), then waits on `GET /ready` until the expected replicas are in rotation. Everything
+is torn down by the fixtures. State is awaited by polling with a deadline (`eventually`), never by a bare sleep.
 """
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ import pytest
 from aiohttp import web
 
 from router.service.app import create_app
-from router.service.server import make_runner
+from router.service.server import RouterServer
 from router.service.settings import HealthSettings, LimitSettings, RouterSettings, ScrapeSettings
 from tests.fakes import FakeReplica, FakeReplicaConfig
 
 ADMIN_TOKEN = "t"
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 MODEL = "shoal-demo"
+FRONT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
+"""What the router's front serves itself (router/service/server.py); other paths go to aiohttp."""
 # A prompt of this many bytes is ~1,000 estimated tokens: at the default 10k tokens/s prior its uncached prefill
 # (~0.1 s) dwarfs the policy's tie epsilon (5 ms + 2%), so a cache hit decides.
 LONG_PREFIX_BYTES = 4000
@@ -87,10 +89,10 @@ class Reply:
 
 @dataclass
 class RouterHandle:
-    """A running router: its URL, app (for its state), runner and a client session to talk to it."""
+    """A running router: its URL, app (for its state), server and a client session to talk to it."""
 
     app: web.Application
-    runner: web.AppRunner
+    server: RouterServer
     settings: RouterSettings
     url: str
     http: aiohttp.ClientSession
@@ -106,6 +108,10 @@ class RouterHandle:
         headers: dict[str, str] | None = None,
         timeout_s: float = 10.0,
     ) -> Reply:
+        if path.partition("?")[0] not in FRONT_PATHS:
+            # aiohttp serves this request, and the connection it came on from then on: close it, so that the
+            # session's kept-alive connections stay with the front and the tests exercise the path clients use.
+            headers = {"Connection": "close", **(headers or {})}
         kwargs: dict[str, Any] = {"headers": headers, "timeout": aiohttp.ClientTimeout(total=timeout_s)}
         if json_body is not None:
             kwargs["json"] = json_body
@@ -154,7 +160,7 @@ class RouterHandle:
     async def cleanup(self) -> None:
         if not self.is_cleaned_up:
             self.is_cleaned_up = True
-            await self.runner.cleanup()
+            await self.server.stop()
 
 
 def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
@@ -233,12 +239,10 @@ async def start_router(http: aiohttp.ClientSession) -> AsyncIterator[StartRouter
     ) -> RouterHandle:
         settings = router_settings([f.url for f in fakes], **overrides)
         app = create_app(settings)
-        runner = make_runner(app, settings)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        handle = RouterHandle(app, runner, settings, f"http://{host}:{port}", http)
+        server = RouterServer(app, settings)
+        await server.start("127.0.0.1", 0)
+        host, port = server.address
+        handle = RouterHandle(app, server, settings, f"http://{host}:{port}", http)
         handles.append(handle)
         expected = len(settings.replicas) if num_ready is None else num_ready
         if expected:
@@ -250,6 +254,17 @@ async def start_router(http: aiohttp.ClientSession) -> AsyncIterator[StartRouter
     yield start
     for handle in handles:
         await handle.cleanup()
+
+
+def with_front(start_router: StartRouter, front: bool) -> StartRouter:
+    """`start_router` with the front on or off: for modules that run each test against both servers."""
+
+    async def start(
+        fakes: Sequence[FakeReplica] = (), *, num_ready: int | None = None, **overrides: Any
+    ) -> RouterHandle:
+        return await start_router(fakes, num_ready=num_ready, **{"front": front, **overrides})
+
+    return start
 
 
 async def _at_least(handle: RouterHandle, expected: int) -> bool:
