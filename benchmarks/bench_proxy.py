@@ -1,9 +1,10 @@
 """Proxy overhead benchmark: throughput, added latency and CPU per request of routers on loopback.
 
 Every router fronts the same backend, nginx returning a canned OpenAI answer (nginx_canned.conf), which is far
-faster than any router, so what is measured is the router. The routers are Shoal, a bare aiohttp proxy
-(bare_proxy.py, the Python floor), and `sglang-router` and `smg` from PyPI, each from its own virtual environment
-under benchmarks/.venvs/ (`--setup-peers` makes them; they are never dependencies of the project). Each router runs
+faster than any router, so what is measured is the router. The routers are Shoal, Shoal with `--no-front`
+(aiohttp's server for every request instead of the router's own HTTP front), a bare aiohttp proxy
+(bare_proxy.py), and `sglang-router` and `smg` from PyPI, each from its own virtual environment under
+benchmarks/.venvs/ (`--setup-peers` makes them; they are never dependencies of the project). Each router runs
 pinned to one core (`taskset`), the load generator (loadgen.py, closed loop) and nginx to another. A run straight
 at nginx is the reference for the added latency. Router CPU time per request comes from /proc/<pid>/stat
 (utime + stime of the router's process tree) before and after each point.
@@ -41,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
 VENVS = BENCH / ".venvs"
 PEER_PACKAGES = {"sglang-router": "sglang-router==0.3.2", "smg": "smg==1.13.0"}
-ROUTERS = ("shoal", "bare", "sglang-router", "smg")
+ROUTERS = ("shoal", "shoal-aiohttp", "bare", "sglang-router", "smg")
 MODEL = "shoal-demo"
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 SHOAL_FROM_SOURCE = (
@@ -182,7 +183,7 @@ def router_argv(name: str, port: int, upstreams: list[str], peer_policy: str) ->
     if name == "bare":
         argv = [sys.executable, str(BENCH / "bare_proxy.py"), "--host", "127.0.0.1", "--port", str(port)]
         return argv + [a for u in upstreams for a in ("--upstream", u)], ""
-    if name == "shoal":
+    if name in ("shoal", "shoal-aiohttp"):
         shoal = REPO / ".venv" / "bin" / "shoal"
         if shoal.exists():
             command = [str(shoal)]
@@ -191,7 +192,7 @@ def router_argv(name: str, port: int, upstreams: list[str], peer_policy: str) ->
         else:
             return None, f"{shoal} not found (run `make install`)"
         argv = [*command, "router", "--host", "127.0.0.1", "--port", str(port), "--no-request-log",
-                "--log-level", "WARNING"]
+                "--log-level", "WARNING", *(["--no-front"] if name == "shoal-aiohttp" else [])]
         return argv + [a for u in upstreams for a in ("--replica", u)], ""
     python = VENVS / name / "bin" / "python"
     if not python.exists():
