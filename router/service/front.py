@@ -232,6 +232,8 @@ class _Connection(asyncio.Protocol):
         """When the current state began: idle or head (keep-alive and header timeouts), or body (body timeout)."""
         self.buffer = bytearray()
         self.head: _Head | None = None
+        self.scanned = 0
+        """The head's end is not before this offset of the buffer."""
         self.task: asyncio.Task[None] | None = None
         self.close_after = False
         """Close once the answer in progress is written (the client asked for it)."""
@@ -290,11 +292,14 @@ class _Connection(asyncio.Protocol):
     def _advance(self) -> None:
         """Parses as far as the buffer allows; starts serving a request whose body is complete."""
         if self.state == _HEAD:
-            end = self.buffer.find(b"\r\n\r\n")
+            end = self.buffer.find(b"\r\n\r\n", self.scanned)
             if end < 0:
                 if len(self.buffer) > _MAX_HEAD_BYTES:
                     self._hand_over()
+                else:
+                    self.scanned = max(0, len(self.buffer) - 3)  # a head sent byte by byte is searched once
                 return
+            self.scanned = 0
             head = parse_head(self.buffer, end, self.server.routes, self.server.limits.max_body_bytes)
             if head is None:
                 self._hand_over()

@@ -88,6 +88,22 @@ async def test_pipelined_requests_are_answered_in_order_on_one_connection(
     assert front_stats(router) == (served + 5, handed_over)
 
 
+async def test_a_request_arriving_in_pieces_is_served(start_fakes: StartFakes, start_router: StartRouter) -> None:
+    router = await start_router(await start_fakes(1))
+    served, handed_over = front_stats(router)
+    reader, writer = await connect(router)
+    try:
+        request = completion("sent a few bytes at a time")
+        for start in range(0, len(request), 7):  # the head's end, too, is split across writes
+            writer.write(request[start : start + 7])
+            await writer.drain()
+        status, _, body = await read_answer(reader)
+        assert status == 200, body
+    finally:
+        writer.close()
+    assert front_stats(router) == (served + 1, handed_over)
+
+
 async def test_other_requests_hand_the_connection_to_aiohttp(
     start_fakes: StartFakes, start_router: StartRouter
 ) -> None:
