@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from router.policy.config import build_policy
 from router.policy.prefix_index import PrefixIndex
 from router.service.admin import AdminApi
+from router.service.deadlines import Deadlines
 from router.service.errors import error_response
 from router.service.health import HealthChecker, MetricsScraper
 from router.service.kv_events import KVEventSubscribers
@@ -93,7 +94,9 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     loop = asyncio.get_running_loop()
     upstream = UpstreamPool(
-        connect_timeout_s=settings.retry.connect_timeout_s, read_timeout_s=settings.limits.upstream_idle_timeout_s
+        connect_timeout_s=settings.retry.connect_timeout_s,
+        read_timeout_s=settings.limits.upstream_idle_timeout_s,
+        deadlines=Deadlines(loop),
     )
     # Probes and scrapes are off the hot path: aiohttp's client is fine there.
     probe_session = aiohttp.ClientSession(

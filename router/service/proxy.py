@@ -349,7 +349,7 @@ class Proxy:
         deadline = ticket.started + limits.request_timeout_s
         upstream: UpstreamResponse | None = None
         try:
-            async with asyncio.timeout(limits.request_timeout_s):
+            async with self.upstream.deadlines.timeout(limits.request_timeout_s):
                 upstream = await self.upstream.request(
                     request.method,
                     replica.host,

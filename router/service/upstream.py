@@ -16,7 +16,7 @@ time (no pipelining) and idle keep-alive connections are pooled per (host, port)
 - A reused idle connection that ends before any response byte (the server closed it while idle) is retried once on a
   fresh connection; the server never began an answer. Every HTTP client does this, for POSTs too.
 - `read_timeout_s` bounds each wait for bytes (the head, or the next body bytes), like aiohttp's `sock_read`; a
-  bound on the whole request is the caller's `asyncio.timeout`.
+  bound on the whole request is the caller's. Long ones are swept, not timed one by one (`Deadlines`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import cast
+
+from router.service.deadlines import Deadlines
 
 _MAX_HEAD_BYTES = 64 * 1024
 """Status line plus headers (and, separately, chunked trailers): a larger head is a protocol error."""
@@ -157,7 +159,7 @@ class _Connection(asyncio.Protocol):
             self.resume()
         waiter = self.loop.create_future()
         self.waiter = waiter
-        timer = None if timeout_s is None else self.loop.call_later(timeout_s, _expire, waiter, timeout_s)
+        timer = None if timeout_s is None else self.pool.deadlines.call_later(timeout_s, _expire, waiter, timeout_s)
         try:
             await waiter
         finally:
@@ -471,6 +473,7 @@ class UpstreamPool:
         read_timeout_s: float | None = None,
         max_idle_per_host: int = 256,
         idle_timeout_s: float = 30.0,
+        deadlines: Deadlines | None = None,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
         """Seconds to open a TCP connection; past it, UpstreamConnectError."""
@@ -485,6 +488,7 @@ class UpstreamPool:
         self._open: set[_Connection] = set()
         self._host_headers: dict[tuple[str, int], str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._deadlines = deadlines
         self._sweep: asyncio.TimerHandle | None = None
         self._is_closed = False
         self._num_created = 0
@@ -528,6 +532,13 @@ class UpstreamPool:
             on_sent()
         conn = await self._connect(key)
         return await self._exchange(conn, method, head, body, None)
+
+    @property
+    def deadlines(self) -> Deadlines:
+        """Where the waits for response bytes keep their timeouts (created on first use unless given)."""
+        if self._deadlines is None:
+            self._deadlines = Deadlines(self._loop or asyncio.get_running_loop())
+        return self._deadlines
 
     async def close(self) -> None:
         """Closes every connection, idle or in use (their responses fail with UpstreamDisconnected)."""
