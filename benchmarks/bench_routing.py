@@ -9,24 +9,40 @@ the prompt recorded after the decision, once the router has written the request 
 column (recorded into an index of its own, so that every measured decision sees the same index). In token mode the
 ids are checked and packed when the request is parsed, as in the router (that cost is printed under the table).
 `--no-memo` hashes every block afresh, all of them before the decision. Prints p50/p99 in microseconds per step.
-Run pinned to one core:
+
+Between decisions the replicas' loads move as the router moves them (untimed): the chosen replica gets the request
+(in flight, waiting, its uncached tokens on the prefill backlog), and the oldest requests get their first byte
+(waiting -> streaming, the replica's learned prefill rate moves) and finish, so about three replicas change per
+decision and a policy that keeps terms between decisions pays for re-deriving them.
+
+`--baseline REV` also runs each policy as it was at git revision REV (its module from `git show`), in the same
+process on the same inputs, alternating which of the two decides first; its rows reuse the hash and match times,
+and the table counts decisions that differ. Run pinned to one core:
 
     taskset -c 0 .venv/bin/python benchmarks/bench_routing.py
+    taskset -c 0 .venv/bin/python benchmarks/bench_routing.py --no-after --baseline main
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
+import importlib.util
+import inspect
 import os
 import random
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from router.policy.config import POLICY_NAMES, build_policy, parse_policy_config
 from router.policy.hashing import ChainMemo, hash_text, hash_tokens, namespace_seed
 from router.policy.prefix_index import PrefixIndex, PrefixIndexConfig
 from router.policy.routing_text import completion_routing_key
-from router.policy.types import ReplicaState, RouteRequest
+from router.policy.types import Decision, Policy, ReplicaState, RouteRequest
 
 BLOCKS_PER_PROMPT = 512
 TEXT_BLOCK = 64
@@ -50,6 +66,79 @@ def fill_index(index: PrefixIndex, replicas: list[str], num_blocks: int, rng: ra
         i += 1
 
 
+def replica_states(replicas: list[str], capacity: int) -> list[ReplicaState]:
+    """The same random loads for every row: some requests waiting and streaming on each replica."""
+    rng = random.Random(11)
+    return [
+        ReplicaState(
+            id=r,
+            in_flight=rng.randrange(8),
+            waiting=rng.randrange(4),
+            waiting_prompt_tokens=rng.randrange(20_000),
+            streaming=rng.randrange(8),
+            num_running=rng.randrange(16),
+            num_waiting=rng.randrange(4),
+            kv_usage=rng.random(),
+            prefill_tokens_per_s=20_000.0,
+            kv_capacity_blocks=capacity,
+        )
+        for r in replicas
+    ]
+
+
+def baseline_policy(policy: Policy, config: object, revision: str) -> Policy:
+    """`policy`'s class as it was at git `revision`, built with `config`."""
+    module_name = type(policy).__module__
+    path = module_name.replace(".", "/") + ".py"
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(
+        ["git", "-C", str(root), "show", f"{revision}:{path}"], check=True, capture_output=True, text=True
+    ).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        file = Path(tmp) / f"baseline_{module_name.rsplit('.', 1)[-1]}.py"
+        file.write_text(source)
+        spec = importlib.util.spec_from_file_location(f"baseline.{module_name}", file)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    cls = getattr(module, type(policy).__name__)
+    if "seed" in inspect.signature(cls).parameters:
+        return cls(config, seed=1)  # type: ignore[no-any-return]
+    return cls(config)  # type: ignore[no-any-return]
+
+
+class Load:
+    """The router's load bookkeeping (router/service/routing.py: begin, first_byte, finish) over `states`."""
+
+    def __init__(self, states: list[ReplicaState], rng: random.Random, in_flight: int) -> None:
+        self.by_id = {s.id: s for s in states}
+        self.rng = rng
+        self.in_flight = in_flight
+        self.waiting: collections.deque[tuple[ReplicaState, int]] = collections.deque()
+        self.streaming: collections.deque[ReplicaState] = collections.deque()
+
+    def step(self, decision: Decision, prompt_tokens: int, now: float) -> None:
+        s = self.by_id[decision.replica]
+        uncached = max(0, prompt_tokens - decision.predicted_cached_tokens)
+        s.in_flight += 1
+        s.waiting += 1
+        s.waiting_prompt_tokens += uncached
+        s.last_selected = now
+        self.waiting.append((s, uncached))
+        if len(self.waiting) > self.in_flight // 2:
+            s, uncached = self.waiting.popleft()
+            s.waiting -= 1
+            s.waiting_prompt_tokens -= uncached
+            s.streaming += 1
+            s.prefill_tokens_per_s *= self.rng.uniform(0.97, 1.03)
+            self.streaming.append(s)
+        if len(self.streaming) > self.in_flight // 2:
+            s = self.streaming.popleft()
+            s.in_flight -= 1
+            s.streaming -= 1
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, default=64)
@@ -64,6 +153,9 @@ def main() -> None:
         help="skip the work after the decision (the rest of the hashing, the record), which cools the CPU caches",
     )
     parser.add_argument("--policies", default="estimated_ttft,sglang_cache_aware,dynamo_kv,llmd_weighted,round_robin")
+    parser.add_argument(
+        "--baseline", metavar="REV", help="also run each policy as at this git revision, interleaved, same inputs"
+    )
     args = parser.parse_args()
     rng = random.Random(7)
     replicas = [f"replica-{i}" for i in range(args.replicas)]
@@ -83,21 +175,6 @@ def main() -> None:
     for r in replicas[:3]:
         index.record(r, hash_text(system_text, seed, TEXT_BLOCK), now=1e6)
         index.record(r, hash_tokens(system_tokens, seed), now=1e6)
-    states = [
-        ReplicaState(
-            id=r,
-            in_flight=rng.randrange(8),
-            waiting=rng.randrange(4),
-            waiting_prompt_tokens=rng.randrange(20_000),
-            streaming=rng.randrange(8),
-            num_running=rng.randrange(16),
-            num_waiting=rng.randrange(4),
-            kv_usage=rng.random(),
-            prefill_tokens_per_s=20_000.0,
-            kv_capacity_blocks=capacity,
-        )
-        for r in replicas
-    ]
     print(f"{args.decisions} decisions per row, {args.replicas} replicas, 8k-token prompts, times in microseconds\n")
     columns = ("hash p50", "match p50", "select p50", "total p50", "total p99", "after p50")
     header = f"{'policy':<20} {'mode':<6} " + " ".join(f"{c:>10}" for c in columns)
@@ -118,9 +195,15 @@ def main() -> None:
     for name in args.policies.split(","):
         if name not in POLICY_NAMES:
             raise SystemExit(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
-        policy = build_policy(parse_policy_config({"kind": name}), seed=1)
+        config = parse_policy_config({"kind": name})
         for mode in ("text", "tokens"):
+            policy = build_policy(config, seed=1)
+            base = baseline_policy(policy, config, args.baseline) if args.baseline else None
+            states = replica_states(replicas, capacity)
+            load = Load(states, random.Random(13), in_flight=3 * len(states))
             hash_us, match_us, select_us, total_us, after_us = [], [], [], [], []
+            base_select_us, base_total_us = [], []
+            num_differing = 0
             parse_us: list[float] = []
             gc.collect()
             for i in range(args.decisions):
@@ -152,20 +235,35 @@ def main() -> None:
                 num_blocks = len(hashes) if chain is None else chain.num_blocks
                 t1 = time.perf_counter()
                 matched = index.match(hashes, now=1e6 + i)
-                t2 = time.perf_counter()
+                m1 = time.perf_counter()
                 request = RouteRequest(hashes, prompt_tokens, tokens_per_block, matched, num_blocks=num_blocks)
+                built = time.perf_counter()
+                if base is not None and i % 2:
+                    b0 = time.perf_counter()
+                    base_decision = base.select(request, states, now=1e6 + i)
+                    base_select_us.append((time.perf_counter() - b0 + built - m1) * 1e6)
+                t2 = time.perf_counter()
                 decision = policy.select(request, states, now=1e6 + i)
                 t3 = time.perf_counter()
+                if base is not None and not i % 2:
+                    b0 = time.perf_counter()
+                    base_decision = base.select(request, states, now=1e6 + i)
+                    base_select_us.append((time.perf_counter() - b0 + built - m1) * 1e6)
+                if base is not None:
+                    num_differing += base_decision != decision
+                    base_total_us.append((m1 - t0) * 1e6 + base_select_us[-1])
+                load.step(decision, prompt_tokens, now=1e6 + i)
+                a0 = time.perf_counter()
                 if not args.no_after:
                     if chain is not None:
                         hashes = chain.complete()
                     recorded.record(decision.replica, hashes, now=1e6 + i)
                 t4 = time.perf_counter()
                 hash_us.append((t1 - t0) * 1e6)
-                match_us.append((t2 - t1) * 1e6)
-                select_us.append((t3 - t2) * 1e6)
-                total_us.append((t3 - t0) * 1e6)
-                after_us.append((t4 - t3) * 1e6)
+                match_us.append((m1 - t1) * 1e6)
+                select_us.append((t3 - t2 + built - m1) * 1e6)
+                total_us.append((t3 - t2 + built - t0) * 1e6)
+                after_us.append((t4 - a0) * 1e6)
             figures = (
                 percentile(hash_us, 0.5),
                 percentile(match_us, 0.5),
@@ -175,6 +273,18 @@ def main() -> None:
                 percentile(after_us, 0.5),
             )
             print(f"{name:<20} {mode:<6} " + " ".join(f"{f:>10.1f}" for f in figures))
+            if base is not None:
+                base_figures = (
+                    percentile(base_select_us, 0.5),
+                    percentile(base_total_us, 0.5),
+                    percentile(base_total_us, 0.99),
+                )
+                label = f"@{args.baseline}"
+                print(
+                    f"{label:<20} {mode:<6} {'':>10} {'':>10} "
+                    + " ".join(f"{f:>10.1f}" for f in base_figures)
+                    + f"  ({num_differing} decisions differ)"
+                )
             if parse_us:
                 parse_p50 = percentile(parse_us, 0.5)
                 parse_lines.append(f"{name}: checking and packing 8,192 token ids when parsing, p50 {parse_p50:.1f} us")
