@@ -48,6 +48,13 @@ Branch: ONLY_REPLICA for a single replica, OVERLOADED as above, else CACHE_HIT /
 `decisions.cache_branch`. The decision carries the chosen replica's `ttft(r)` as `predicted_ttft_s` (the fleet
 term is a cost, not a latency).
 
+Speed. The router decides once per request over every replica, so `select` keeps, between decisions, each
+replica's terms that do not depend on the request (backlog, decode and pressure seconds, the cap test, the tie
+key), re-derived only for the replicas whose fields were written since (`ReplicaState.stamp`, a new object on
+every write); per decision it adds the request's terms in one expression per replica, and computes the few
+replicas that hold part of the prompt apart. Sums are taken in the same order as the plain reference in
+tests/unit/test_estimated_ttft_fast_path.py, which holds costs, ties and estimates equal to the last bit.
+
 Parameters (`config.EstimatedTTFTConfig`): decode_s_per_seq_step, prefill_tokens_per_step,
 attention_s_per_token_pair, rate_noise_cv, fleet_cost_weight, kv_pressure_s, kv_pressure_threshold,
 tie_epsilon_s, tie_rel_epsilon, max_queue_per_replica.
@@ -56,9 +63,10 @@ tie_epsilon_s, tie_rel_epsilon, max_queue_per_replica.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from itertools import repeat
-from operator import attrgetter
+from collections.abc import Iterable, Sequence
+from functools import reduce
+from itertools import compress, count
+from operator import add, is_not, mul
 from typing import TYPE_CHECKING
 
 from router.policy.decisions import branch_for_blocks, decision
@@ -70,7 +78,8 @@ if TYPE_CHECKING:
 _MIN_PREFILL_TOKENS_PER_S = 1.0
 """Floor on a replica's prefill rate, so a corrupt rate cannot divide by zero."""
 
-_rate_of = attrgetter("prefill_tokens_per_s")
+_IDLE_ROW = (0, 0.0, 0.0, 0.0)
+_NO_TIE_KEY = (0, -math.inf, "")
 
 
 class EstimatedTTFT:
@@ -80,6 +89,22 @@ class EstimatedTTFT:
 
     def __init__(self, config: EstimatedTTFTConfig) -> None:
         self.config = config
+        self._inv_step_tokens = 1.0 / config.prefill_tokens_per_step
+        # What `select` derived from the replicas of its last decision, by position in `replicas`:
+        self._stamps: list[object] = []
+        """Each replica's `ReplicaState.stamp` when its terms were derived."""
+        self._rows: list[tuple[int, float, float, float]] = []
+        """(prefill backlog tokens, decode seconds per engine step, the backlog's attention s, KV pressure s)."""
+        self._rates: list[float] = []
+        """Learned prefill rates (tokens/s), floored."""
+        self._pooled: tuple[float, list[float] | None] | None = None
+        """(fleet mean rate, pooled rate of each replica or None when all pool to the mean); None: to compute."""
+        self._is_under_cap: list[bool] = []
+        self._num_under_cap = 0
+        self._tie_keys: list[tuple[int, float, str]] = []
+        """(in flight, last selected, id): the near-tie order."""
+        self._positions: dict[str, int] = {}
+        """Position of each replica id."""
 
     def pooled_rates(self, replicas: Sequence[ReplicaState]) -> list[float]:
         """Each replica's learned prefill rate shrunk towards the fleet mean (tokens/s), see the module docstring."""
@@ -128,80 +153,63 @@ class EstimatedTTFT:
         if len(replicas) == 1:
             only = replicas[0]
             return decision(request, only.id, Branch.ONLY_REPLICA, self.estimate_s(request, only))
-        # The router's hot path, once per request over every replica: three tight passes over locals that compute
-        # exactly `costs_s` (tests hold the two equal, bit for bit), with the terms summed in the same order.
+        # The router's hot path (module docstring, Speed).
+        stamps = [r.stamp for r in replicas]
+        if stamps != self._stamps:
+            self._derive(replicas, stamps)
         cfg = self.config
         n = len(replicas)
-        rates = [_MIN_PREFILL_TOKENS_PER_S if x < _MIN_PREFILL_TOKENS_PER_S else x for x in map(_rate_of, replicas)]
-        rate_sum = rate_sq_sum = 0.0
-        for rate in rates:
-            rate_sum += rate
-            rate_sq_sum += rate * rate
-        rate_mean = rate_sum / n
-        rate_var = rate_sq_sum / n - rate_mean * rate_mean
-        noise = (cfg.rate_noise_cv * rate_mean) ** 2
-        # var <= noise covers a homogeneous fleet, where float cancellation can leave a tiny var of either sign.
-        shrink = 1.0 - noise / rate_var if rate_var > noise else 0.0
-        # A fleet within `rate_noise_cv` pools every rate to the mean: exactly, while the rates are finite.
-        pooled = (
-            repeat(rate_mean)
-            if shrink == 0.0 and rate_sq_sum < math.inf
-            else ([rate_mean + shrink * (x - rate_mean) for x in rates])
-        )
-        cap = cfg.max_queue_per_replica
-        step_s = cfg.decode_s_per_seq_step
-        inv_step_tokens = 1.0 / cfg.prefill_tokens_per_step
-        attn = cfg.attention_s_per_token_pair
-        threshold = cfg.kv_pressure_threshold
-        pressure_scale = cfg.kv_pressure_s / ((1.0 - threshold) ** 2)
+        mean_rate, pooled = self._pooled if self._pooled is not None else self._pool_rates()
         prompt_tokens = request.prompt_tokens
-        # Cached tokens only for the few replicas that match at all; the rest compute the whole prompt, whose
-        # attention term is the same for all of them.
-        matched = request.matched_blocks
-        cached_by_id = {rid: request.cached_tokens(rid) for rid in matched}
-        cached_get = cached_by_id.get
-        uncached_attn_s = attn * prompt_tokens * (0 + prompt_tokens / 2)
-        best_blocks = 0  # the longest match among `replicas`, for the branch
-        ttfts: list[float] = []
-        owns: list[float] = []
-        ttfts_append = ttfts.append
-        owns_append = owns.append
-        num_under_cap = 0
-        for r, rate in zip(replicas, pooled, strict=False):  # `pooled` may be an endless repeat
-            rid = r.id
-            cached = cached_get(rid)
-            if cached is None:
-                uncached = prompt_tokens
-                own = prompt_tokens / rate + uncached_attn_s
-            else:
-                uncached = prompt_tokens - cached
-                own = uncached / rate + attn * uncached * (cached + uncached / 2)
-                blocks = matched[rid]
-                if blocks > best_blocks:
-                    best_blocks = blocks
-            backlog = r.waiting_prompt_tokens
-            running = r.num_running or 0
-            streaming = r.streaming
-            decoding = streaming if streaming > running else running
-            estimate = backlog / rate + own + step_s * decoding * (1.0 + (backlog + uncached) * inv_step_tokens)
-            waiting = r.waiting
-            if waiting > 0:
-                estimate += attn * backlog * backlog / (2 * waiting)
-            kv = r.kv_usage
-            if kv is not None and kv > threshold:
-                excess = (kv if kv < 1.0 else 1.0) - threshold
-                estimate += pressure_scale * excess * excess
-            ttfts_append(estimate)
-            owns_append(own)
-            engine_depth = running + (r.num_waiting or 0)
-            in_flight = r.in_flight
-            if (in_flight if in_flight > engine_depth else engine_depth) < cap:
-                num_under_cap += 1
+        inv_step_tokens = self._inv_step_tokens
+        attn = cfg.attention_s_per_token_pair
         weight = cfg.fleet_cost_weight
-        floor_s = min(owns)
-        costs = [t + weight * (o - floor_s) for t, o in zip(ttfts, owns, strict=True)]
+        rows = self._rows
+        # A replica that matches nothing computes the whole prompt: the attention term is the same for all of them.
+        uncached_attn_s = attn * prompt_tokens * (0 + prompt_tokens / 2)
+        matched = request.matched_blocks
+        positions = self._positions
+        # (position, cached tokens, own prefill s) of the replicas among `replicas` that match
+        hits: list[tuple[int, int, float]] = []
+        best_blocks = 0  # the longest match among `replicas`, for the branch
+        for rid, blocks in matched.items():
+            i = positions.get(rid)
+            if i is None:
+                continue
+            if blocks > best_blocks:
+                best_blocks = blocks
+            cached = request.cached_tokens(rid)
+            uncached = prompt_tokens - cached
+            rate = mean_rate if pooled is None else pooled[i]
+            hits.append((i, cached, uncached / rate + attn * uncached * (cached + uncached / 2)))
+        if pooled is None:
+            own_s = prompt_tokens / mean_rate + uncached_attn_s
+            floor_s = own_s if len(hits) < n else math.inf
+            for _, _, own in hits:
+                if own < floor_s:
+                    floor_s = own
+            fleet_s = weight * (own_s - floor_s)
+            costs = [
+                w / mean_rate + own_s + sd * (1.0 + (w + prompt_tokens) * inv_step_tokens) + q + p + fleet_s
+                for w, sd, q, p in rows
+            ]
+        else:
+            owns = [prompt_tokens / rate + uncached_attn_s for rate in pooled]
+            for i, _, own in hits:
+                owns[i] = own
+            floor_s = min(owns)
+            costs = [
+                w / rate + own + sd * (1.0 + (w + prompt_tokens) * inv_step_tokens) + q + p + weight * (own - floor_s)
+                for (w, sd, q, p), rate, own in zip(rows, pooled, owns, strict=True)
+            ]
+        ttfts: dict[int, float] = {}
+        for i, cached, own in hits:
+            ttft_s = self._ttft_s(i, mean_rate if pooled is None else pooled[i], own, prompt_tokens - cached)
+            ttfts[i] = ttft_s
+            costs[i] = ttft_s + weight * (own - floor_s)
+        num_under_cap = self._num_under_cap
         if 0 < num_under_cap < n:
-            candidates = [i for i, r in enumerate(replicas) if r.queue_depth < cap]
+            candidates = list(compress(range(n), self._is_under_cap))
             best_s = min([costs[i] for i in candidates])
             tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
             tied = [i for i in candidates if costs[i] <= tied_below_s]
@@ -209,10 +217,85 @@ class EstimatedTTFT:
             best_s = min(costs)
             tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
             tied = [i for i, cost in enumerate(costs) if cost <= tied_below_s]
-        if len(tied) == 1:
-            best = tied[0]
+        best = tied[0] if len(tied) == 1 else min(tied, key=self._tie_keys.__getitem__)
+        predicted_s = ttfts.get(best)
+        if predicted_s is None:
+            rate = mean_rate if pooled is None else pooled[best]
+            predicted_s = self._ttft_s(best, rate, prompt_tokens / rate + uncached_attn_s, prompt_tokens)
+        chosen = replicas[best].id
+        branch = branch_for_blocks(best_blocks, matched.get(chosen, 0)) if num_under_cap else Branch.OVERLOADED
+        return decision(request, chosen, branch, predicted_s)
+
+    def _ttft_s(self, i: int, rate: float, own_s: float, uncached: int) -> float:
+        """The estimate of replica `i` of the last `select` at pooled `rate`, with its own prefill `own_s` (its
+        cost less the fleet term), summed as `select` sums it for the others."""
+        w, sd, q, p = self._rows[i]
+        return w / rate + own_s + sd * (1.0 + (w + uncached) * self._inv_step_tokens) + q + p
+
+    def _derive(self, replicas: Sequence[ReplicaState], stamps: list[object]) -> None:
+        """Re-derive the request-independent terms of the replicas whose stamp changed (all, when the list did)."""
+        cfg = self.config
+        n = len(replicas)
+        if len(self._stamps) == n:
+            changed: Iterable[int] = list(compress(count(), map(is_not, stamps, self._stamps)))
         else:
-            best = min(tied, key=lambda i: (replicas[i].in_flight, replicas[i].last_selected, replicas[i].id))
-        chosen = replicas[best]
-        branch = branch_for_blocks(best_blocks, matched.get(chosen.id, 0)) if num_under_cap else Branch.OVERLOADED
-        return decision(request, chosen.id, branch, ttfts[best])
+            changed = range(n)
+            self._positions = {}
+            self._rows = [_IDLE_ROW] * n
+            self._rates = [0.0] * n
+            self._is_under_cap = [False] * n
+            self._tie_keys = [_NO_TIE_KEY] * n
+        self._stamps = stamps
+        rows, rates, is_under_cap, tie_keys = self._rows, self._rates, self._is_under_cap, self._tie_keys
+        step_s = cfg.decode_s_per_seq_step
+        attn = cfg.attention_s_per_token_pair
+        threshold = cfg.kv_pressure_threshold
+        pressure_scale = cfg.kv_pressure_s / ((1.0 - threshold) ** 2)
+        cap = cfg.max_queue_per_replica
+        for i in changed:
+            r = replicas[i]
+            backlog = r.waiting_prompt_tokens
+            running = r.num_running or 0
+            streaming = r.streaming
+            waiting = r.waiting
+            kv = r.kv_usage
+            excess = ((kv if kv < 1.0 else 1.0) - threshold) if kv is not None and kv > threshold else 0.0
+            # Adding a 0.0 term leaves a sum of non-negative terms unchanged, bit for bit.
+            rows[i] = (
+                backlog,
+                step_s * (streaming if streaming > running else running),
+                attn * backlog * backlog / (2 * waiting) if waiting > 0 else 0.0,
+                pressure_scale * excess * excess,
+            )
+            rate = r.prefill_tokens_per_s
+            rate = _MIN_PREFILL_TOKENS_PER_S if rate < _MIN_PREFILL_TOKENS_PER_S else rate
+            if rate != rates[i]:
+                rates[i] = rate
+                self._pooled = None
+            in_flight = r.in_flight
+            engine_depth = running + (r.num_waiting or 0)
+            is_under_cap[i] = (in_flight if in_flight > engine_depth else engine_depth) < cap
+            if tie_keys[i][2] != r.id:
+                self._positions = {}
+            tie_keys[i] = (in_flight, r.last_selected, r.id)
+        if not self._positions:
+            self._positions = {r.id: i for i, r in enumerate(replicas)}
+        self._num_under_cap = is_under_cap.count(True)
+
+    def _pool_rates(self) -> tuple[float, list[float] | None]:
+        """(fleet mean, pooled rate per replica or None when every one pools to the mean), as `pooled_rates`
+        defines them, for the rates of the last `_derive`."""
+        rates = self._rates
+        n = len(rates)
+        rate_mean = reduce(add, rates, 0.0) / n
+        rate_sq_sum = reduce(add, map(mul, rates, rates), 0.0)
+        rate_var = rate_sq_sum / n - rate_mean * rate_mean
+        noise = (self.config.rate_noise_cv * rate_mean) ** 2
+        # var <= noise covers a homogeneous fleet, where float cancellation can leave a tiny var of either sign.
+        shrink = 1.0 - noise / rate_var if rate_var > noise else 0.0
+        # A fleet within `rate_noise_cv` pools every rate to the mean: exactly, while the rates are finite.
+        if shrink == 0.0 and rate_sq_sum < math.inf:
+            self._pooled = (rate_mean, None)
+        else:
+            self._pooled = (rate_mean, [rate_mean + shrink * (x - rate_mean) for x in rates])
+        return self._pooled
