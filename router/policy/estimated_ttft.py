@@ -63,23 +63,16 @@ tie_epsilon_s, tie_rel_epsilon, max_queue_per_replica.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from functools import reduce
-from itertools import compress, count
-from operator import add, is_not, mul
+from collections.abc import Sequence
+from itertools import compress
 from typing import TYPE_CHECKING
 
 from router.policy.decisions import branch_for_blocks, decision
+from router.policy.ttft_terms import MIN_PREFILL_TOKENS_PER_S, FleetTerms
 from router.policy.types import Branch, Decision, ReplicaState, RouteRequest
 
 if TYPE_CHECKING:
     from router.policy.config import EstimatedTTFTConfig
-
-_MIN_PREFILL_TOKENS_PER_S = 1.0
-"""Floor on a replica's prefill rate, so a corrupt rate cannot divide by zero."""
-
-_IDLE_ROW = (0, 0.0, 0.0, 0.0)
-_NO_TIE_KEY = (0, -math.inf, "")
 
 
 class EstimatedTTFT:
@@ -89,26 +82,11 @@ class EstimatedTTFT:
 
     def __init__(self, config: EstimatedTTFTConfig) -> None:
         self.config = config
-        self._inv_step_tokens = 1.0 / config.prefill_tokens_per_step
-        # What `select` derived from the replicas of its last decision, by position in `replicas`:
-        self._stamps: list[object] = []
-        """Each replica's `ReplicaState.stamp` when its terms were derived."""
-        self._rows: list[tuple[int, float, float, float]] = []
-        """(prefill backlog tokens, decode seconds per engine step, the backlog's attention s, KV pressure s)."""
-        self._rates: list[float] = []
-        """Learned prefill rates (tokens/s), floored."""
-        self._pooled: tuple[float, list[float] | None] | None = None
-        """(fleet mean rate, pooled rate of each replica or None when all pool to the mean); None: to compute."""
-        self._is_under_cap: list[bool] = []
-        self._num_under_cap = 0
-        self._tie_keys: list[tuple[int, float, str]] = []
-        """(in flight, last selected, id): the near-tie order."""
-        self._positions: dict[str, int] = {}
-        """Position of each replica id."""
+        self._terms = FleetTerms(config)
 
     def pooled_rates(self, replicas: Sequence[ReplicaState]) -> list[float]:
         """Each replica's learned prefill rate shrunk towards the fleet mean (tokens/s), see the module docstring."""
-        rates = [max(r.prefill_tokens_per_s, _MIN_PREFILL_TOKENS_PER_S) for r in replicas]
+        rates = [max(r.prefill_tokens_per_s, MIN_PREFILL_TOKENS_PER_S) for r in replicas]
         mean = sum(rates) / len(rates)
         var = sum((x - mean) ** 2 for x in rates) / len(rates)
         noise = (self.config.rate_noise_cv * mean) ** 2
@@ -126,7 +104,7 @@ class EstimatedTTFT:
         replica's learned rate; `select` passes the pooled one)."""
         cfg = self.config
         if rate is None:
-            rate = max(replica.prefill_tokens_per_s, _MIN_PREFILL_TOKENS_PER_S)
+            rate = max(replica.prefill_tokens_per_s, MIN_PREFILL_TOKENS_PER_S)
         backlog = replica.waiting_prompt_tokens
         prefill_s = backlog / rate + self.own_prefill_s(request, replica, rate)
         if replica.waiting > 0:
@@ -154,23 +132,16 @@ class EstimatedTTFT:
             only = replicas[0]
             return decision(request, only.id, Branch.ONLY_REPLICA, self.estimate_s(request, only))
         # The router's hot path (module docstring, Speed).
-        stamps = [r.stamp for r in replicas]
-        if stamps != self._stamps:
-            self._derive(replicas, stamps)
-        cfg = self.config
-        n = len(replicas)
-        mean_rate, pooled = self._pooled if self._pooled is not None else self._pool_rates()
+        terms = self._terms
+        terms.update(replicas)
+        mean_rate, pooled = terms.pool_rates()
         prompt_tokens = request.prompt_tokens
-        inv_step_tokens = self._inv_step_tokens
-        attn = cfg.attention_s_per_token_pair
-        weight = cfg.fleet_cost_weight
-        rows = self._rows
-        # A replica that matches nothing computes the whole prompt: the attention term is the same for all of them.
-        uncached_attn_s = attn * prompt_tokens * (0 + prompt_tokens / 2)
+        tokens_per_block = request.tokens_per_block
+        attn = self.config.attention_s_per_token_pair
         matched = request.matched_blocks
-        positions = self._positions
-        # (position, cached tokens, own prefill s) of the replicas among `replicas` that match
+        positions = terms.positions
         hits: list[tuple[int, int, float]] = []
+        """(position, cached tokens, own prefill s) of each replica among `replicas` that matches."""
         best_blocks = 0  # the longest match among `replicas`, for the branch
         for rid, blocks in matched.items():
             i = positions.get(rid)
@@ -178,10 +149,82 @@ class EstimatedTTFT:
                 continue
             if blocks > best_blocks:
                 best_blocks = blocks
-            cached = request.cached_tokens(rid)
+            cached = int(blocks * tokens_per_block)  # request.cached_tokens
+            if cached > prompt_tokens:
+                cached = prompt_tokens
             uncached = prompt_tokens - cached
             rate = mean_rate if pooled is None else pooled[i]
             hits.append((i, cached, uncached / rate + attn * uncached * (cached + uncached / 2)))
+        chosen = None
+        if pooled is None and not terms.num_irregular:
+            chosen = self._choose_by_lines(prompt_tokens, hits, mean_rate)
+        if chosen is None:
+            chosen = self._choose_exactly(prompt_tokens, hits, mean_rate, pooled)
+        best, ttft_s = chosen
+        chosen_id = replicas[best].id
+        is_overloaded = not terms.num_under_cap
+        branch = Branch.OVERLOADED if is_overloaded else branch_for_blocks(best_blocks, matched.get(chosen_id, 0))
+        return decision(request, chosen_id, branch, ttft_s)
+
+    def _choose_by_lines(
+        self, prompt_tokens: int, hits: list[tuple[int, int, float]], rate: float
+    ) -> tuple[int, float] | None:
+        """(position, ttft) of the choice, ranking the replicas that match nothing by their line form (a few
+        roundings off the exact cost, module docstring of `ttft_terms`); None when a replica's cost lies so near
+        the edge of the tie band that those roundings could move it across, for `_choose_exactly` to decide.
+
+        Every fleet rate is `rate` (pooled to the mean) and no term is negative, so every cost is a sum of
+        non-negative terms and both forms are within ~20 float roundings (~5e-15) of its real value; a replica
+        further than 1e-12 of the costs from the band's edge is in or out of it whichever form is used."""
+        cfg = self.config
+        terms = self._terms
+        weight = cfg.fleet_cost_weight
+        own_s = prompt_tokens / rate + cfg.attention_s_per_token_pair * prompt_tokens * (0 + prompt_tokens / 2)
+        floor_s = own_s if len(hits) < len(terms.lines) else math.inf
+        for _, _, own in hits:
+            if own < floor_s:
+                floor_s = own
+        base_s = own_s + weight * (own_s - floor_s)  # the terms that a replica matching nothing adds to its line
+        inv_rate = 1.0 / rate
+        costs = [w * inv_rate + fixed_s + prompt_tokens * per_token_s for w, fixed_s, per_token_s in terms.lines]
+        ttfts: dict[int, float] = {}
+        for i, cached, own in hits:
+            ttfts[i] = ttft_s = self._ttft_s(i, rate, own, prompt_tokens - cached)
+            costs[i] = ttft_s + weight * (own - floor_s) - base_s
+        n = len(costs)
+        candidates = range(n)
+        if 0 < terms.num_under_cap < n:
+            candidates = list(compress(candidates, terms.is_under_cap))  # type: ignore[assignment]
+            best_s = min([costs[i] for i in candidates]) + base_s
+        else:
+            best_s = min(costs) + base_s
+        tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
+        band_s = 1e-12 * (1.0 + cfg.tie_rel_epsilon) * (abs(tied_below_s) + base_s)
+        if not band_s < math.inf:
+            return None
+        above_s = tied_below_s - base_s + band_s
+        tied = [i for i in candidates if costs[i] <= above_s]
+        below_s = above_s - 2.0 * band_s
+        for i in tied:
+            if costs[i] > below_s:
+                return None
+        best = tied[0] if len(tied) == 1 else min(tied, key=terms.tie_keys.__getitem__)
+        predicted_s = ttfts.get(best)
+        if predicted_s is None:
+            predicted_s = self._ttft_s(best, rate, own_s, prompt_tokens)
+        return best, predicted_s
+
+    def _choose_exactly(
+        self, prompt_tokens: int, hits: list[tuple[int, int, float]], mean_rate: float, pooled: list[float] | None
+    ) -> tuple[int, float]:
+        """(position, ttft) of the choice, from every replica's exact cost."""
+        cfg = self.config
+        terms = self._terms
+        inv_step_tokens = terms.inv_step_tokens
+        weight = cfg.fleet_cost_weight
+        # A replica that matches nothing computes the whole prompt: the attention term is the same for all of them.
+        uncached_attn_s = cfg.attention_s_per_token_pair * prompt_tokens * (0 + prompt_tokens / 2)
+        n = len(terms.rows)
         if pooled is None:
             own_s = prompt_tokens / mean_rate + uncached_attn_s
             floor_s = own_s if len(hits) < n else math.inf
@@ -190,8 +233,13 @@ class EstimatedTTFT:
                     floor_s = own
             fleet_s = weight * (own_s - floor_s)
             costs = [
-                w / mean_rate + own_s + sd * (1.0 + (w + prompt_tokens) * inv_step_tokens) + q + p + fleet_s
-                for w, sd, q, p in rows
+                w / mean_rate
+                + own_s
+                + decode_s * (1.0 + (w + prompt_tokens) * inv_step_tokens)
+                + attn_s
+                + kv_s
+                + fleet_s
+                for w, decode_s, attn_s, kv_s in terms.rows
             ]
         else:
             owns = [prompt_tokens / rate + uncached_attn_s for rate in pooled]
@@ -199,17 +247,20 @@ class EstimatedTTFT:
                 owns[i] = own
             floor_s = min(owns)
             costs = [
-                w / rate + own + sd * (1.0 + (w + prompt_tokens) * inv_step_tokens) + q + p + weight * (own - floor_s)
-                for (w, sd, q, p), rate, own in zip(rows, pooled, owns, strict=True)
+                w / rate
+                + own
+                + decode_s * (1.0 + (w + prompt_tokens) * inv_step_tokens)
+                + attn_s
+                + kv_s
+                + weight * (own - floor_s)
+                for (w, decode_s, attn_s, kv_s), rate, own in zip(terms.rows, pooled, owns, strict=True)
             ]
         ttfts: dict[int, float] = {}
         for i, cached, own in hits:
-            ttft_s = self._ttft_s(i, mean_rate if pooled is None else pooled[i], own, prompt_tokens - cached)
-            ttfts[i] = ttft_s
+            ttfts[i] = ttft_s = self._ttft_s(i, mean_rate if pooled is None else pooled[i], own, prompt_tokens - cached)
             costs[i] = ttft_s + weight * (own - floor_s)
-        num_under_cap = self._num_under_cap
-        if 0 < num_under_cap < n:
-            candidates = list(compress(range(n), self._is_under_cap))
+        if 0 < terms.num_under_cap < n:
+            candidates = list(compress(range(n), terms.is_under_cap))
             best_s = min([costs[i] for i in candidates])
             tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
             tied = [i for i in candidates if costs[i] <= tied_below_s]
@@ -217,85 +268,15 @@ class EstimatedTTFT:
             best_s = min(costs)
             tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
             tied = [i for i, cost in enumerate(costs) if cost <= tied_below_s]
-        best = tied[0] if len(tied) == 1 else min(tied, key=self._tie_keys.__getitem__)
+        best = tied[0] if len(tied) == 1 else min(tied, key=terms.tie_keys.__getitem__)
         predicted_s = ttfts.get(best)
         if predicted_s is None:
             rate = mean_rate if pooled is None else pooled[best]
             predicted_s = self._ttft_s(best, rate, prompt_tokens / rate + uncached_attn_s, prompt_tokens)
-        chosen = replicas[best].id
-        branch = branch_for_blocks(best_blocks, matched.get(chosen, 0)) if num_under_cap else Branch.OVERLOADED
-        return decision(request, chosen, branch, predicted_s)
+        return best, predicted_s
 
     def _ttft_s(self, i: int, rate: float, own_s: float, uncached: int) -> float:
         """The estimate of replica `i` of the last `select` at pooled `rate`, with its own prefill `own_s` (its
-        cost less the fleet term), summed as `select` sums it for the others."""
-        w, sd, q, p = self._rows[i]
-        return w / rate + own_s + sd * (1.0 + (w + uncached) * self._inv_step_tokens) + q + p
-
-    def _derive(self, replicas: Sequence[ReplicaState], stamps: list[object]) -> None:
-        """Re-derive the request-independent terms of the replicas whose stamp changed (all, when the list did)."""
-        cfg = self.config
-        n = len(replicas)
-        if len(self._stamps) == n:
-            changed: Iterable[int] = list(compress(count(), map(is_not, stamps, self._stamps)))
-        else:
-            changed = range(n)
-            self._positions = {}
-            self._rows = [_IDLE_ROW] * n
-            self._rates = [0.0] * n
-            self._is_under_cap = [False] * n
-            self._tie_keys = [_NO_TIE_KEY] * n
-        self._stamps = stamps
-        rows, rates, is_under_cap, tie_keys = self._rows, self._rates, self._is_under_cap, self._tie_keys
-        step_s = cfg.decode_s_per_seq_step
-        attn = cfg.attention_s_per_token_pair
-        threshold = cfg.kv_pressure_threshold
-        pressure_scale = cfg.kv_pressure_s / ((1.0 - threshold) ** 2)
-        cap = cfg.max_queue_per_replica
-        for i in changed:
-            r = replicas[i]
-            backlog = r.waiting_prompt_tokens
-            running = r.num_running or 0
-            streaming = r.streaming
-            waiting = r.waiting
-            kv = r.kv_usage
-            excess = ((kv if kv < 1.0 else 1.0) - threshold) if kv is not None and kv > threshold else 0.0
-            # Adding a 0.0 term leaves a sum of non-negative terms unchanged, bit for bit.
-            rows[i] = (
-                backlog,
-                step_s * (streaming if streaming > running else running),
-                attn * backlog * backlog / (2 * waiting) if waiting > 0 else 0.0,
-                pressure_scale * excess * excess,
-            )
-            rate = r.prefill_tokens_per_s
-            rate = _MIN_PREFILL_TOKENS_PER_S if rate < _MIN_PREFILL_TOKENS_PER_S else rate
-            if rate != rates[i]:
-                rates[i] = rate
-                self._pooled = None
-            in_flight = r.in_flight
-            engine_depth = running + (r.num_waiting or 0)
-            is_under_cap[i] = (in_flight if in_flight > engine_depth else engine_depth) < cap
-            if tie_keys[i][2] != r.id:
-                self._positions = {}
-            tie_keys[i] = (in_flight, r.last_selected, r.id)
-        if not self._positions:
-            self._positions = {r.id: i for i, r in enumerate(replicas)}
-        self._num_under_cap = is_under_cap.count(True)
-
-    def _pool_rates(self) -> tuple[float, list[float] | None]:
-        """(fleet mean, pooled rate per replica or None when every one pools to the mean), as `pooled_rates`
-        defines them, for the rates of the last `_derive`."""
-        rates = self._rates
-        n = len(rates)
-        rate_mean = reduce(add, rates, 0.0) / n
-        rate_sq_sum = reduce(add, map(mul, rates, rates), 0.0)
-        rate_var = rate_sq_sum / n - rate_mean * rate_mean
-        noise = (self.config.rate_noise_cv * rate_mean) ** 2
-        # var <= noise covers a homogeneous fleet, where float cancellation can leave a tiny var of either sign.
-        shrink = 1.0 - noise / rate_var if rate_var > noise else 0.0
-        # A fleet within `rate_noise_cv` pools every rate to the mean: exactly, while the rates are finite.
-        if shrink == 0.0 and rate_sq_sum < math.inf:
-            self._pooled = (rate_mean, None)
-        else:
-            self._pooled = (rate_mean, [rate_mean + shrink * (x - rate_mean) for x in rates])
-        return self._pooled
+        cost less the fleet term), summed as `_choose_exactly` sums the others'."""
+        w, decode_s, attn_s, kv_s = self._terms.rows[i]
+        return w / rate + own_s + decode_s * (1.0 + (w + uncached) * self._terms.inv_step_tokens) + attn_s + kv_s

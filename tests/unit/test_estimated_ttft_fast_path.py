@@ -231,6 +231,28 @@ def test_select_equals_the_reference_at_the_edge_of_the_tie_band(
     assert exactly(EstimatedTTFT(cfg).select(request, replicas, now=0.0)) == exactly(expected)
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(0.5, 2.0), min_size=2, max_size=70),
+    st.sampled_from([0.5, 1.0 - 1e-9, 1.0, 1.0 + 1e-9, 2.0]),
+    st.integers(1, 40_000),
+)
+def test_select_equals_the_reference_where_rates_stop_pooling_to_the_mean(
+    spread: list[float], scale: float, prompt_tokens: int
+) -> None:
+    # `rate_noise_cv` set to the fleet's own spread (its float variance, as the reference computes it), and a
+    # little either side: the rates pool to the mean on one side and keep a sliver of their deviation on the other.
+    replicas = [ReplicaState(id=f"r{i:02d}", prefill_tokens_per_s=10_000.0 * x) for i, x in enumerate(spread)]
+    rates = [r.prefill_tokens_per_s for r in replicas]
+    mean = sum(rates) / len(rates)
+    var = sum(x * x for x in rates) / len(rates) - mean * mean
+    cv = math.sqrt(max(var, 0.0)) / mean * scale
+    cfg = EstimatedTTFTConfig(rate_noise_cv=cv)
+    request = route_request(prompt_tokens, {}, len(replicas))
+    expected = reference_select(cfg, request, replicas)
+    assert exactly(EstimatedTTFT(cfg).select(request, replicas, now=0.0)) == exactly(expected)
+
+
 def test_identical_idle_replicas_tie_and_take_turns() -> None:
     policy = EstimatedTTFT(EstimatedTTFTConfig(tie_epsilon_s=0.0))
     replicas = [ReplicaState(id=f"r{i}") for i in range(64)]
