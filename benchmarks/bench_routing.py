@@ -28,10 +28,11 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
-import importlib.util
+import importlib
 import inspect
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -86,26 +87,56 @@ def replica_states(replicas: list[str], capacity: int) -> list[ReplicaState]:
     ]
 
 
-def baseline_policy(policy: Policy, config: object, revision: str) -> Policy:
-    """`policy`'s class as it was at git `revision`, built with `config`."""
-    module_name = type(policy).__module__
-    path = module_name.replace(".", "/") + ".py"
+def baseline_package(revision: str) -> str:
+    """Import `router/policy` as it was at git `revision` under a package name of its own (its absolute imports
+    rewritten to it), every module at once; returns the name that stands for `router.policy`."""
     root = Path(__file__).resolve().parent.parent
-    source = subprocess.run(
-        ["git", "-C", str(root), "show", f"{revision}:{path}"], check=True, capture_output=True, text=True
-    ).stdout
+    package = "shoal_baseline_" + re.sub(r"\W", "_", revision)
+    listing = subprocess.run(
+        ["git", "-C", str(root), "ls-tree", "--name-only", revision, "router/policy/"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     with tempfile.TemporaryDirectory() as tmp:
-        file = Path(tmp) / f"baseline_{module_name.rsplit('.', 1)[-1]}.py"
-        file.write_text(source)
-        spec = importlib.util.spec_from_file_location(f"baseline.{module_name}", file)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
+        target = Path(tmp) / package / "router" / "policy"
+        target.mkdir(parents=True)
+        (target.parent.parent / "__init__.py").write_text("")
+        (target.parent / "__init__.py").write_text("")
+        for path in listing:
+            if path.endswith(".py"):
+                source = subprocess.run(
+                    ["git", "-C", str(root), "show", f"{revision}:{path}"], check=True, capture_output=True, text=True
+                ).stdout
+                (target / Path(path).name).write_text(re.sub(r"\brouter\.policy\b", f"{package}.router.policy", source))
+        sys.path.insert(0, tmp)
+        try:
+            for path in listing:
+                if path.endswith(".py"):
+                    importlib.import_module(f"{package}.router.policy.{Path(path).stem}")
+        finally:
+            sys.path.remove(tmp)
+    return f"{package}.router.policy"
+
+
+def baseline_policy(policy: Policy, config: object, package: str) -> Policy:
+    """`policy`'s class from `package` (`baseline_package`), built with `config`."""
+    module = sys.modules[type(policy).__module__.replace("router.policy", package, 1)]
     cls = getattr(module, type(policy).__name__)
     if "seed" in inspect.signature(cls).parameters:
         return cls(config, seed=1)  # type: ignore[no-any-return]
     return cls(config)  # type: ignore[no-any-return]
+
+
+def same_decision(a: Decision, b: Decision) -> bool:
+    """Field by field: the baseline's `Decision` and `Branch` are classes of their own."""
+    return (a.replica, str(a.branch), a.matched_blocks, a.predicted_cached_tokens, a.predicted_ttft_s) == (
+        b.replica,
+        str(b.branch),
+        b.matched_blocks,
+        b.predicted_cached_tokens,
+        b.predicted_ttft_s,
+    )
 
 
 class Load:
@@ -192,13 +223,14 @@ def main() -> None:
         if not args.no_memo
         else "hashing every block afresh (--no-memo)"
     )
+    baseline = baseline_package(args.baseline) if args.baseline else None
     for name in args.policies.split(","):
         if name not in POLICY_NAMES:
             raise SystemExit(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
         config = parse_policy_config({"kind": name})
         for mode in ("text", "tokens"):
             policy = build_policy(config, seed=1)
-            base = baseline_policy(policy, config, args.baseline) if args.baseline else None
+            base = baseline_policy(policy, config, baseline) if baseline else None
             states = replica_states(replicas, capacity)
             load = Load(states, random.Random(13), in_flight=3 * len(states))
             hash_us, match_us, select_us, total_us, after_us = [], [], [], [], []
@@ -250,7 +282,7 @@ def main() -> None:
                     base_decision = base.select(request, states, now=1e6 + i)
                     base_select_us.append((time.perf_counter() - b0 + built - m1) * 1e6)
                 if base is not None:
-                    num_differing += base_decision != decision
+                    num_differing += not same_decision(base_decision, decision)
                     base_total_us.append((m1 - t0) * 1e6 + base_select_us[-1])
                 load.step(decision, prompt_tokens, now=1e6 + i)
                 a0 = time.perf_counter()

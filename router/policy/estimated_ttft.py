@@ -180,13 +180,16 @@ class EstimatedTTFT:
         terms = self._terms
         weight = cfg.fleet_cost_weight
         own_s = prompt_tokens / rate + cfg.attention_s_per_token_pair * prompt_tokens * (0 + prompt_tokens / 2)
-        floor_s = own_s if len(hits) < len(terms.lines) else math.inf
+        floor_s = own_s if len(hits) < len(terms.rows) else math.inf
         for _, _, own in hits:
             if own < floor_s:
                 floor_s = own
         base_s = own_s + weight * (own_s - floor_s)  # the terms that a replica matching nothing adds to its line
         inv_rate = 1.0 / rate
-        costs = [w * inv_rate + fixed_s + prompt_tokens * per_token_s for w, fixed_s, per_token_s in terms.lines]
+        costs = [
+            w * inv_rate + fixed_s + prompt_tokens * per_token_s
+            for w, fixed_s, per_token_s in zip(terms.line_backlogs, terms.line_fixed_s, terms.line_per_token_s)
+        ]
         ttfts: dict[int, float] = {}
         for i, cached, own in hits:
             ttfts[i] = ttft_s = self._ttft_s(i, rate, own, prompt_tokens - cached)

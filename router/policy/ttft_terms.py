@@ -22,6 +22,7 @@ fleet's pooled prefill rate, `P` the prompt's tokens):
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Iterable, Sequence
 from functools import reduce
 from itertools import compress, count
@@ -52,8 +53,11 @@ class FleetTerms:
         """Each replica's `ReplicaState.stamp` when its terms were derived."""
         self.rows: list[tuple[int, float, float, float]] = []
         """Exact form: (backlog tokens W, decode s per engine step, the backlog's attention s, KV pressure s)."""
-        self.lines: list[tuple[int, float, float]] = []
-        """Line form: (backlog tokens W, fixed s, s per prompt token)."""
+        # Line form, in flat arrays (read on every decision, they stay in few cache lines):
+        self.line_backlogs = array("d")
+        """Backlog tokens W."""
+        self.line_fixed_s = array("d")
+        self.line_per_token_s = array("d")
         self.num_irregular = 0
         """Replicas with a negative backlog or decode count (a driver's miscount): their line form may cancel."""
         self.rates: list[float] = []
@@ -81,7 +85,9 @@ class FleetTerms:
         else:
             changed = range(n)
             self.rows = [(0, 0.0, 0.0, 0.0)] * n
-            self.lines = [(0, 0.0, 0.0)] * n
+            self.line_backlogs = array("d", bytes(8 * n))
+            self.line_fixed_s = array("d", bytes(8 * n))
+            self.line_per_token_s = array("d", bytes(8 * n))
             self.rates = [math.nan] * n
             self.is_under_cap = [False] * n
             self.tie_keys = [(0, 0.0, "")] * n
@@ -89,7 +95,8 @@ class FleetTerms:
             self.num_irregular = 0
         self.stamps = stamps
         cfg = self.config
-        rows, lines, rates, is_under_cap, tie_keys = self.rows, self.lines, self.rates, self.is_under_cap, self.tie_keys
+        rows, rates, is_under_cap, tie_keys = self.rows, self.rates, self.is_under_cap, self.tie_keys
+        line_backlogs, line_fixed_s, line_per_token_s = self.line_backlogs, self.line_fixed_s, self.line_per_token_s
         step_s = cfg.decode_s_per_seq_step
         inv_step_tokens = self.inv_step_tokens
         attn = cfg.attention_s_per_token_pair
@@ -111,11 +118,9 @@ class FleetTerms:
             pressure_s = pressure_scale * excess * excess
             self.num_irregular += (backlog < 0 or decode_s < 0.0) - (rows[i][0] < 0 or rows[i][1] < 0.0)
             rows[i] = (backlog, decode_s, attention_s, pressure_s)
-            lines[i] = (
-                backlog,
-                decode_s * (1.0 + backlog * inv_step_tokens) + attention_s + pressure_s,
-                decode_s * inv_step_tokens,
-            )
+            line_backlogs[i] = backlog
+            line_fixed_s[i] = decode_s * (1.0 + backlog * inv_step_tokens) + attention_s + pressure_s
+            line_per_token_s[i] = decode_s * inv_step_tokens
             rate = r.prefill_tokens_per_s
             rate = MIN_PREFILL_TOKENS_PER_S if rate < MIN_PREFILL_TOKENS_PER_S else rate
             if rate != rates[i]:
