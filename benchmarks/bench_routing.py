@@ -15,9 +15,10 @@ Between decisions the replicas' loads move as the router moves them (untimed): t
 (waiting -> streaming, the replica's learned prefill rate moves) and finish, so about three replicas change per
 decision and a policy that keeps terms between decisions pays for re-deriving them.
 
-`--baseline REV` also runs each policy as it was at git revision REV (its module from `git show`), in the same
-process on the same inputs, alternating which of the two decides first; its rows reuse the hash and match times,
-and the table counts decisions that differ. Run pinned to one core:
+`--baseline REV` also decides with `router/policy` as it was at git revision REV (hashing and policy; the prefix
+index is the current one, built once), in the same process on the same prompts, states and index, alternating
+which of the two decides first; its rows follow each row, and count the decisions that differ. Run pinned to one
+core:
 
     taskset -c 0 .venv/bin/python benchmarks/bench_routing.py
     taskset -c 0 .venv/bin/python benchmarks/bench_routing.py --no-after --baseline main
@@ -38,12 +39,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 
+from router.policy import hashing
 from router.policy.config import POLICY_NAMES, build_policy, parse_policy_config
-from router.policy.hashing import ChainMemo, hash_text, hash_tokens, namespace_seed
+from router.policy.hashing import PromptChain, hash_text, hash_tokens, namespace_seed
 from router.policy.prefix_index import PrefixIndex, PrefixIndexConfig
 from router.policy.routing_text import completion_routing_key
-from router.policy.types import Decision, Policy, ReplicaState, RouteRequest
+from router.policy.types import Branch, Decision, Policy, ReplicaState, RouteRequest
 
 BLOCKS_PER_PROMPT = 512
 TEXT_BLOCK = 64
@@ -139,6 +142,79 @@ def same_decision(a: Decision, b: Decision) -> bool:
     )
 
 
+class Side:
+    """One revision's hashing and policy, deciding and timing each step (hash, match, select)."""
+
+    def __init__(self, label: str, hashing_module: ModuleType) -> None:
+        self.label = label
+        self.hashing = hashing_module
+        self.memo = hashing_module.ChainMemo()
+        self.policy: Policy | None = None
+        self.chain: PromptChain | None = None
+        self.hashes: list[int] = []
+        self.last_decision = Decision("", Branch.ONLY_REPLICA)
+        self.last_prompt_tokens = 0
+
+    def start(self, policy: Policy) -> None:
+        """A new row: `policy`, and empty samples."""
+        self.policy = policy
+        self.hash_us: list[float] = []
+        self.match_us: list[float] = []
+        self.select_us: list[float] = []
+        self.total_us: list[float] = []
+
+    def decide(
+        self,
+        prompt: bytes | tuple[list[int], bytes],
+        seed: bytes,
+        index: PrefixIndex,
+        states: list[ReplicaState],
+        now: float,
+        *,
+        no_memo: bool,
+    ) -> Decision:
+        assert self.policy is not None
+        hashing = self.hashing
+        self.chain = None
+        t0 = time.perf_counter()
+        if isinstance(prompt, bytes):
+            if no_memo:
+                hashes = hashing.hash_text(prompt, seed, TEXT_BLOCK)
+            else:
+                self.chain = self.memo.chain_text(prompt, seed, TEXT_BLOCK)
+                hashes = self.chain.prefix(index.holds)
+            tokens_per_block = TEXT_BLOCK / BYTES_PER_TOKEN
+            prompt_tokens = int(len(prompt) / BYTES_PER_TOKEN)
+        else:
+            ids, packed = prompt
+            if no_memo:
+                hashes = hashing.hash_tokens(ids, seed)
+            else:
+                self.chain = self.memo.chain_tokens(ids, seed, packed=packed)
+                hashes = self.chain.prefix(index.holds)
+            tokens_per_block = 16.0
+            prompt_tokens = len(ids)
+        num_blocks = len(hashes) if self.chain is None else self.chain.num_blocks
+        t1 = time.perf_counter()
+        matched = index.match(hashes, now=now)
+        t2 = time.perf_counter()
+        request = RouteRequest(hashes, prompt_tokens, tokens_per_block, matched, num_blocks=num_blocks)
+        decision = self.policy.select(request, states, now=now)
+        t3 = time.perf_counter()
+        self.hash_us.append((t1 - t0) * 1e6)
+        self.match_us.append((t2 - t1) * 1e6)
+        self.select_us.append((t3 - t2) * 1e6)
+        self.total_us.append((t3 - t0) * 1e6)
+        self.hashes = hashes
+        self.last_decision = decision
+        self.last_prompt_tokens = prompt_tokens
+        return decision
+
+    def complete(self) -> list[int]:
+        """All of the last prompt's hashes (the router's work after the request is sent)."""
+        return self.hashes if self.chain is None else self.chain.complete()
+
+
 class Load:
     """The router's load bookkeeping (router/service/routing.py: begin, first_byte, finish) over `states`."""
 
@@ -211,7 +287,6 @@ def main() -> None:
     header = f"{'policy':<20} {'mode':<6} " + " ".join(f"{c:>10}" for c in columns)
     print(header)
     print("-" * len(header))
-    memo = ChainMemo()
     # The "after" column records into an index of its own, so that the decisions measured all see the same index.
     recorded = PrefixIndex(PrefixIndexConfig(capacity_blocks=capacity, ttl_s=1e9))
     for r in replicas:
@@ -224,99 +299,61 @@ def main() -> None:
         else "hashing every block afresh (--no-memo)"
     )
     baseline = baseline_package(args.baseline) if args.baseline else None
+    sides = [Side("", hashing)] + ([Side(f"@{args.baseline}", sys.modules[f"{baseline}.hashing"])] if baseline else [])
     for name in args.policies.split(","):
         if name not in POLICY_NAMES:
             raise SystemExit(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
         config = parse_policy_config({"kind": name})
         for mode in ("text", "tokens"):
-            policy = build_policy(config, seed=1)
-            base = baseline_policy(policy, config, baseline) if baseline else None
+            current = build_policy(config, seed=1)
+            for side in sides:
+                side.start(current if side is sides[0] else baseline_policy(current, config, baseline or ""))
             states = replica_states(replicas, capacity)
             load = Load(states, random.Random(13), in_flight=3 * len(states))
-            hash_us, match_us, select_us, total_us, after_us = [], [], [], [], []
-            base_select_us, base_total_us = [], []
-            num_differing = 0
+            after_us: list[float] = []
             parse_us: list[float] = []
+            num_differing = 0
             gc.collect()
             for i in range(args.decisions):
-                chain = None
+                now = 1e6 + i
                 if mode == "text":
-                    data = system_text + os.urandom(16 * 1024)
-                    t0 = time.perf_counter()
-                    if args.no_memo:
-                        hashes = hash_text(data, seed, TEXT_BLOCK)
-                    else:
-                        chain = memo.chain_text(data, seed, TEXT_BLOCK)
-                        hashes = chain.prefix(index.holds)
-                    tokens_per_block = TEXT_BLOCK / BYTES_PER_TOKEN
-                    prompt_tokens = int(len(data) / BYTES_PER_TOKEN)
+                    prompt: bytes | tuple[list[int], bytes] = system_text + os.urandom(16 * 1024)
                 else:
                     ids = system_tokens + [rng.randrange(150_000) for _ in range(4096)]
                     # The router checks and packs the ids when it parses the request, before deciding.
                     p0 = time.perf_counter()
                     key = completion_routing_key({"prompt": ids})
                     parse_us.append((time.perf_counter() - p0) * 1e6)
-                    t0 = time.perf_counter()
-                    if args.no_memo:
-                        hashes = hash_tokens(ids, seed)
-                    else:
-                        chain = memo.chain_tokens(ids, seed, packed=key.packed)
-                        hashes = chain.prefix(index.holds)
-                    tokens_per_block = 16.0
-                    prompt_tokens = len(ids)
-                num_blocks = len(hashes) if chain is None else chain.num_blocks
-                t1 = time.perf_counter()
-                matched = index.match(hashes, now=1e6 + i)
-                m1 = time.perf_counter()
-                request = RouteRequest(hashes, prompt_tokens, tokens_per_block, matched, num_blocks=num_blocks)
-                built = time.perf_counter()
-                if base is not None and i % 2:
-                    b0 = time.perf_counter()
-                    base_decision = base.select(request, states, now=1e6 + i)
-                    base_select_us.append((time.perf_counter() - b0 + built - m1) * 1e6)
-                t2 = time.perf_counter()
-                decision = policy.select(request, states, now=1e6 + i)
-                t3 = time.perf_counter()
-                if base is not None and not i % 2:
-                    b0 = time.perf_counter()
-                    base_decision = base.select(request, states, now=1e6 + i)
-                    base_select_us.append((time.perf_counter() - b0 + built - m1) * 1e6)
-                if base is not None:
-                    num_differing += not same_decision(base_decision, decision)
-                    base_total_us.append((m1 - t0) * 1e6 + base_select_us[-1])
-                load.step(decision, prompt_tokens, now=1e6 + i)
+                    assert key.packed is not None
+                    prompt = (ids, key.packed)
+                # Each side decides on the same prompt, states and index; which goes first alternates.
+                decisions = [
+                    side.decide(prompt, seed, index, states, now, no_memo=args.no_memo)
+                    for side in (sides if i % 2 == 0 else sides[::-1])
+                ]
+                decision = sides[0].last_decision
+                num_differing += not all(same_decision(d, decision) for d in decisions)
+                load.step(decision, sides[0].last_prompt_tokens, now=now)
                 a0 = time.perf_counter()
                 if not args.no_after:
-                    if chain is not None:
-                        hashes = chain.complete()
-                    recorded.record(decision.replica, hashes, now=1e6 + i)
-                t4 = time.perf_counter()
-                hash_us.append((t1 - t0) * 1e6)
-                match_us.append((m1 - t1) * 1e6)
-                select_us.append((t3 - t2 + built - m1) * 1e6)
-                total_us.append((t3 - t2 + built - t0) * 1e6)
-                after_us.append((t4 - a0) * 1e6)
-            figures = (
-                percentile(hash_us, 0.5),
-                percentile(match_us, 0.5),
-                percentile(select_us, 0.5),
-                percentile(total_us, 0.5),
-                percentile(total_us, 0.99),
-                percentile(after_us, 0.5),
-            )
-            print(f"{name:<20} {mode:<6} " + " ".join(f"{f:>10.1f}" for f in figures))
-            if base is not None:
-                base_figures = (
-                    percentile(base_select_us, 0.5),
-                    percentile(base_total_us, 0.5),
-                    percentile(base_total_us, 0.99),
+                    recorded.record(decision.replica, sides[0].complete(), now=now)
+                after_us.append((time.perf_counter() - a0) * 1e6)
+                for side in sides[1:]:
+                    side.complete()
+            for side in sides:
+                label = name if side is sides[0] else side.label
+                figures = (
+                    percentile(side.hash_us, 0.5),
+                    percentile(side.match_us, 0.5),
+                    percentile(side.select_us, 0.5),
+                    percentile(side.total_us, 0.5),
+                    percentile(side.total_us, 0.99),
                 )
-                label = f"@{args.baseline}"
-                print(
-                    f"{label:<20} {mode:<6} {'':>10} {'':>10} "
-                    + " ".join(f"{f:>10.1f}" for f in base_figures)
-                    + f"  ({num_differing} decisions differ)"
-                )
+                row = f"{label:<20} {mode:<6} " + " ".join(f"{f:>10.1f}" for f in figures)
+                if side is sides[0]:
+                    print(row + f" {percentile(after_us, 0.5):>10.1f}")
+                else:
+                    print(row + f" {'':>10}  ({num_differing} decisions differ)")
             if parse_us:
                 parse_p50 = percentile(parse_us, 0.5)
                 parse_lines.append(f"{name}: checking and packing 8,192 token ids when parsing, p50 {parse_p50:.1f} us")
