@@ -49,11 +49,12 @@ Branch: ONLY_REPLICA for a single replica, OVERLOADED as above, else CACHE_HIT /
 term is a cost, not a latency).
 
 Speed. The router decides once per request over every replica, so `select` keeps, between decisions, each
-replica's terms that do not depend on the request (backlog, decode and pressure seconds, the cap test, the tie
-key), re-derived only for the replicas whose fields were written since (`ReplicaState.stamp`, a new object on
-every write); per decision it adds the request's terms in one expression per replica, and computes the few
-replicas that hold part of the prompt apart. Sums are taken in the same order as the plain reference in
-tests/unit/test_estimated_ttft_fast_path.py, which holds costs, ties and estimates equal to the last bit.
+replica's terms that do not depend on the request (`ttft_terms.FleetTerms`: backlog, decode and pressure
+seconds, the cap test, the tie key), re-derived only for the replicas whose fields were written since
+(`ReplicaState.stamp`). Per decision it ranks the replicas that match nothing by a line in the prompt's length,
+computes the few that hold part of the prompt apart, and sums a cost in the documented order only where the
+line's roundings could move it across the tie band's edge, and for the chosen replica's estimate. Decisions are
+those of the plain reference in tests/unit/test_estimated_ttft_fast_path.py, to the last bit.
 
 Parameters (`config.EstimatedTTFTConfig`): decode_s_per_seq_step, prefill_tokens_per_step,
 attention_s_per_token_pair, rate_noise_cv, fleet_cost_weight, kv_pressure_s, kv_pressure_threshold,
@@ -119,7 +120,8 @@ class EstimatedTTFT:
         return prefill_s + decode_s + pressure_s
 
     def costs_s(self, request: RouteRequest, replicas: Sequence[ReplicaState]) -> list[tuple[float, float]]:
-        """(ttft, cost) of each replica in seconds, term by term as documented (the reference `select` matches)."""
+        """(ttft, cost) of each replica in seconds, term by term as documented (`select` takes some sums in another
+        order, so its figures may differ from these in the last bits)."""
         rates = self.pooled_rates(replicas)
         own = [self.own_prefill_s(request, r, rate) for r, rate in zip(replicas, rates, strict=True)]
         floor_s = min(own)
@@ -140,8 +142,8 @@ class EstimatedTTFT:
         attn = self.config.attention_s_per_token_pair
         matched = request.matched_blocks
         positions = terms.positions
+        # (position, cached tokens, own prefill s) of each replica among `replicas` that matches
         hits: list[tuple[int, int, float]] = []
-        """(position, cached tokens, own prefill s) of each replica among `replicas` that matches."""
         best_blocks = 0  # the longest match among `replicas`, for the branch
         for rid, blocks in matched.items():
             i = positions.get(rid)
@@ -188,16 +190,18 @@ class EstimatedTTFT:
         inv_rate = 1.0 / rate
         costs = [
             w * inv_rate + fixed_s + prompt_tokens * per_token_s
-            for w, fixed_s, per_token_s in zip(terms.line_backlogs, terms.line_fixed_s, terms.line_per_token_s)
+            for w, fixed_s, per_token_s in zip(
+                terms.line_backlogs, terms.line_fixed_s, terms.line_per_token_s, strict=True
+            )
         ]
         ttfts: dict[int, float] = {}
         for i, cached, own in hits:
             ttfts[i] = ttft_s = self._ttft_s(i, rate, own, prompt_tokens - cached)
             costs[i] = ttft_s + weight * (own - floor_s) - base_s
         n = len(costs)
-        candidates = range(n)
+        candidates: Sequence[int] = range(n)
         if 0 < terms.num_under_cap < n:
-            candidates = list(compress(candidates, terms.is_under_cap))  # type: ignore[assignment]
+            candidates = list(compress(candidates, terms.is_under_cap))
             best_s = min([costs[i] for i in candidates]) + base_s
         else:
             best_s = min(costs) + base_s
