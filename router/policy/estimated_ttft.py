@@ -48,6 +48,14 @@ Branch: ONLY_REPLICA for a single replica, OVERLOADED as above, else CACHE_HIT /
 `decisions.cache_branch`. The decision carries the chosen replica's `ttft(r)` as `predicted_ttft_s` (the fleet
 term is a cost, not a latency).
 
+Speed. The router decides once per request over every replica, so `select` keeps, between decisions, each
+replica's terms that do not depend on the request (`ttft_terms.FleetTerms`: backlog, decode and pressure
+seconds, the cap test, the tie key), re-derived only for the replicas whose fields were written since
+(`ReplicaState.stamp`). Per decision it ranks the replicas that match nothing by a line in the prompt's length,
+computes the few that hold part of the prompt apart, and sums a cost in the documented order only where the
+line's roundings could move it across the tie band's edge, and for the chosen replica's estimate. Decisions are
+those of the plain reference in tests/unit/test_estimated_ttft_fast_path.py, to the last bit.
+
 Parameters (`config.EstimatedTTFTConfig`): decode_s_per_seq_step, prefill_tokens_per_step,
 attention_s_per_token_pair, rate_noise_cv, fleet_cost_weight, kv_pressure_s, kv_pressure_threshold,
 tie_epsilon_s, tie_rel_epsilon, max_queue_per_replica.
@@ -57,20 +65,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from itertools import repeat
-from operator import attrgetter
+from itertools import compress
 from typing import TYPE_CHECKING
 
 from router.policy.decisions import branch_for_blocks, decision
+from router.policy.ttft_terms import MIN_PREFILL_TOKENS_PER_S, FleetTerms
 from router.policy.types import Branch, Decision, ReplicaState, RouteRequest
 
 if TYPE_CHECKING:
     from router.policy.config import EstimatedTTFTConfig
-
-_MIN_PREFILL_TOKENS_PER_S = 1.0
-"""Floor on a replica's prefill rate, so a corrupt rate cannot divide by zero."""
-
-_rate_of = attrgetter("prefill_tokens_per_s")
 
 
 class EstimatedTTFT:
@@ -80,10 +83,11 @@ class EstimatedTTFT:
 
     def __init__(self, config: EstimatedTTFTConfig) -> None:
         self.config = config
+        self._terms = FleetTerms(config)
 
     def pooled_rates(self, replicas: Sequence[ReplicaState]) -> list[float]:
         """Each replica's learned prefill rate shrunk towards the fleet mean (tokens/s), see the module docstring."""
-        rates = [max(r.prefill_tokens_per_s, _MIN_PREFILL_TOKENS_PER_S) for r in replicas]
+        rates = [max(r.prefill_tokens_per_s, MIN_PREFILL_TOKENS_PER_S) for r in replicas]
         mean = sum(rates) / len(rates)
         var = sum((x - mean) ** 2 for x in rates) / len(rates)
         noise = (self.config.rate_noise_cv * mean) ** 2
@@ -101,7 +105,7 @@ class EstimatedTTFT:
         replica's learned rate; `select` passes the pooled one)."""
         cfg = self.config
         if rate is None:
-            rate = max(replica.prefill_tokens_per_s, _MIN_PREFILL_TOKENS_PER_S)
+            rate = max(replica.prefill_tokens_per_s, MIN_PREFILL_TOKENS_PER_S)
         backlog = replica.waiting_prompt_tokens
         prefill_s = backlog / rate + self.own_prefill_s(request, replica, rate)
         if replica.waiting > 0:
@@ -116,7 +120,8 @@ class EstimatedTTFT:
         return prefill_s + decode_s + pressure_s
 
     def costs_s(self, request: RouteRequest, replicas: Sequence[ReplicaState]) -> list[tuple[float, float]]:
-        """(ttft, cost) of each replica in seconds, term by term as documented (the reference `select` matches)."""
+        """(ttft, cost) of each replica in seconds, term by term as documented (`select` takes some sums in another
+        order, so its figures may differ from these in the last bits)."""
         rates = self.pooled_rates(replicas)
         own = [self.own_prefill_s(request, r, rate) for r, rate in zip(replicas, rates, strict=True)]
         floor_s = min(own)
@@ -128,80 +133,141 @@ class EstimatedTTFT:
         if len(replicas) == 1:
             only = replicas[0]
             return decision(request, only.id, Branch.ONLY_REPLICA, self.estimate_s(request, only))
-        # The router's hot path, once per request over every replica: three tight passes over locals that compute
-        # exactly `costs_s` (tests hold the two equal, bit for bit), with the terms summed in the same order.
-        cfg = self.config
-        n = len(replicas)
-        rates = [_MIN_PREFILL_TOKENS_PER_S if x < _MIN_PREFILL_TOKENS_PER_S else x for x in map(_rate_of, replicas)]
-        rate_sum = rate_sq_sum = 0.0
-        for rate in rates:
-            rate_sum += rate
-            rate_sq_sum += rate * rate
-        rate_mean = rate_sum / n
-        rate_var = rate_sq_sum / n - rate_mean * rate_mean
-        noise = (cfg.rate_noise_cv * rate_mean) ** 2
-        # var <= noise covers a homogeneous fleet, where float cancellation can leave a tiny var of either sign.
-        shrink = 1.0 - noise / rate_var if rate_var > noise else 0.0
-        # A fleet within `rate_noise_cv` pools every rate to the mean: exactly, while the rates are finite.
-        pooled = (
-            repeat(rate_mean)
-            if shrink == 0.0 and rate_sq_sum < math.inf
-            else ([rate_mean + shrink * (x - rate_mean) for x in rates])
-        )
-        cap = cfg.max_queue_per_replica
-        step_s = cfg.decode_s_per_seq_step
-        inv_step_tokens = 1.0 / cfg.prefill_tokens_per_step
-        attn = cfg.attention_s_per_token_pair
-        threshold = cfg.kv_pressure_threshold
-        pressure_scale = cfg.kv_pressure_s / ((1.0 - threshold) ** 2)
+        # The router's hot path (module docstring, Speed).
+        terms = self._terms
+        terms.update(replicas)
+        mean_rate, pooled = terms.pool_rates()
         prompt_tokens = request.prompt_tokens
-        # Cached tokens only for the few replicas that match at all; the rest compute the whole prompt, whose
-        # attention term is the same for all of them.
+        tokens_per_block = request.tokens_per_block
+        attn = self.config.attention_s_per_token_pair
         matched = request.matched_blocks
-        cached_by_id = {rid: request.cached_tokens(rid) for rid in matched}
-        cached_get = cached_by_id.get
-        uncached_attn_s = attn * prompt_tokens * (0 + prompt_tokens / 2)
+        positions = terms.positions
+        # (position, cached tokens, own prefill s) of each replica among `replicas` that matches
+        hits: list[tuple[int, int, float]] = []
         best_blocks = 0  # the longest match among `replicas`, for the branch
-        ttfts: list[float] = []
-        owns: list[float] = []
-        ttfts_append = ttfts.append
-        owns_append = owns.append
-        num_under_cap = 0
-        for r, rate in zip(replicas, pooled, strict=False):  # `pooled` may be an endless repeat
-            rid = r.id
-            cached = cached_get(rid)
-            if cached is None:
-                uncached = prompt_tokens
-                own = prompt_tokens / rate + uncached_attn_s
-            else:
-                uncached = prompt_tokens - cached
-                own = uncached / rate + attn * uncached * (cached + uncached / 2)
-                blocks = matched[rid]
-                if blocks > best_blocks:
-                    best_blocks = blocks
-            backlog = r.waiting_prompt_tokens
-            running = r.num_running or 0
-            streaming = r.streaming
-            decoding = streaming if streaming > running else running
-            estimate = backlog / rate + own + step_s * decoding * (1.0 + (backlog + uncached) * inv_step_tokens)
-            waiting = r.waiting
-            if waiting > 0:
-                estimate += attn * backlog * backlog / (2 * waiting)
-            kv = r.kv_usage
-            if kv is not None and kv > threshold:
-                excess = (kv if kv < 1.0 else 1.0) - threshold
-                estimate += pressure_scale * excess * excess
-            ttfts_append(estimate)
-            owns_append(own)
-            engine_depth = running + (r.num_waiting or 0)
-            in_flight = r.in_flight
-            if (in_flight if in_flight > engine_depth else engine_depth) < cap:
-                num_under_cap += 1
+        for rid, blocks in matched.items():
+            i = positions.get(rid)
+            if i is None:
+                continue
+            if blocks > best_blocks:
+                best_blocks = blocks
+            cached = int(blocks * tokens_per_block)  # request.cached_tokens
+            if cached > prompt_tokens:
+                cached = prompt_tokens
+            uncached = prompt_tokens - cached
+            rate = mean_rate if pooled is None else pooled[i]
+            hits.append((i, cached, uncached / rate + attn * uncached * (cached + uncached / 2)))
+        chosen = None
+        if pooled is None and not terms.num_irregular:
+            chosen = self._choose_by_lines(prompt_tokens, hits, mean_rate)
+        if chosen is None:
+            chosen = self._choose_exactly(prompt_tokens, hits, mean_rate, pooled)
+        best, ttft_s = chosen
+        chosen_id = replicas[best].id
+        is_overloaded = not terms.num_under_cap
+        branch = Branch.OVERLOADED if is_overloaded else branch_for_blocks(best_blocks, matched.get(chosen_id, 0))
+        return decision(request, chosen_id, branch, ttft_s)
+
+    def _choose_by_lines(
+        self, prompt_tokens: int, hits: list[tuple[int, int, float]], rate: float
+    ) -> tuple[int, float] | None:
+        """(position, ttft) of the choice, ranking the replicas that match nothing by their line form (a few
+        roundings off the exact cost, module docstring of `ttft_terms`); None when a replica's cost lies so near
+        the edge of the tie band that those roundings could move it across, for `_choose_exactly` to decide.
+
+        Every fleet rate is `rate` (pooled to the mean) and no term is negative, so every cost is a sum of
+        non-negative terms and both forms are within ~20 float roundings (~5e-15) of its real value; a replica
+        further than 1e-12 of the costs from the band's edge is in or out of it whichever form is used."""
+        cfg = self.config
+        terms = self._terms
         weight = cfg.fleet_cost_weight
-        floor_s = min(owns)
-        costs = [t + weight * (o - floor_s) for t, o in zip(ttfts, owns, strict=True)]
-        if 0 < num_under_cap < n:
-            candidates = [i for i, r in enumerate(replicas) if r.queue_depth < cap]
+        own_s = prompt_tokens / rate + cfg.attention_s_per_token_pair * prompt_tokens * (0 + prompt_tokens / 2)
+        floor_s = own_s if len(hits) < len(terms.rows) else math.inf
+        for _, _, own in hits:
+            if own < floor_s:
+                floor_s = own
+        base_s = own_s + weight * (own_s - floor_s)  # the terms that a replica matching nothing adds to its line
+        inv_rate = 1.0 / rate
+        costs = [
+            w * inv_rate + fixed_s + prompt_tokens * per_token_s
+            for w, fixed_s, per_token_s in zip(
+                terms.line_backlogs, terms.line_fixed_s, terms.line_per_token_s, strict=True
+            )
+        ]
+        ttfts: dict[int, float] = {}
+        for i, cached, own in hits:
+            ttfts[i] = ttft_s = self._ttft_s(i, rate, own, prompt_tokens - cached)
+            costs[i] = ttft_s + weight * (own - floor_s) - base_s
+        n = len(costs)
+        candidates: Sequence[int] = range(n)
+        if 0 < terms.num_under_cap < n:
+            candidates = list(compress(candidates, terms.is_under_cap))
+            best_s = min([costs[i] for i in candidates]) + base_s
+        else:
+            best_s = min(costs) + base_s
+        tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
+        band_s = 1e-12 * (1.0 + cfg.tie_rel_epsilon) * (abs(tied_below_s) + base_s)
+        if not band_s < math.inf:
+            return None
+        above_s = tied_below_s - base_s + band_s
+        tied = [i for i in candidates if costs[i] <= above_s]
+        below_s = above_s - 2.0 * band_s
+        for i in tied:
+            if costs[i] > below_s:
+                return None
+        best = tied[0] if len(tied) == 1 else min(tied, key=terms.tie_keys.__getitem__)
+        predicted_s = ttfts.get(best)
+        if predicted_s is None:
+            predicted_s = self._ttft_s(best, rate, own_s, prompt_tokens)
+        return best, predicted_s
+
+    def _choose_exactly(
+        self, prompt_tokens: int, hits: list[tuple[int, int, float]], mean_rate: float, pooled: list[float] | None
+    ) -> tuple[int, float]:
+        """(position, ttft) of the choice, from every replica's exact cost."""
+        cfg = self.config
+        terms = self._terms
+        inv_step_tokens = terms.inv_step_tokens
+        weight = cfg.fleet_cost_weight
+        # A replica that matches nothing computes the whole prompt: the attention term is the same for all of them.
+        uncached_attn_s = cfg.attention_s_per_token_pair * prompt_tokens * (0 + prompt_tokens / 2)
+        n = len(terms.rows)
+        if pooled is None:
+            own_s = prompt_tokens / mean_rate + uncached_attn_s
+            floor_s = own_s if len(hits) < n else math.inf
+            for _, _, own in hits:
+                if own < floor_s:
+                    floor_s = own
+            fleet_s = weight * (own_s - floor_s)
+            costs = [
+                w / mean_rate
+                + own_s
+                + decode_s * (1.0 + (w + prompt_tokens) * inv_step_tokens)
+                + attn_s
+                + kv_s
+                + fleet_s
+                for w, decode_s, attn_s, kv_s in terms.rows
+            ]
+        else:
+            owns = [prompt_tokens / rate + uncached_attn_s for rate in pooled]
+            for i, _, own in hits:
+                owns[i] = own
+            floor_s = min(owns)
+            costs = [
+                w / rate
+                + own
+                + decode_s * (1.0 + (w + prompt_tokens) * inv_step_tokens)
+                + attn_s
+                + kv_s
+                + weight * (own - floor_s)
+                for (w, decode_s, attn_s, kv_s), rate, own in zip(terms.rows, pooled, owns, strict=True)
+            ]
+        ttfts: dict[int, float] = {}
+        for i, cached, own in hits:
+            ttfts[i] = ttft_s = self._ttft_s(i, mean_rate if pooled is None else pooled[i], own, prompt_tokens - cached)
+            costs[i] = ttft_s + weight * (own - floor_s)
+        if 0 < terms.num_under_cap < n:
+            candidates = list(compress(range(n), terms.is_under_cap))
             best_s = min([costs[i] for i in candidates])
             tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
             tied = [i for i in candidates if costs[i] <= tied_below_s]
@@ -209,10 +275,15 @@ class EstimatedTTFT:
             best_s = min(costs)
             tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
             tied = [i for i, cost in enumerate(costs) if cost <= tied_below_s]
-        if len(tied) == 1:
-            best = tied[0]
-        else:
-            best = min(tied, key=lambda i: (replicas[i].in_flight, replicas[i].last_selected, replicas[i].id))
-        chosen = replicas[best]
-        branch = branch_for_blocks(best_blocks, matched.get(chosen.id, 0)) if num_under_cap else Branch.OVERLOADED
-        return decision(request, chosen.id, branch, ttfts[best])
+        best = tied[0] if len(tied) == 1 else min(tied, key=terms.tie_keys.__getitem__)
+        predicted_s = ttfts.get(best)
+        if predicted_s is None:
+            rate = mean_rate if pooled is None else pooled[best]
+            predicted_s = self._ttft_s(best, rate, prompt_tokens / rate + uncached_attn_s, prompt_tokens)
+        return best, predicted_s
+
+    def _ttft_s(self, i: int, rate: float, own_s: float, uncached: int) -> float:
+        """The estimate of replica `i` of the last `select` at pooled `rate`, with its own prefill `own_s` (its
+        cost less the fleet term), summed as `_choose_exactly` sums the others'."""
+        w, decode_s, attn_s, kv_s = self._terms.rows[i]
+        return w / rate + own_s + decode_s * (1.0 + (w + uncached) * self._terms.inv_step_tokens) + attn_s + kv_s

@@ -358,15 +358,16 @@ class PromptChain:
         out = self.hashes
         width = self._width
         data = self._data
-        pack = Struct(f"<Q{width}s").pack
         i = len(out)
-        if i == 0:
-            out.append(_xxh3(self._seed + data[:width]))
-            if not is_indexed(out[0]):
-                return False
-            i = 1
+        # The first block often ends the walk (a prompt's new part starts in this chunk): it is cut alone.
+        first = data[i * width : (i + 1) * width]
+        out.append(_xxh3(self._seed + first if i == 0 else _pack_u64(out[-1]) + first))
+        if not is_indexed(out[-1]):
+            return False
+        i += 1
         prev = out[-1]
         append = out.append
+        pack = Struct(f"<Q{width}s").pack
         for block in struct.unpack_from(f"{width}s" * (end - i), data, i * width):
             prev = _xxh3(pack(prev, block))
             append(prev)

@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+_set_slot = object.__setattr__
+
 
 class Branch(enum.StrEnum):
     """Why a replica was chosen. Values are stable: they are metric labels and response headers."""
@@ -70,6 +72,15 @@ class ReplicaState:
     """KV cache size in index blocks, when known (from settings or the engine)."""
     last_selected: float = float("-inf")
     """`now` of the last time a policy chose this replica (least-recently-chosen tie break)."""
+    stamp: object = field(default=None, init=False, repr=False, compare=False)
+    """A new object after every write to a field: a policy that derives terms from the fields keeps them with
+    the stamp they were derived at and, while the stamp is the same object, need not read the fields again."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # Every write, `+=` included, invalidates what was derived from the fields. ~0.3 us a write, against the
+        # ~1 us a decision would spend re-reading each replica's fields.
+        _set_slot(self, name, value)
+        _set_slot(self, "stamp", object())
 
     @property
     def queue_depth(self) -> int:

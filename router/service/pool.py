@@ -9,12 +9,17 @@ failed requests (5xx, transport errors) and closes on the first good probe after
 State transitions take `now` from the caller; nothing here sleeps or does I/O. Listeners hear of replicas joining
 and leaving the pool, whoever adds or removes them (the static list, the admin API, discovery): what follows a
 replica's lifecycle, such as its KV-event stream, hooks in there.
+
+Every routing decision needs the eligible replicas' load views (`eligible_states`). The pool keeps those lists by
+model between requests and drops them when a replica joins or leaves, or when one of the fields eligibility reads
+(`is_healthy`, `is_draining`, `circuit_open_until`, `model_cards`) is assigned a different value: `Replica`
+tells the pool from `__setattr__`, so `model_cards` is replaced, never changed in place.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
@@ -24,6 +29,15 @@ from router.policy.types import ReplicaState
 
 if TYPE_CHECKING:
     from router.service.settings import BreakerSettings, HealthSettings
+
+_ELIGIBILITY_FIELDS = frozenset({"is_healthy", "is_draining", "circuit_open_until", "model_cards"})
+"""The `Replica` fields `ReplicaPool.eligible` reads."""
+
+_MAX_CACHED_MODELS = 64
+"""Models whose eligible lists the pool keeps at once (clients name the model, so the set is not bounded)."""
+
+_set_slot = object.__setattr__
+_UNSET = object()
 
 
 class Status(enum.StrEnum):
@@ -82,6 +96,18 @@ class Replica:
     has_live_kv_events: bool = False
     """True while the replica's KV-event stream is connected and in sync: its `stored` events will confirm what
     the router sends it, so the router records its own guesses as short-lived predictions only."""
+    on_eligibility_change: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    """Called when an eligibility field (`_ELIGIBILITY_FIELDS`) takes a different value; the pool's hook."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _ELIGIBILITY_FIELDS:
+            before = getattr(self, name, _UNSET)
+            _set_slot(self, name, value)
+            notify = getattr(self, "on_eligibility_change", None)
+            if notify is not None and (before is _UNSET or before != value):
+                notify()
+        else:
+            _set_slot(self, name, value)
 
     @property
     def models(self) -> frozenset[str]:
@@ -170,6 +196,8 @@ class ReplicaPool:
     def __init__(self) -> None:
         self._replicas: dict[str, Replica] = {}
         self._listeners: list[PoolListener] = []
+        self._eligible_states: dict[str | None, list[ReplicaState]] = {}
+        """`eligible_states(model)` by model, until a replica joins, leaves or changes eligibility."""
 
     def add_listener(self, listener: PoolListener) -> None:
         self._listeners.append(listener)
@@ -208,7 +236,9 @@ class ReplicaPool:
             base_path=base_path,
         )
         replica.probe_now = True
+        replica.on_eligibility_change = self._eligible_states.clear
         self._replicas[rid] = replica
+        self._eligible_states.clear()
         for listener in self._listeners:
             listener.replica_added(replica)
         return replica
@@ -216,6 +246,8 @@ class ReplicaPool:
     def remove(self, replica_id: str) -> Replica | None:
         replica = self._replicas.pop(replica_id, None)
         if replica is not None:
+            replica.on_eligibility_change = None
+            self._eligible_states.clear()
             for listener in self._listeners:
                 listener.replica_removed(replica)
         return replica
@@ -234,6 +266,19 @@ class ReplicaPool:
             and (model is None or not r.model_cards or model in r.model_cards)
             and r.id not in excluded
         ]
+
+    def eligible_states(self, model: str | None, exclude: Iterable[str] = ()) -> Sequence[ReplicaState]:
+        """The load views of `eligible(model, exclude)`, in pool order. Without `exclude` (a first attempt) the
+        list is kept until eligibility changes (module docstring) and shared between calls: read it, never
+        change it."""
+        if exclude:
+            return [r.state for r in self.eligible(model, exclude)]
+        states = self._eligible_states.get(model)
+        if states is None:
+            if len(self._eligible_states) >= _MAX_CACHED_MODELS:
+                self._eligible_states.clear()
+            states = self._eligible_states[model] = [r.state for r in self.eligible(model)]
+        return states
 
     def is_model_known(self, model: str) -> bool:
         """False only when every replica has reported its models and none serves `model`."""

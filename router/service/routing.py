@@ -119,8 +119,8 @@ class RoutingCore:
     def choose(self, prepared: Prepared, exclude: Sequence[str], now: float) -> Decision | None:
         """Pick a replica among the eligible ones, or None when there is none. The caller `commit`s a decision
         it acts on."""
-        eligible = self.pool.eligible(prepared.model, exclude)
-        if not eligible:
+        states = self.pool.eligible_states(prepared.model, exclude)
+        if not states:
             return None
         matched = self.index.match(prepared.hashes, now=now) if prepared.hashes else {}
         request = RouteRequest(
@@ -132,7 +132,6 @@ class RoutingCore:
             max_output_tokens=prepared.max_output_tokens,
             num_blocks=prepared.chain.num_blocks,
         )
-        states = [r.state for r in eligible]
         decision = None
         if prepared.session_key is not None:  # only with `session_header` set (the proxy reads it)
             decision = self.sessions.decide(request, states)
