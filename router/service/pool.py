@@ -99,15 +99,17 @@ class Replica:
     on_eligibility_change: Callable[[], None] | None = field(default=None, repr=False, compare=False)
     """Called when an eligibility field (`_ELIGIBILITY_FIELDS`) takes a different value; the pool's hook."""
 
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in _ELIGIBILITY_FIELDS:
-            before = getattr(self, name, _UNSET)
-            _set_slot(self, name, value)
-            notify = getattr(self, "on_eligibility_change", None)
-            if notify is not None and (before is _UNSET or before != value):
-                notify()
-        else:
-            _set_slot(self, name, value)
+    if not TYPE_CHECKING:  # hidden from mypy, which would otherwise accept writes to any attribute name
+
+        def __setattr__(self, name: str, value: object) -> None:
+            if name in _ELIGIBILITY_FIELDS:
+                before = getattr(self, name, _UNSET)
+                _set_slot(self, name, value)
+                notify = getattr(self, "on_eligibility_change", None)
+                if notify is not None and (before is _UNSET or before != value):
+                    notify()
+            else:
+                _set_slot(self, name, value)
 
     @property
     def models(self) -> frozenset[str]:
