@@ -8,7 +8,9 @@ import json
 from typing import Any
 
 import pytest
+from aiohttp import web
 
+from router.service.front import FrontRequest, FrontServer
 from router.service.settings import LimitSettings
 from tests.integration.conftest import MODEL, RouterHandle, StartFakes, StartRouter
 
@@ -230,3 +232,27 @@ async def test_front_off_serves_everything_with_aiohttp(start_fakes: StartFakes,
         assert status == 200 and "aiohttp" in headers.get("server", "") and headers["x-shoal-replica"]
     finally:
         writer.close()
+
+
+async def test_a_handler_that_fails_answers_500_and_closes_the_connection() -> None:
+    async def failing(request: FrontRequest, body: bytes) -> web.StreamResponse:
+        raise RuntimeError("a bug in the handler")
+
+    async def aiohttp_answer(request: web.BaseRequest) -> web.Response:
+        return web.Response(text="aiohttp")
+
+    front = FrontServer({("POST", "/v1/completions"): failing}, web.Server(aiohttp_answer), LimitSettings())
+    await front.start("127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection(*front.addresses[0])
+        try:
+            writer.write(completion("fails") + completion("never read"))
+            status, headers, body = await read_answer(reader)
+            assert status == 500 and headers["connection"] == "close"
+            assert json.loads(body)["error"]["type"] == "server_error"
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        finally:
+            writer.close()
+    finally:
+        await front.shutdown(1.0)
+    assert front.num_served == 1
