@@ -15,19 +15,31 @@ equal attainment.
 
 Attainment is TTFT-only: requests with TTFT <= the scenario's `slo.ttft_s`, over all requests (rejected ones
 count as missed). Replica-seconds count each replica from creation (start-up included) to removal or the run's end.
+
+A `--shoal-variant` with `"rate_oracle_lead_s": L` is a bound, not a policy: Shoal's policy fed, instead of the
+requests in flight it measures, those the trace's rate curve implies L seconds ahead (Little's law: the rate at
+now + L times the static peak run's mean request time), free of Poisson noise and of queueing. servegen traces
+only: no live autoscaler knows the rate, let alone ahead.
+
+`--where-missed` adds, per row, where in time the missed requests arrived: while a replica was starting (a
+scale-up on its way), within 300 s after a replica was removed, or otherwise (a fleet at rest, whose misses are
+queueing noise), with the scale-ups and removals counted.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from simulations.scaling import AutoscaleConfig, PolicyFleet
+from autoscaler.policy import Demand, Observation, ScalerState, ScalingPolicyConfig, decide
+from simulations.scaling import AutoscaleConfig, FleetObservation, PolicyFleet
 from simulations.scenario import Scenario, build_workload, load_scenario
 from simulations.servegen import ServeGenTraceConfig, ServeGenWorkload
 from simulations.simulation import Simulation
@@ -47,6 +59,9 @@ class Row:
     mean_replicas: float
     cpu_s: float
     reasons: dict[str, int]
+    request_mean_s: float
+    """Mean end-to-end time of a request."""
+    where_missed: str = ""
 
 
 def merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -57,18 +72,63 @@ def merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run(scenario: Scenario, workload: Workload, policy: str, **overrides: Any) -> Row:
+class RateOracleFleet:
+    """Shoal's policy on the requests a ServeGen rate curve implies `lead_s` ahead, not on those measured."""
+
+    def __init__(
+        self,
+        config: ScalingPolicyConfig,
+        workload: ServeGenWorkload,
+        *,
+        request_s: float,
+        lead_s: float,
+        interval_s: float,
+    ) -> None:
+        self.config = config
+        self.workload = workload
+        self.request_s = request_s
+        self.lead_s = lead_s
+        self.interval_s = interval_s
+        self.reasons: Counter[str] = Counter()
+        self._state = ScalerState()
+
+    def desired_replicas(self, observation: FleetObservation) -> int | None:
+        now = observation.now_s
+        demand = Demand(requests=self.workload.rate_at(now + self.lead_s) * self.request_s)
+        seen = Observation(demand=demand, num_ready=observation.num_ready, starting_since=observation.starting_since)
+        decision, self._state = decide(seen, self._state, self.config, now=now)
+        self.reasons[decision.reason.value] += 1
+        return decision.target_replicas
+
+
+def run(
+    scenario: Scenario,
+    workload: Workload,
+    policy: str,
+    *,
+    rate_oracle: tuple[float, float] | None = None,
+    **overrides: Any,
+) -> Row:
+    """One simulation of `policy`; `rate_oracle` (lead seconds, mean request seconds) runs `RateOracleFleet`."""
     assert scenario.autoscale is not None
     autoscale = AutoscaleConfig.model_validate(merged(scenario.autoscale.model_dump(), {"policy": policy, **overrides}))
     scn = scenario.model_copy(update={"autoscale": autoscale})
     started = time.process_time()
     simulation = Simulation(scn, scn.policies[0], workload)
+    if rate_oracle is not None:
+        config = autoscale.policy_config()
+        assert isinstance(workload, ServeGenWorkload) and isinstance(config, ScalingPolicyConfig)
+        lead_s, request_s = rate_oracle
+        simulation.scaling = RateOracleFleet(
+            config, workload, request_s=request_s, lead_s=lead_s, interval_s=autoscale.interval_s
+        )
     result = simulation.run()
     summary = result.summary
     ttft = result.recorder.ttft_s
     total = len(ttft) + summary["rejected"]
     attained = sum(1 for t in ttft if t <= scn.slo.ttft_s)
-    reasons = dict(simulation.scaling.reasons) if isinstance(simulation.scaling, PolicyFleet) else {}
+    scaling = simulation.scaling
+    reasons = dict(scaling.reasons) if isinstance(scaling, PolicyFleet | RateOracleFleet) else {}
     return Row(
         policy=policy,
         replica_seconds=summary["replica_seconds"],
@@ -79,7 +139,44 @@ def run(scenario: Scenario, workload: Workload, policy: str, **overrides: Any) -
         mean_replicas=summary["replica_seconds"] / summary["duration_s"] if summary["duration_s"] else 0.0,
         cpu_s=time.process_time() - started,
         reasons=reasons,
+        request_mean_s=sum(result.recorder.e2e_s) / len(result.recorder.e2e_s) if result.recorder.e2e_s else 0.0,
+        where_missed=where_missed(simulation, scn.slo.ttft_s),
     )
+
+
+AFTER_REMOVAL_S = 300.0
+"""How long after a removal a miss counts as following it: the policies' default stabilization window."""
+
+
+def where_missed(simulation: Simulation, slo_s: float) -> str:
+    """Requests and misses by when they arrived: while a replica was starting, within `AFTER_REMOVAL_S` after a
+    removal, or neither. Requests refused unserved are left out (none are in these scenarios' runs)."""
+    members = simulation.members
+    starts = [(m.created_s, min(m.ready_s, m.removed_s or m.ready_s)) for m in members if m.ready_s > m.created_s]
+    removals = sorted(m.removed_s for m in members if m.removed_s is not None)
+    # Times at which the number of starting replicas changes, and that number from each on.
+    steps = sorted([(c, 1) for c, _ in starts] + [(r, -1) for _, r in starts])
+    times, starting, count = [], [], 0
+    for t, change in steps:
+        count += change
+        times.append(t)
+        starting.append(count)
+    counts = {"starting": [0, 0], "after removal": [0, 0], "at rest": [0, 0]}
+    recorder = simulation.recorder
+    for arrival, ttft in zip(recorder.arrival_s, recorder.ttft_s, strict=True):
+        i = bisect.bisect_right(times, arrival) - 1
+        j = bisect.bisect_right(removals, arrival) - 1
+        if i >= 0 and starting[i] > 0:
+            key = "starting"
+        elif j >= 0 and arrival - removals[j] < AFTER_REMOVAL_S:
+            key = "after removal"
+        else:
+            key = "at rest"
+        counts[key][0] += 1
+        counts[key][1] += ttft > slo_s
+    parts = [f"{k} {m}/{n} ({100 * m / n if n else 0.0:.2f}%)" for k, (n, m) in counts.items()]
+    num_started = sum(1 for c, _ in starts if c > 0)
+    return f"missed/requests {'; '.join(parts)}; {num_started} replicas started, {len(removals)} removed"
 
 
 def seeded(scenario: Scenario, seed: int | None) -> Scenario:
@@ -101,7 +198,7 @@ def static_peak(scenario: Scenario, workload: Workload, goal: float) -> Row:
     return best
 
 
-def table(title: str, rows: list[Row], static: Row, goal: float) -> None:
+def table(title: str, rows: list[Row], static: Row, goal: float, *, is_where_missed: bool = False) -> None:
     print(f"\n{title}")
     print("| policy | replica-s | % of static peak | TTFT SLO attainment | TTFT p50 s | p99 s | max replicas | mean |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -122,6 +219,8 @@ def table(title: str, rows: list[Row], static: Row, goal: float) -> None:
         print(f"goal (>= {100 * goal:.0f}%, <= 70% of static peak, below hpa): {'met' if is_met else 'NOT met'}")
     for row in rows:
         print(f"  {row.policy}: {row.cpu_s:.1f} s CPU; reasons {row.reasons}")
+        if is_where_missed:
+            print(f"    {row.where_missed}")
 
 
 def main() -> None:
@@ -140,13 +239,14 @@ def main() -> None:
         action="append",
         default=[],
         help="JSON merged into the scenario's `autoscale` section (mappings key by key): one more row, shoal unless "
-        "it sets `policy`; repeatable",
+        "it sets `policy`; `rate_oracle_lead_s` makes it the rate-oracle bound (above); repeatable",
     )
     parser.add_argument(
         "--policies",
         default="shoal,hpa,keda",
         help="comma-separated autoscalers to run beside static peak (default shoal,hpa,keda); '' for none",
     )
+    parser.add_argument("--where-missed", action="store_true", help="per row, when the missed requests arrived")
     parser.add_argument("--seed", type=int, help="the scenarios' seed (arrivals of servegen traces, policies' draws)")
     parser.add_argument("--servegen-model", help="the curve's model column (scenario 09: m-large)")
     parser.add_argument("--servegen-day", type=int, help="day of the curve (scenario 09: 0)")
@@ -205,8 +305,11 @@ def main() -> None:
         for i, overrides in enumerate(args.shoal_variant):
             overrides = dict(overrides)
             policy = overrides.pop("policy", "shoal")
-            variant = run(scenario, workload, policy, **overrides)
-            variant.policy = f"{policy} {json.dumps(overrides)}"
+            lead_s = overrides.pop("rate_oracle_lead_s", None)
+            oracle = None if lead_s is None else (float(lead_s), static.request_mean_s)
+            variant = run(scenario, workload, policy, rate_oracle=oracle, **overrides)
+            name = policy if oracle is None else f"{policy} on the true rate {float(lead_s):g} s ahead"
+            variant.policy = f"{name} {json.dumps(overrides)}"
             rows.insert(min(1 + i, len(rows)), variant)
         slo = f"TTFT <= {scenario.slo.ttft_s:g} s"
         a = scenario.autoscale
@@ -216,6 +319,7 @@ def main() -> None:
             [*rows, static],
             static,
             args.attainment,
+            is_where_missed=args.where_missed,
         )
 
 

@@ -2,7 +2,8 @@
 
 The demo model is built once, in this process, before any replica starts (N replicas must not race to train it).
 Each replica gets an equal share of the CPU threads. The router starts with every replica's URL and holds requests
-until their health checks pass. Ctrl-C (or SIGTERM) stops every child; a child that dies stops the rest.
+until their health checks pass. Ctrl-C (or SIGTERM) stops every child; a child that dies stops the rest; a
+`shoal up` killed outright takes its children with it (Linux: `replica.children`).
 
 With `--autoscale`, the router starts empty and `shoal autoscaler` with its local actuator owns the replicas: it
 starts `--min-replicas`, grows to `--max-replicas` under load and drains and stops them when the load goes. The two
@@ -25,6 +26,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from replica.children import start_child
 
 
 def _shoal_command() -> list[str]:
@@ -128,14 +131,14 @@ def run_up(
             cmd += ["--port", str(replica_port), "--threads", str(threads)]
             if quantization != "none":
                 cmd += ["--quantization", quantization]
-            procs.append(subprocess.Popen(cmd))
+            procs.append(start_child(cmd))
             replica_urls.append(f"http://127.0.0.1:{replica_port}")
         for url in replica_urls:
             _wait_healthy(url + "/health", procs, timeout_s=300)
         router_cmd = [*shoal, "router", "--port", str(port), "--no-request-log"]
         for url in replica_urls:
             router_cmd += ["--replica", url]
-        procs.append(subprocess.Popen(router_cmd))
+        procs.append(start_child(router_cmd))
         endpoint = f"http://127.0.0.1:{port}"
         _wait_healthy(endpoint + "/ready", procs, timeout_s=60)
         print(f"\nShoal is up: {endpoint}/v1 (OpenAI API), {num_replicas} replica(s): {', '.join(replica_urls)}")
@@ -195,7 +198,7 @@ def _start_autoscaled(
     token = secrets.token_urlsafe(24)
     endpoint = f"http://127.0.0.1:{port}"
     router_env = {**os.environ, "SHOAL_ROUTER_ADMIN_TOKEN": token}
-    procs.append(subprocess.Popen([*shoal, "router", "--port", str(port), "--no-request-log"], env=router_env))
+    procs.append(start_child([*shoal, "router", "--port", str(port), "--no-request-log"], env=router_env))
     _wait_healthy(endpoint + "/health", procs, timeout_s=60)
     metrics_port = port + 1
     env = {**_DEMO_POLICY_ENV, **os.environ, "SHOAL_AUTOSCALER_ADMIN_TOKEN": token}
@@ -207,7 +210,7 @@ def _start_autoscaled(
     cmd += ["--model", model, "--served-model-name", served_name, "--replica-base-port", str(replica_base_port)]
     cmd += ["--min-replicas", str(min_replicas), "--max-replicas", str(max_replicas)]
     cmd += ["--metrics-port", str(metrics_port)]
-    procs.append(subprocess.Popen(cmd, env=env))
+    procs.append(start_child(cmd, env=env))
     # The router answers /ready 200 while it holds requests; wait for a replica in rotation.
     _wait_healthy(
         endpoint + "/ready",
