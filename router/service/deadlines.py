@@ -90,7 +90,8 @@ class Timeout:
         self.expired = False
 
     async def __aenter__(self) -> Timeout:
-        task = asyncio.current_task()
+        # With the loop given, current_task skips get_running_loop, whose getpid() is a system call per request.
+        task = asyncio.current_task(self._deadlines.loop)
         if task is None:
             raise RuntimeError("Timeout should be used inside a task")
         self._task = task

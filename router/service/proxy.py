@@ -400,7 +400,7 @@ class Proxy:
         chunks = upstream.iter_chunks()
         # Wait for the first chunk before answering: a replica that dies before it can still be retried.
         try:
-            async with asyncio.timeout_at(self._loop_deadline(deadline)):
+            async with self.upstream.deadlines.timeout(max(0.0, deadline - self._clock())):
                 first = await anext(chunks, b"")
         except TimeoutError as exc:
             self._request_failed(ticket, "timeout")
@@ -426,11 +426,6 @@ class Proxy:
         except ConnectionResetError:
             pass  # the client went away; `finally` in _attempt aborts the upstream connection
         return response
-
-    def _loop_deadline(self, deadline: float) -> float:
-        """`deadline` on our monotonic clock, converted to the event loop's clock for asyncio.timeout_at."""
-        loop = asyncio.get_running_loop()
-        return loop.time() + (deadline - self._clock())
 
     # --- bookkeeping -------------------------------------------------------------------------------------
 
