@@ -232,39 +232,23 @@ class EstimatedTTFT:
         # A replica that matches nothing computes the whole prompt: the attention term is the same for all of them.
         uncached_attn_s = cfg.attention_s_per_token_pair * prompt_tokens * (0 + prompt_tokens / 2)
         n = len(terms.rows)
-        if pooled is None:
-            own_s = prompt_tokens / mean_rate + uncached_attn_s
-            floor_s = own_s if len(hits) < n else math.inf
-            for _, _, own in hits:
-                if own < floor_s:
-                    floor_s = own
-            fleet_s = weight * (own_s - floor_s)
-            costs = [
-                w / mean_rate
-                + own_s
-                + decode_s * (1.0 + (w + prompt_tokens) * inv_step_tokens)
-                + attn_s
-                + kv_s
-                + fleet_s
-                for w, decode_s, attn_s, kv_s in terms.rows
-            ]
-        else:
-            owns = [prompt_tokens / rate + uncached_attn_s for rate in pooled]
-            for i, _, own in hits:
-                owns[i] = own
-            floor_s = min(owns)
-            costs = [
-                w / rate
-                + own
-                + decode_s * (1.0 + (w + prompt_tokens) * inv_step_tokens)
-                + attn_s
-                + kv_s
-                + weight * (own - floor_s)
-                for (w, decode_s, attn_s, kv_s), rate, own in zip(terms.rows, pooled, owns, strict=True)
-            ]
+        rates = [mean_rate] * n if pooled is None else pooled
+        owns = [prompt_tokens / rate + uncached_attn_s for rate in rates]
+        for i, _, own in hits:
+            owns[i] = own
+        floor_s = min(owns)
+        costs = [
+            w / rate
+            + own
+            + decode_s * (1.0 + (w + prompt_tokens) * inv_step_tokens)
+            + attn_s
+            + kv_s
+            + weight * (own - floor_s)
+            for (w, decode_s, attn_s, kv_s), rate, own in zip(terms.rows, rates, owns, strict=True)
+        ]
         ttfts: dict[int, float] = {}
         for i, cached, own in hits:
-            ttfts[i] = ttft_s = self._ttft_s(i, mean_rate if pooled is None else pooled[i], own, prompt_tokens - cached)
+            ttfts[i] = ttft_s = self._ttft_s(i, rates[i], own, prompt_tokens - cached)
             costs[i] = ttft_s + weight * (own - floor_s)
         if 0 < terms.num_under_cap < n:
             candidates = list(compress(range(n), terms.is_under_cap))

@@ -1,8 +1,9 @@
 """The router's HTTP/1.1 front door: the inference endpoints on `asyncio` protocols, everything else by aiohttp.
 
-aiohttp's server costs about 250 µs of CPU per proxied request on these machines (request and response objects,
-its parser's Python side, payload writers), more than the routing decision it serves. `FrontServer` listens in its
-place: every connection starts as a `_Connection`, which parses each request head itself. A request it serves
+aiohttp's server spends much of a proxied request's CPU on request and response objects, its parser's Python side
+and payload writers: with this front the router uses 48-135 µs less CPU per request under load (`bench_proxy.py`'s
+`shoal` against `shoal-aiohttp` rows, README). `FrontServer` listens in its place: every connection starts as a
+`_Connection`, which parses each request head itself. A request it serves
 - is one of its `routes`: for the router `POST /v1/chat/completions`, `POST /v1/completions` and
   `GET /v1/models`, what OpenAI clients send on their connections (origin-form, a query string allowed), over
   HTTP/1.1;
@@ -60,7 +61,6 @@ _FIELDS = re.compile(rb"(?:\r\n[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xf
 _SPECIAL = frozenset(
     {"content-length", "transfer-encoding", "content-encoding", "expect", "upgrade", "connection", "content-type"}
 )
-_FRAMING = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
 _NO_BODY_STATUS = frozenset({204, 304})
 _REASONS = {status.value: status.phrase for status in HTTPStatus}
 
@@ -201,10 +201,11 @@ def parse_head(
 
 
 def _encode_head(status: int, headers: CIMultiDict[str], keep_alive: bool) -> bytes:
+    """The status line and `headers`, which must be end-to-end ones: the front frames the answer itself (the
+    proxy drops a replica's hop-by-hop headers before they get here)."""
     lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"]
     for name, value in headers.items():
-        if name.lower() not in _FRAMING:
-            lines.append(f"{name}: {value}\r\n")
+        lines.append(f"{name}: {value}\r\n")
     if not keep_alive:
         lines.append("Connection: close\r\n")
     return "".join(lines).encode("utf-8", "surrogateescape")

@@ -13,21 +13,13 @@ from pathlib import Path
 import pytest
 
 from tests.integration.ports import free_ports
+from tests.integration.test_autoscaler_local_orphans import is_running
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.timeout(180),
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's"),
 ]
-
-
-def is_running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's zombie waits for whoever reaps orphans here)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return False
-    return fields[0] != "Z"
 
 
 def children_of(pid: int) -> list[int]:
