@@ -1,10 +1,11 @@
-"""Child processes that do not outlive their parent: `shoal up`'s router, replicas and autoscaler, and the
-autoscaler's local replicas (`autoscaler.actuators.local`, the one module outside `replica` that imports this one;
-it imports nothing but the standard library).
+"""Child processes that do not outlive their parent, for `shoal up`.
 
-Both stop their children on Ctrl-C, SIGTERM or an orderly exit; a parent killed outright (SIGKILL, a crash) gets no
-such chance. On Linux the kernel then sends each child SIGTERM, through `PR_SET_PDEATHSIG`. Elsewhere children are
-only stopped by a parent that lives to stop them.
+`shoal up` stops its router, replicas and autoscaler on Ctrl-C, SIGTERM or the death of one of them; a parent
+killed outright (SIGKILL, a crash) gets no such chance. On Linux the kernel then sends each child SIGTERM, through
+`PR_SET_PDEATHSIG`, as the autoscaler's local actuator does for its replicas (`autoscaler.actuators.local`, with
+its own copy of these few lines: neither package may import the other, by DESIGN.md's layers and because the router
+image, which runs the autoscaler, ships no `replica`). Elsewhere children are only stopped by a parent that lives
+to stop them.
 """
 
 from __future__ import annotations

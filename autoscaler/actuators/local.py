@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import os
 import shutil
@@ -29,7 +31,6 @@ import aiohttp
 
 from autoscaler.actuators.base import ActuatorError, ReplicaInfo, ReplicaPhase
 from autoscaler.settings import LocalSettings
-from replica.children import parent_death_signal
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,30 @@ def shoal_command() -> list[str]:
     if found:
         return [found]
     return [sys.executable, "-c", "import sys; from router.cli import main; sys.exit(main())"]
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A `preexec_fn` that asks the kernel to SIGTERM the child when this process dies; None off Linux.
+
+    libc's `prctl` is looked up here, in the parent, so the child between fork and exec runs one foreign call
+    and no imports or allocations of note. A child whose parent died before the call is not signalled; the
+    parent is alive while it starts replicas, so that race is its own death during the start.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return None
+    prctl = ctypes.CDLL(libc_name, use_errno=True).prctl
+    signal_number = int(signal.SIGTERM)
+
+    def set_parent_death_signal() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal_number, 0, 0, 0)
+
+    return set_parent_death_signal
 
 
 @dataclass
@@ -83,7 +108,7 @@ class LocalActuator:
         self._session = session
         self._wall_clock = wall_clock
         self._replicas: dict[str, _Replica] = {}
-        self._preexec = parent_death_signal()
+        self._preexec = _parent_death_signal()
         """The kernel signals on the death of the thread that started the child: the event loop's thread,
         which lives as long as the autoscaler (`asyncio.run` in the main thread)."""
 
