@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from router.policy.admission import free_slots, with_room
 from router.policy.kv_events import KVEvent
 from router.policy.prefill_rate import PrefillRate, PrefillRateEstimator
 from router.policy.prefix_index import PrefixIndex
@@ -82,6 +83,7 @@ class SimRouter:
         use_index: bool = True,
         is_session_affinity: bool = False,
         session_affinity: SessionAffinityConfig | None = None,
+        max_in_flight_per_replica: int = 0,
     ) -> None:
         self.policy = policy
         self.index = index
@@ -96,12 +98,19 @@ class SimRouter:
         """Read requests' session keys, as the live router does when `session_header` is set: pin a session to
         its replica, and give the policy (consistent_hash's key) the session key."""
         self.sessions = SessionTable(session_affinity)
+        self.max_in_flight_per_replica = max_in_flight_per_replica
+        """Replicas at this many requests are not offered (`router.policy.admission`); 0: no limit."""
         self._replicas: dict[str, _RouterReplica] = {}
         self._eligible: list[ReplicaState] = []
 
     @property
     def eligible(self) -> Sequence[ReplicaState]:
         return self._eligible
+
+    @property
+    def free_slots(self) -> int:
+        """Requests the eligible replicas can take now (`admission.free_slots`); 0: a request would be held."""
+        return free_slots(self._eligible, self.max_in_flight_per_replica)
 
     def state(self, replica_id: str) -> ReplicaState:
         return self._replicas[replica_id].state
@@ -128,8 +137,9 @@ class SimRouter:
 
     def route(self, hashes: Sequence[int], prompt_tokens: int, now: float, session: str | None = None) -> Ticket | None:
         """Choose a replica and count the request against it; None when no replica is eligible. `session` is the
-        request's conversation, read only with session affinity on (as the live router reads its header)."""
-        eligible = self._eligible
+        request's conversation, read only with session affinity on (as the live router reads its header). With
+        `max_in_flight_per_replica`, replicas at it are not eligible, so None also means all are full."""
+        eligible = with_room(self._eligible, self.max_in_flight_per_replica)
         if not eligible:
             return None
         session_key = session if self.is_session_affinity else None

@@ -106,6 +106,10 @@ class RouterConfig(_Model):
     hold_max_wait_s: float = Field(default=30.0, ge=0.0)
     """Seconds a request may wait at the router while no replica is ready before it fails (counted as rejected):
     the live router's `hold.max_wait_s`."""
+    max_in_flight_per_replica: int = Field(default=0, ge=0)
+    """Requests the router keeps in flight on one replica at once; beyond it requests wait at the router, in
+    arrival order, for the first replica to free a slot (`router.policy.admission`): the live router's
+    `hold.max_in_flight_per_replica`. 0: no limit (the default), engines queue what they cannot run."""
     max_blocks: int = Field(default=8192, ge=1)
     """Leading blocks of a prompt the router hashes (the live router's `hashing.max_blocks`)."""
     session_affinity: bool = False

@@ -6,8 +6,10 @@ scaling ticks. Periodic events stop rescheduling themselves once every request h
 run ends when the last request does.
 
 A request that arrives while no replica is ready (a fleet scaled to nothing, or still starting) is held at the
-router and routed when one becomes ready, as the live router holds requests; one held longer than
-`hold_max_wait_s` ends unserved (the live router's 503), so a fleet that never comes back cannot stall the run.
+router and routed when one becomes ready, as the live router holds requests; so is one that finds every replica at
+`router.max_in_flight_per_replica` (when set), routed when a request finishes and frees a slot. Held requests go
+in arrival order, and no new one overtakes them. One held longer than `hold_max_wait_s` ends unserved (the live
+router's 503), so a fleet that never comes back cannot stall the run.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class Simulation:
             use_index=router_cfg.index_for_index_blind or policy.config.kind not in INDEX_BLIND_POLICIES,
             is_session_affinity=router_cfg.session_affinity,
             session_affinity=router_cfg.session,
+            max_in_flight_per_replica=router_cfg.max_in_flight_per_replica,
         )
         self.recorder = Recorder()
         self.scaling: ScalingDriver = build_scaling(scenario.autoscale or scenario.scaling)
@@ -142,8 +145,7 @@ class Simulation:
             return
         member.is_ready = True
         self.router.set_eligible(replica_id, True)
-        while self._held:
-            self._route(self._held.popleft())
+        self._release_held()
 
     def _drain(self, member: Member) -> None:
         member.is_draining = True
@@ -184,17 +186,30 @@ class Simulation:
         else:
             self.sim.at(max(nxt.arrival_s, self.sim.now), self._arrive, nxt)
 
+    def _release_held(self) -> None:
+        """Route held requests, oldest first, while the fleet has room for them."""
+        while self._held and self.router.free_slots:
+            if not self._dispatch(self._held[0]):
+                break
+            self._held.popleft()
+
     def _route(self, request: Request) -> None:
-        ticket = self.router.route(request.hashes, request.prompt_tokens, self.sim.now, request.session)
-        if ticket is None:
+        # Arrival order: nobody overtakes a held request.
+        if self._held or not self._dispatch(request):
             self._held.append(request)
             self.sim.at(self.sim.now + self.scenario.router.hold_max_wait_s, self._hold_expired, request)
-            return
+
+    def _dispatch(self, request: Request) -> bool:
+        """Route the request to a replica; False when none can take it (none ready, or all full)."""
+        ticket = self.router.route(request.hashes, request.prompt_tokens, self.sim.now, request.session)
+        if ticket is None:
+            return False
         self.recorder.branches[ticket.decision.branch.value] += 1
         self._members[ticket.replica].replica.submit(Seq(request, ticket))
+        return True
 
     def _hold_expired(self, request: Request) -> None:
-        """A held request waited `hold_max_wait_s` for a ready replica: the router answers 503, it ends unserved."""
+        """A held request waited `hold_max_wait_s` for a replica with room: the router answers 503, it ends unserved."""
         position = next((i for i, held in enumerate(self._held) if held is request), None)
         if position is None:
             return  # routed meanwhile
@@ -230,6 +245,7 @@ class Simulation:
         self._end_s = now
         if self._on_finished is not None:
             self._on_finished(1)
+        self._release_held()
         member = self._members[ticket.replica]
         if member.is_draining:
             # The finishing sequence leaves the replica's running list when this step has been applied: look again

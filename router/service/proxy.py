@@ -15,11 +15,13 @@ replica can serve yet are held (`hold` settings) until one joins the rotation.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
@@ -134,6 +136,14 @@ def _end_to_end(
     return [(name, value) for name, value in headers if (lower := name.lower()) not in drop and lower not in tokens]
 
 
+@dataclass(slots=True)
+class _Held:
+    """A request waiting at the router for a replica with room."""
+
+    model: str | None
+    released: asyncio.Future[None]
+
+
 class Proxy:
     def __init__(
         self,
@@ -153,8 +163,8 @@ class Proxy:
         """Called when passive marking takes a replica out, so the prober checks it now, not at its next tick."""
         # CLOCK_MONOTONIC at full resolution: uvloop's loop.time() ticks in milliseconds, too coarse for TTFT.
         self._clock = time.monotonic
-        self._replica_ready = asyncio.Event()
-        """Set (and replaced) whenever a replica joins the rotation: wakes the requests held for one."""
+        self._held: collections.deque[_Held] = collections.deque()
+        """Requests waiting for a replica with room, in arrival order (`_hold`)."""
 
     # --- entry points -----------------------------------------------------------------------------------
 
@@ -269,11 +279,18 @@ class Proxy:
         decision_s = 0.0
         deadline = started + self.settings.retry.total_timeout_s
         last_failure: _Retry | None = None
+        was_held = False
         while len(tried) < self.settings.retry.max_attempts and (not tried or self._clock() < deadline):
             now = self._clock()
-            decision = self.core.choose(prepared, tried, now)
+            # A first attempt keeps the in-flight limit and, unless just released, lines up behind held requests.
+            is_first = not tried
+            if is_first and self._held and not was_held:
+                decision = None
+            else:
+                decision = self.core.choose(prepared, tried, now, within_limit=is_first)
             if decision is None:
-                if not tried and await self._hold(model, started):
+                if is_first and await self._hold(model, started):
+                    was_held = True
                     continue
                 break
             if not tried:
@@ -292,35 +309,67 @@ class Proxy:
                 continue
             finally:
                 self.core.finish(ticket)
+                if self._held:
+                    self._release_held()
             self.metrics.request_seconds.observe(self._clock() - started)
             self._log(request, ticket, prepared, response.status, started, len(tried), decision_s)
             return response
         self.metrics.request_seconds.observe(self._clock() - started)
-        return self._give_up(request, last_failure, tried, started)
+        return self._give_up(request, model, last_failure, tried, started)
 
     def replica_ready(self) -> None:
-        """A replica joined the rotation (first good probe, recovery, undrain): wake the held requests."""
-        self._replica_ready.set()
-        self._replica_ready = asyncio.Event()
+        """A replica joined the rotation (first good probe, recovery, undrain): release the held requests it can
+        take."""
+        self._release_held()
 
     async def _hold(self, model: str | None, started: float) -> bool:
-        """No replica can take the request yet: wait for one, within `hold` limits. False when the wait is over."""
+        """No replica can take the request yet (none serves its model, or all are at the in-flight limit, or
+        older requests are held): wait in line, within `hold` limits. False when the wait is over."""
         hold = self.settings.hold
         remaining_s = started + hold.max_wait_s - self._clock()
         if self.metrics.held_requests >= hold.max_requests or remaining_s <= 0:
             return False
+        held = _Held(model, asyncio.get_running_loop().create_future())
+        self._held.append(held)
         self.metrics.held_requests += 1
+        is_through = False
         try:
+            self._release_held()  # there may be room already: another model's request was first in line
             async with asyncio.timeout(remaining_s):
-                while not self.pool.eligible(model):
-                    await self._replica_ready.wait()
+                await held.released
+            is_through = True
         except TimeoutError:
             return False
         finally:
             self.metrics.held_requests -= 1
+            if not held.released.done():  # timed out or cancelled in line: leave it
+                held.released.cancel()
+                self._held.remove(held)
+            elif not is_through:  # released, then timed out or cancelled before choosing: pass the slot on
+                self._release_held()
         return True
 
-    def _give_up(self, request: _Inbound, failure: _Retry | None, tried: list[str], started: float) -> web.Response:
+    def _release_held(self) -> None:
+        """Release held requests in arrival order, each whose model has a free slot, as many as there are free
+        slots. A released request chooses at once (nothing awaits between its wake-up and `begin`), so the
+        slots it was counted against are still free then."""
+        room: dict[str | None, int] = {}
+        kept: collections.deque[_Held] = collections.deque()
+        for held in self._held:
+            free = room.get(held.model)
+            if free is None:
+                free = self.core.free_slots(held.model)
+            if free > 0:
+                held.released.set_result(None)
+                free -= 1
+            else:
+                kept.append(held)
+            room[held.model] = free
+        self._held = kept
+
+    def _give_up(
+        self, request: _Inbound, model: str | None, failure: _Retry | None, tried: list[str], started: float
+    ) -> web.Response:
         branch = "none"
         if failure is not None and failure.status is not None:
             # Every attempt got a 5xx: pass the last replica's answer on as it was.
@@ -328,7 +377,11 @@ class Proxy:
             response.headers["x-shoal-replica"] = tried[-1]
             self.metrics.requests.inc((str(failure.status), branch, tried[-1]))
             return response
-        if failure is None:
+        limit = self.settings.hold.max_in_flight_per_replica
+        if failure is None and limit and self.pool.eligible(model):
+            message = f"every replica is busy ({limit} requests in flight each); retry later"
+            code = "replicas_busy"
+        elif failure is None:
             message, code = "no replica is available to serve this request", "no_replica_available"
         else:
             message, code = f"all replicas tried failed ({', '.join(tried)}): {failure}", "upstream_unavailable"

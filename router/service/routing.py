@@ -29,6 +29,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from router.policy.admission import free_slots, with_room
 from router.policy.hashing import ChainMemo, PromptChain, namespace_seed
 from router.policy.prefill_rate import PrefillRate, PrefillRateEstimator
 from router.policy.prefix_index import PrefixIndex
@@ -116,10 +117,14 @@ class RoutingCore:
             chain, prompt_tokens, h.text_block_size / h.bytes_per_token, model, session_key, max_output_tokens
         )
 
-    def choose(self, prepared: Prepared, exclude: Sequence[str], now: float) -> Decision | None:
-        """Pick a replica among the eligible ones, or None when there is none. The caller `commit`s a decision
-        it acts on."""
+    def choose(
+        self, prepared: Prepared, exclude: Sequence[str], now: float, *, within_limit: bool = True
+    ) -> Decision | None:
+        """Pick a replica among the eligible ones, or None when there is none; `within_limit`: only among those
+        under `hold.max_in_flight_per_replica`. The caller `commit`s a decision it acts on."""
         states = self.pool.eligible_states(prepared.model, exclude)
+        if within_limit:
+            states = with_room(states, self.settings.hold.max_in_flight_per_replica)
         if not states:
             return None
         matched = self.index.match(prepared.hashes, now=now) if prepared.hashes else {}
@@ -145,6 +150,11 @@ class RoutingCore:
         if prepared.session_key is not None:
             self.sessions.remember(prepared.session_key, decision.replica)
         return decision
+
+    def free_slots(self, model: str | None) -> int:
+        """Requests the replicas serving `model` can take now without passing the in-flight limit
+        (`admission.free_slots`); 0 means a first attempt would be held."""
+        return free_slots(self.pool.eligible_states(model), self.settings.hold.max_in_flight_per_replica)
 
     def commit(self, prepared: Prepared, decision: Decision, now: float) -> None:
         """Record the prompt on the replica `decision` sent it to, hashing what `prepare` left unhashed. Once per

@@ -111,6 +111,13 @@ class HoldSettings(_Section):
     max_wait_s: float = Field(30.0, ge=0)
     """Seconds a held request waits for a replica before it gets 503 with Retry-After. Covers a replica restart;
     a cold start of a large model takes longer and is the autoscaler's to hide."""
+    max_in_flight_per_replica: int = Field(0, ge=0)
+    """Requests this router keeps in flight on one replica at once; 0 (the default) sets no limit. A request that
+    finds every replica serving its model at the limit is held, in arrival order (within `max_requests` and
+    `max_wait_s`), and goes to the first replica that frees a slot. Set it to the engines' batch size (vLLM's and
+    `shoal replica`'s `--max-num-seqs`) so that queues form at the router, where a request takes whichever replica
+    frees first, not behind one replica's long generations (`router.policy.admission`). A retry ignores it. The
+    limit is per router: with several routers, divide the batch size among them."""
 
 
 class DiscoverySettings(_Section):

@@ -89,3 +89,76 @@ async def test_undraining_the_only_replica_releases_held_requests(
     assert (await router.admin("POST", f"/replicas/{rid}/undrain")).status == 200
     reply = await asyncio.wait_for(pending, timeout=5)
     assert reply.status == 200 and time.monotonic() - started < 1.0
+
+
+# --- the in-flight limit: requests wait at the router for a free slot --------------------------------------
+
+
+async def test_at_the_in_flight_limit_requests_wait_at_the_router_and_go_in_arrival_order(
+    start_fakes: StartFakes, start_router: StartRouter
+) -> None:
+    (fake,) = await start_fakes(1, hang=True)
+    router = await start_router([fake], hold={"max_wait_s": 10.0, "max_in_flight_per_replica": 1})
+    tasks = {}
+    for name in ("first", "second", "third"):
+        tasks[name] = asyncio.create_task(router.complete(unique_text(200, name)))
+        expected_held = len(tasks) - 1
+
+        async def is_lined_up(expected: int = expected_held) -> bool:
+            return fake.in_flight == 1 and await _held(router) == expected
+
+        await eventually(is_lined_up, timeout_s=3, what=f"{name} to be sent or lined up")
+
+    def prompts() -> list[str]:
+        return [body["prompt"].split()[1] for body in fake.received_bodies]
+
+    assert prompts() == ["first"]  # one request on the replica, two at the router
+    tasks["first"].cancel()  # the client goes: its slot frees, and the oldest held request takes it
+
+    async def second_sent() -> bool:
+        return prompts() == ["first", "second"] and fake.in_flight == 1 and await _held(router) == 1
+
+    await eventually(second_sent, timeout_s=3, what="the second request to take the freed slot")
+    tasks["second"].cancel()
+
+    async def third_sent() -> bool:
+        return prompts() == ["first", "second", "third"] and await _held(router) == 0
+
+    await eventually(third_sent, timeout_s=3, what="the third request to take the freed slot")
+    tasks["third"].cancel()
+    await asyncio.gather(*tasks.values(), return_exceptions=True)
+
+
+async def test_a_request_goes_to_the_replica_with_room_not_the_busy_one(
+    start_fakes: StartFakes, start_router: StartRouter
+) -> None:
+    busy, idle = await start_fakes(2, hang=True)
+    router = await start_router([busy, idle], hold={"max_wait_s": 10.0, "max_in_flight_per_replica": 1})
+    text = unique_text(2000, "shared prefix")
+    first = asyncio.create_task(router.complete(text))
+    await eventually(lambda: busy.in_flight + idle.in_flight == 1, timeout_s=3, what="the first request to land")
+    holder, other = (busy, idle) if busy.in_flight else (idle, busy)
+    # The same prompt again: its cached replica is at the limit, so it goes to the other one rather than queue.
+    second = asyncio.create_task(router.complete(text))
+    await eventually(lambda: other.in_flight == 1, timeout_s=3, what="the repeat to go to the replica with room")
+    assert holder.in_flight == 1 and await _held(router) == 0
+    for task in (first, second):
+        task.cancel()
+    await asyncio.gather(first, second, return_exceptions=True)
+
+
+async def test_a_request_held_at_the_limit_past_max_wait_gets_503_saying_the_replicas_are_busy(
+    start_fakes: StartFakes, start_router: StartRouter
+) -> None:
+    (fake,) = await start_fakes(1, hang=True)
+    router = await start_router([fake], hold={"max_wait_s": 0.3, "max_in_flight_per_replica": 1})
+    occupying = asyncio.create_task(router.complete(unique_text(200, "occupies the slot")))
+    await eventually(lambda: fake.in_flight == 1, timeout_s=3, what="the first request to take the only slot")
+    started = time.monotonic()
+    reply = await router.complete(unique_text(200, "finds no room"))
+    assert reply.status == 503 and reply.json()["error"]["code"] == "replicas_busy"
+    assert reply.headers.get("Retry-After") == "1"
+    assert 0.3 <= time.monotonic() - started < 3.0
+    assert fake.in_flight == 1 and len(fake.received_bodies) == 1  # never sent past the limit
+    occupying.cancel()
+    await asyncio.gather(occupying, return_exceptions=True)

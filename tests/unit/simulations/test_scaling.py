@@ -73,3 +73,23 @@ def test_a_busy_replica_drains_then_leaves_when_its_last_request_ends() -> None:
     assert len(drained) == 1
     assert drained[0].removed_s is not None and 1.0 < drained[0].removed_s < result.summary["duration_s"] + 1e-9
     assert result.recorder.samples[-1].num_replicas == 1
+
+
+@pytest.mark.parametrize("limit", [0, 1])
+def test_at_the_in_flight_limit_requests_wait_at_the_router_and_start_in_arrival_order(limit: int) -> None:
+    scn = scenario(fleet={"num_replicas": 2}, router={"max_in_flight_per_replica": limit}, sample_interval_s=0.05)
+    # Four long decodes and two short ones, all at once, on two replicas.
+    lengths = [200, 200, 200, 200, 2, 2]
+    requests = [request(i, 0.001 * i, ((i, 100),), output_tokens=n) for i, n in enumerate(lengths)]
+    result = Simulation(scn, policy_entry("least_load"), workload(*requests)).run()
+    assert result.summary["requests"] == 6
+    first_token = sorted(zip(result.recorder.arrival_s, result.recorder.ttft_s, strict=True))
+    starts = [arrival + ttft for arrival, ttft in first_token]
+    most_running = max(s.engine_running for s in result.recorder.samples)
+    if limit:
+        assert most_running <= 2 and all(s.engine_waiting == 0 for s in result.recorder.samples)
+        assert starts == sorted(starts)  # nobody overtakes a held request
+        assert starts[2] > starts[1] + 0.2  # the third waited at the router for a long decode to end
+    else:
+        assert most_running >= 3  # the engines took everything at once
+        assert max(starts) < 0.5
