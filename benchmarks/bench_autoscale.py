@@ -21,6 +21,9 @@ requests in flight it measures, those the trace's rate curve implies L seconds a
 now + L times the static peak run's mean request time), free of Poisson noise and of queueing. servegen traces
 only: no live autoscaler knows the rate, let alone ahead.
 
+`--router-limit N` runs every row, static peak included, with the router holding requests while every replica
+has N in flight (`router/policy/admission.py`): one queue at the router instead of one per engine.
+
 `--where-missed` adds, per row, where in time the missed requests arrived: while a replica was starting (a
 scale-up on its way), within 300 s after a replica was removed, or otherwise (a fleet at rest, whose misses are
 queueing noise), with the scale-ups and removals counted.
@@ -179,8 +182,14 @@ def where_missed(simulation: Simulation, slo_s: float) -> str:
     return f"missed/requests {'; '.join(parts)}; {num_started} replicas started, {len(removals)} removed"
 
 
-def seeded(scenario: Scenario, seed: int | None) -> Scenario:
-    return scenario if seed is None else scenario.model_copy(update={"seed": seed})
+def seeded(scenario: Scenario, seed: int | None, router_limit: int | None = None) -> Scenario:
+    """The scenario with `--seed` and `--router-limit` applied, when given."""
+    if seed is not None:
+        scenario = scenario.model_copy(update={"seed": seed})
+    if router_limit is not None:
+        router = scenario.router.model_copy(update={"max_in_flight_per_replica": router_limit})
+        scenario = scenario.model_copy(update={"router": router})
+    return scenario
 
 
 def static_peak(scenario: Scenario, workload: Workload, goal: float) -> Row:
@@ -248,6 +257,12 @@ def main() -> None:
     )
     parser.add_argument("--where-missed", action="store_true", help="per row, when the missed requests arrived")
     parser.add_argument("--seed", type=int, help="the scenarios' seed (arrivals of servegen traces, policies' draws)")
+    parser.add_argument(
+        "--router-limit",
+        type=int,
+        help="the router's in-flight limit per replica (scenario `router.max_in_flight_per_replica`, the live "
+        "router's `hold.max_in_flight_per_replica`) for every row, static peak included; default: the scenario's",
+    )
     parser.add_argument("--servegen-model", help="the curve's model column (scenario 09: m-large)")
     parser.add_argument("--servegen-day", type=int, help="day of the curve (scenario 09: 0)")
     parser.add_argument("--servegen-compress", type=float, help="time compression (scenario 09: 48)")
@@ -259,10 +274,10 @@ def main() -> None:
 
     experiments: list[tuple[str, Scenario, Workload]] = []
     if args.workload in ("azure", "both"):
-        scenario = seeded(load_scenario(SCENARIOS / "08_autoscale_azure_code.yaml"), args.seed)
+        scenario = seeded(load_scenario(SCENARIOS / "08_autoscale_azure_code.yaml"), args.seed, args.router_limit)
         experiments.append(("(a) Azure code trace, bursty, 1 h", scenario, build_workload(scenario)))
     if args.workload in ("servegen", "both"):
-        scenario = seeded(load_scenario(SCENARIOS / "09_autoscale_servegen_diurnal.yaml"), args.seed)
+        scenario = seeded(load_scenario(SCENARIOS / "09_autoscale_servegen_diurnal.yaml"), args.seed, args.router_limit)
         assert isinstance(scenario.trace, ServeGenTraceConfig)
         flags = {
             "model": args.servegen_model,
@@ -284,7 +299,7 @@ def main() -> None:
         experiments.append((title, scenario, workload))
 
     if args.workload == "servegen-day":
-        scenario = seeded(load_scenario(SCENARIOS / "13_autoscale_servegen_day.yaml"), args.seed)
+        scenario = seeded(load_scenario(SCENARIOS / "13_autoscale_servegen_day.yaml"), args.seed, args.router_limit)
         workload = build_workload(scenario)
         assert isinstance(workload, ServeGenWorkload)
         title = (

@@ -9,7 +9,9 @@ upstream connection at once, so the replica stops generating for nobody.
 
 Streams are relayed chunk by chunk as they arrive; TCP_NODELAY is on for both sockets (aiohttp sets it on the
 client side, `UpstreamPool` on the replica side), so no chunk waits on Nagle's algorithm. Requests that no
-replica can serve yet are held (`hold` settings) until one joins the rotation.
+replica can serve yet are held (`hold` settings) until one joins the rotation; with an in-flight limit per replica
+(`hold.max_in_flight_per_replica`), so are requests that find every replica at it, until a slot frees. Held
+requests leave in arrival order, and a new request lines up behind them.
 """
 
 from __future__ import annotations
@@ -291,6 +293,7 @@ class Proxy:
             if decision is None:
                 if is_first and await self._hold(model, started):
                     was_held = True
+                    decide_start = time.perf_counter()  # the decision's latency leaves the wait out
                     continue
                 break
             if not tried:
@@ -342,7 +345,7 @@ class Proxy:
             return False
         finally:
             self.metrics.held_requests -= 1
-            if not held.released.done():  # timed out or cancelled in line: leave it
+            if held.released.cancelled() or not held.released.done():  # timed out or cancelled in line: leave
                 held.released.cancel()
                 self._held.remove(held)
             elif not is_through:  # released, then timed out or cancelled before choosing: pass the slot on

@@ -162,3 +162,34 @@ async def test_a_request_held_at_the_limit_past_max_wait_gets_503_saying_the_rep
     assert fake.in_flight == 1 and len(fake.received_bodies) == 1  # never sent past the limit
     occupying.cancel()
     await asyncio.gather(occupying, return_exceptions=True)
+
+
+async def test_a_held_request_whose_client_goes_away_leaves_the_line(
+    start_fakes: StartFakes, start_router: StartRouter
+) -> None:
+    (fake,) = await start_fakes(1, hang=True)
+    router = await start_router([fake], hold={"max_wait_s": 10.0, "max_in_flight_per_replica": 1})
+    occupying = asyncio.create_task(router.complete(unique_text(200, "occupies")))
+    await eventually(lambda: fake.in_flight == 1, timeout_s=3, what="the first request to take the only slot")
+    leaving = asyncio.create_task(router.complete(unique_text(200, "leaves")))
+    staying = asyncio.create_task(router.complete(unique_text(200, "stays")))
+
+    async def both_held() -> bool:
+        return await _held(router) == 2
+
+    await eventually(both_held, timeout_s=3, what="two requests to be held")
+    leaving.cancel()
+
+    async def one_held() -> bool:
+        return await _held(router) == 1
+
+    await eventually(one_held, timeout_s=3, what="the cancelled request to leave the line")
+    occupying.cancel()  # the slot frees: the request still in line takes it, not the one that left
+
+    async def stays_sent() -> bool:
+        return await _held(router) == 0 and fake.in_flight == 1
+
+    await eventually(stays_sent, timeout_s=3, what="the remaining held request to be sent")
+    assert [body["prompt"].split()[1] for body in fake.received_bodies] == ["occupies", "stays"]
+    staying.cancel()
+    await asyncio.gather(occupying, leaving, staying, return_exceptions=True)
