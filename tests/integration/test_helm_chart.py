@@ -189,6 +189,12 @@ def test_templates_reject_what_the_schema_cannot_compare() -> None:
         render({"autoscaling": {"mode": "shoal", "minReplicas": 4, "maxReplicas": 2}})
     with pytest.raises(helm_python.HelmError, match=r"token_block_size must equal replicas\.kvBlockSize"):
         render({"router": {"config": {"hashing": {"token_block_size": 32}}}})
+    # An HPA on requests in flight per replica never scales up when the routers cap them at or below its target.
+    at_limit = {"mode": "hpa", "targetRequestsPerReplica": 8}
+    hold = {"max_in_flight_per_replica": 4}
+    with pytest.raises(helm_python.HelmError, match=r"must be below router\.config\.hold\.max_in_flight_per_replica"):
+        render({"autoscaling": at_limit, "router": {"replicas": 2, "config": {"hold": hold}}})
+    render({"autoscaling": at_limit, "router": {"replicas": 3, "config": {"hold": hold}}})  # 3 routers: 12 > 8
 
 
 def test_the_schema_embeds_the_settings_models_as_generated() -> None:

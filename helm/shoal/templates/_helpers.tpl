@@ -130,6 +130,11 @@ shoal-demo, its own default). */}}
 {{- if and .Values.router.autoscaling.enabled (lt (int .Values.router.autoscaling.maxReplicas) (int .Values.router.autoscaling.minReplicas)) }}
 {{- fail "router.autoscaling.maxReplicas must be at least router.autoscaling.minReplicas" }}
 {{- end }}
+{{- $limit := int (.Values.router.config.hold.max_in_flight_per_replica | default 0) }}
+{{- $routers := ternary .Values.router.autoscaling.minReplicas .Values.router.replicas .Values.router.autoscaling.enabled | int }}
+{{- if and (eq .Values.autoscaling.mode "hpa") (gt $limit 0) (ge (float64 .Values.autoscaling.targetRequestsPerReplica) (float64 (mul $limit $routers))) }}
+{{- fail (printf "autoscaling.targetRequestsPerReplica (%v) must be below router.config.hold.max_in_flight_per_replica x routers (%d) in hpa mode: the HPA's metric, requests in flight per replica, cannot pass that, and requests held at the routers are not in it, so the HPA would never scale up" .Values.autoscaling.targetRequestsPerReplica (mul $limit $routers)) }}
+{{- end }}
 {{- if and (eq .Values.model.storage.kind "hostPath") .Values.model.storage.readOnly (not .Values.model.path) (ne .Values.replicas.engine "shoal") }}
 {{- fail "model.storage.kind hostPath with a read-only mount needs model.path (the folder of the weights)" }}
 {{- end }}
