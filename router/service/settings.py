@@ -107,7 +107,8 @@ class LimitSettings(_Section):
 class HoldSettings(_Section):
     max_requests: int = Field(1024, ge=0)
     """Requests that may wait at once while no replica can serve them (a cold start, a fleet-wide restart, scale
-    from zero); beyond it a request gets 503 at once. 0 turns holding off."""
+    from zero, or every replica at `max_in_flight_per_replica`); beyond it a request gets 503 at once. 0 turns
+    holding off."""
     max_wait_s: float = Field(30.0, ge=0)
     """Seconds a held request waits for a replica before it gets 503 with Retry-After. Covers a replica restart;
     a cold start of a large model takes longer and is the autoscaler's to hide."""
