@@ -236,9 +236,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--workload",
-        choices=["azure", "servegen", "both", "servegen-day"],
+        choices=["azure", "servegen", "both", "servegen-day", "servegen-day-x4"],
         default="both",
-        help="both: azure and servegen; servegen-day: scenario 13, a whole day uncompressed (~8 min of one core)",
+        help="both: azure and servegen; servegen-day: scenario 13, a whole day uncompressed (~8 min of one core); "
+        "servegen-day-x4: scenario 14, the same day at 4x the load (~4x as long)",
     )
     parser.add_argument("--attainment", type=float, default=0.99, help="the goal's SLO attainment")
     parser.add_argument("--static-replicas", type=int, help="static peak fleet; default: searched")
@@ -298,14 +299,17 @@ def main() -> None:
         )
         experiments.append((title, scenario, workload))
 
-    if args.workload == "servegen-day":
-        scenario = seeded(load_scenario(SCENARIOS / "13_autoscale_servegen_day.yaml"), args.seed, args.router_limit)
+    if args.workload in ("servegen-day", "servegen-day-x4"):
+        name, label = ("13_autoscale_servegen_day", "(c)")
+        if args.workload == "servegen-day-x4":
+            name, label = ("14_autoscale_servegen_day_x4", "(d)")
+        scenario = seeded(load_scenario(SCENARIOS / f"{name}.yaml"), args.seed, args.router_limit)
         workload = build_workload(scenario)
         assert isinstance(workload, ServeGenWorkload)
         title = (
-            f"(c) ServeGen day, uncompressed ({workload.duration_s / 3600:.0f} h), peak {workload.peak_rate_per_s:g} "
-            f"req/s, trough {min(workload.rates_per_s):.2f} req/s, replicas of {scenario.fleet.engine['max_num_seqs']} "
-            "sequences"
+            f"{label} ServeGen day, uncompressed ({workload.duration_s / 3600:.0f} h), "
+            f"peak {workload.peak_rate_per_s:g} req/s, trough {min(workload.rates_per_s):.2f} req/s, "
+            f"replicas of {scenario.fleet.engine['max_num_seqs']} sequences"
         )
         experiments.append((title, scenario, workload))
 
