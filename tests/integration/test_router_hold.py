@@ -7,7 +7,9 @@ import time
 
 import pytest
 
+from tests.fakes.fake_replica import FakeReplica
 from tests.integration.conftest import (
+    Reply,
     RouterHandle,
     StartFakes,
     StartRouter,
@@ -147,13 +149,22 @@ async def test_a_request_goes_to_the_replica_with_room_not_the_busy_one(
     await asyncio.gather(first, second, return_exceptions=True)
 
 
+async def _one_slot_taken(
+    start_fakes: StartFakes, start_router: StartRouter, *, max_wait_s: float
+) -> tuple[FakeReplica, RouterHandle, asyncio.Task[Reply]]:
+    """A hanging replica behind a router that keeps one request in flight on it, and the request ("occupies")
+    that has taken that slot."""
+    (fake,) = await start_fakes(1, hang=True)
+    router = await start_router([fake], hold={"max_wait_s": max_wait_s, "max_in_flight_per_replica": 1})
+    occupying = asyncio.create_task(router.complete(unique_text(200, "occupies")))
+    await eventually(lambda: fake.in_flight == 1, timeout_s=3, what="the first request to take the only slot")
+    return fake, router, occupying
+
+
 async def test_a_request_held_at_the_limit_past_max_wait_gets_503_saying_the_replicas_are_busy(
     start_fakes: StartFakes, start_router: StartRouter
 ) -> None:
-    (fake,) = await start_fakes(1, hang=True)
-    router = await start_router([fake], hold={"max_wait_s": 0.3, "max_in_flight_per_replica": 1})
-    occupying = asyncio.create_task(router.complete(unique_text(200, "occupies the slot")))
-    await eventually(lambda: fake.in_flight == 1, timeout_s=3, what="the first request to take the only slot")
+    fake, router, occupying = await _one_slot_taken(start_fakes, start_router, max_wait_s=0.3)
     started = time.monotonic()
     reply = await router.complete(unique_text(200, "finds no room"))
     assert reply.status == 503 and reply.json()["error"]["code"] == "replicas_busy"
@@ -167,10 +178,7 @@ async def test_a_request_held_at_the_limit_past_max_wait_gets_503_saying_the_rep
 async def test_a_held_request_whose_client_goes_away_leaves_the_line(
     start_fakes: StartFakes, start_router: StartRouter
 ) -> None:
-    (fake,) = await start_fakes(1, hang=True)
-    router = await start_router([fake], hold={"max_wait_s": 10.0, "max_in_flight_per_replica": 1})
-    occupying = asyncio.create_task(router.complete(unique_text(200, "occupies")))
-    await eventually(lambda: fake.in_flight == 1, timeout_s=3, what="the first request to take the only slot")
+    fake, router, occupying = await _one_slot_taken(start_fakes, start_router, max_wait_s=10.0)
     leaving = asyncio.create_task(router.complete(unique_text(200, "leaves")))
     staying = asyncio.create_task(router.complete(unique_text(200, "stays")))
 
