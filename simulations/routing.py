@@ -2,6 +2,7 @@
 
 This mirrors `router/service/routing.py` (RoutingCore) step by step, without its service dependencies:
 
+    eligible = the ready replicas under `max_in_flight_per_replica` (`admission.with_room`); none: the request is held
     matched  = index.match(hashes[:max_blocks], now)
     decision = SESSION: the replica the request's session went to last, while it is eligible (session affinity on)
                else ONLY_REPLICA without asking the policy when one replica is eligible

@@ -4,6 +4,7 @@ This is the only place the service touches the pure policy layer, so the simulat
 
     chain   = memo.chain_text / chain_tokens(routing key, seed of the model)   # hashing.PromptChain
     hashes  = chain.prefix(index.holds)                 # as far as any replica could match
+    eligible = pool.eligible_states(model), under hold.max_in_flight_per_replica   # admission.with_room
     matched = index.match(hashes, now)
     decision = policy.select(RouteRequest(hashes, prompt_tokens, tokens_per_block, matched), eligible, now)
     ... the request is written to the replica ...

@@ -134,12 +134,12 @@ async def test_at_the_in_flight_limit_requests_wait_at_the_router_and_go_in_arri
 async def test_a_request_goes_to_the_replica_with_room_not_the_busy_one(
     start_fakes: StartFakes, start_router: StartRouter
 ) -> None:
-    busy, idle = await start_fakes(2, hang=True)
-    router = await start_router([busy, idle], hold={"max_wait_s": 10.0, "max_in_flight_per_replica": 1})
+    fakes = await start_fakes(2, hang=True)
+    router = await start_router(fakes, hold={"max_wait_s": 10.0, "max_in_flight_per_replica": 1})
     text = unique_text(2000, "shared prefix")
     first = asyncio.create_task(router.complete(text))
-    await eventually(lambda: busy.in_flight + idle.in_flight == 1, timeout_s=3, what="the first request to land")
-    holder, other = (busy, idle) if busy.in_flight else (idle, busy)
+    await eventually(lambda: sum(f.in_flight for f in fakes) == 1, timeout_s=3, what="the first request to land")
+    holder, other = fakes if fakes[0].in_flight else fakes[::-1]
     # The same prompt again: its cached replica is at the limit, so it goes to the other one rather than queue.
     second = asyncio.create_task(router.complete(text))
     await eventually(lambda: other.in_flight == 1, timeout_s=3, what="the repeat to go to the replica with room")
