@@ -106,7 +106,8 @@ class NVFP4Experts(Experts):
             ):
                 global_scales.copy_(per_expert_global_scale(weight))  # [E]
                 for expert in range(experts.num_experts):
-                    p, s, _ = quantize_nvfp4(weight[expert], global_scales[expert])
+                    # Row-major, blocks of 16 along the input dimension (Experts keep theirs stored transposed).
+                    p, s, _ = quantize_nvfp4(weight[expert].contiguous(), global_scales[expert])
                     packed[expert].copy_(p)
                     scales[expert].copy_(s)
         if activation_amax is not None:
