@@ -21,6 +21,15 @@ requests in flight it measures, those the trace's rate curve implies L seconds a
 now + L times the static peak run's mean request time), free of Poisson noise and of queueing. servegen traces
 only: no live autoscaler knows the rate, let alone ahead.
 
+`--clairvoyant FACTOR[:HOLD_S]` adds a row for a fleet that knows every future arrival of the trace
+(`ArrivalOracleFleet`, any workload): at each tick it wants the replicas that the requests in flight at each moment
+up to a cold start ahead (and over the last HOLD_S seconds) would need, FACTOR times Little's law on those arrivals
+over the per-replica target. A sweep of FACTOR and HOLD_S shows how much of static peak a fleet that sizes itself
+on the load needs for a given attainment when it knows the load in advance:
+
+    .venv/bin/python benchmarks/bench_autoscale.py --workload azure --static-replicas 11 --policies '' \
+        --clairvoyant 2:300 --clairvoyant 3:0 --clairvoyant 3:60 --clairvoyant 4:0
+
 `--router-limit N` runs every row, static peak included, with the router holding requests while every replica
 has N in flight (`router/policy/admission.py`): one queue at the router instead of one per engine.
 
@@ -104,15 +113,66 @@ class RateOracleFleet:
         return decision.target_replicas
 
 
+class ArrivalOracleFleet:
+    """A clairvoyant fleet: sized on the trace's own future arrivals, a cold start ahead.
+
+    At each tick it wants, for every moment s from now until a replica created now would be ready (`lead_s`),
+    the replicas that the requests in flight at s would need: those arriving in (s - request_s, s] (Little's
+    law on the trace's real arrivals, so bursts included, with no noise to measure), times `factor`, over the
+    per-replica target, and for every moment of the last `hold_s` (hysteresis: Little's law on arrivals misses
+    the queue a burst builds, which keeps requests in flight after it). It asks for the largest of them. No policy
+    that measures the load can know these arrivals; the rows show what sizing on them reaches."""
+
+    def __init__(
+        self,
+        arrivals_s: list[float],
+        *,
+        request_s: float,
+        lead_s: float,
+        target: float,
+        factor: float,
+        hold_s: float = 0.0,
+        min_replicas: int,
+        max_replicas: int,
+        interval_s: float,
+    ) -> None:
+        self.arrivals_s = arrivals_s
+        self.request_s = request_s
+        self.lead_s = lead_s
+        self.target = target
+        self.factor = factor
+        self.hold_s = hold_s
+        self.min_replicas = min_replicas
+        self.max_replicas = max_replicas
+        self.interval_s = interval_s
+        self.reasons: Counter[str] = Counter()
+
+    def needed(self, at_s: float) -> int:
+        """Replicas the requests in flight at `at_s` need."""
+        a = self.arrivals_s
+        in_flight = bisect.bisect_right(a, at_s) - bisect.bisect_right(a, at_s - self.request_s)
+        return math.ceil(in_flight * self.factor / self.target - 1e-9)
+
+    def desired_replicas(self, observation: FleetObservation) -> int | None:
+        now = observation.now_s
+        ahead = int(self.lead_s // self.interval_s) + 1
+        behind = int(self.hold_s // self.interval_s)
+        want = max(self.needed(now + k * self.interval_s) for k in range(-behind, ahead + 1))
+        self.reasons["clairvoyant"] += 1
+        return min(self.max_replicas, max(self.min_replicas, want))
+
+
 def run(
     scenario: Scenario,
     workload: Workload,
     policy: str,
     *,
     rate_oracle: tuple[float, float] | None = None,
+    arrival_oracle: tuple[float, float, float] | None = None,
     **overrides: Any,
 ) -> Row:
-    """One simulation of `policy`; `rate_oracle` (lead seconds, mean request seconds) runs `RateOracleFleet`."""
+    """One simulation of `policy`; `rate_oracle` (lead seconds, mean request seconds) runs `RateOracleFleet`,
+    `arrival_oracle` (factor, hold seconds, mean request seconds) `ArrivalOracleFleet`."""
     assert scenario.autoscale is not None
     autoscale = AutoscaleConfig.model_validate(merged(scenario.autoscale.model_dump(), {"policy": policy, **overrides}))
     scn = scenario.model_copy(update={"autoscale": autoscale})
@@ -125,13 +185,27 @@ def run(
         simulation.scaling = RateOracleFleet(
             config, workload, request_s=request_s, lead_s=lead_s, interval_s=autoscale.interval_s
         )
+    if arrival_oracle is not None:
+        factor, hold_s, request_s = arrival_oracle
+        arrivals = sorted(r.arrival_s for r in workload.requests())
+        simulation.scaling = ArrivalOracleFleet(
+            arrivals,
+            request_s=request_s,
+            lead_s=autoscale.startup_s,
+            target=autoscale.target_requests_per_replica,
+            factor=factor,
+            hold_s=hold_s,
+            min_replicas=autoscale.min_replicas,
+            max_replicas=autoscale.max_replicas,
+            interval_s=autoscale.interval_s,
+        )
     result = simulation.run()
     summary = result.summary
     ttft = result.recorder.ttft_s
     total = len(ttft) + summary["rejected"]
     attained = sum(1 for t in ttft if t <= scn.slo.ttft_s)
     scaling = simulation.scaling
-    reasons = dict(scaling.reasons) if isinstance(scaling, PolicyFleet | RateOracleFleet) else {}
+    reasons = dict(scaling.reasons) if isinstance(scaling, PolicyFleet | RateOracleFleet | ArrivalOracleFleet) else {}
     return Row(
         policy=policy,
         replica_seconds=summary["replica_seconds"],
@@ -180,6 +254,18 @@ def where_missed(simulation: Simulation, slo_s: float) -> str:
     parts = [f"{k} {m}/{n} ({100 * m / n if n else 0.0:.2f}%)" for k, (n, m) in counts.items()]
     num_started = sum(1 for c, _ in starts if c > 0)
     return f"missed/requests {'; '.join(parts)}; {num_started} replicas started, {len(removals)} removed"
+
+
+def clairvoyant_spec(text: str) -> tuple[float, float]:
+    """`--clairvoyant FACTOR[:HOLD_S]` -> (factor, hold seconds)."""
+    factor, _, hold = text.partition(":")
+    try:
+        values = (float(factor), float(hold or 0.0))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FACTOR[:HOLD_S], e.g. 3:60, not {text!r}") from None
+    if not (values[0] > 0 and values[1] >= 0):
+        raise argparse.ArgumentTypeError(f"FACTOR must be > 0 and HOLD_S >= 0, not {text!r}")
+    return values
 
 
 def seeded(scenario: Scenario, seed: int | None, router_limit: int | None = None) -> Scenario:
@@ -256,6 +342,16 @@ def main() -> None:
         default="shoal,hpa,keda",
         help="comma-separated autoscalers to run beside static peak (default shoal,hpa,keda); '' for none",
     )
+    parser.add_argument(
+        "--clairvoyant",
+        type=clairvoyant_spec,
+        action="append",
+        default=[],
+        metavar="FACTOR[:HOLD_S]",
+        help="add a row: a fleet sized on the trace's future arrivals a cold start ahead (ArrivalOracleFleet), "
+        "FACTOR times the requests they put in flight over the per-replica target, kept HOLD_S seconds (default 0); "
+        "repeatable",
+    )
     parser.add_argument("--where-missed", action="store_true", help="per row, when the missed requests arrived")
     parser.add_argument("--seed", type=int, help="the scenarios' seed (arrivals of servegen traces, policies' draws)")
     parser.add_argument(
@@ -330,6 +426,10 @@ def main() -> None:
             name = policy if oracle is None else f"{policy} on the true rate {float(lead_s):g} s ahead"
             variant.policy = f"{name} {json.dumps(overrides)}"
             rows.insert(min(1 + i, len(rows)), variant)
+        for factor, hold_s in args.clairvoyant:
+            bound = run(scenario, workload, "shoal", arrival_oracle=(factor, hold_s, static.request_mean_s))
+            bound.policy = f"clairvoyant: {factor:g}x the future arrivals' in-flight requests, kept {hold_s:g} s"
+            rows.append(bound)
         slo = f"TTFT <= {scenario.slo.ttft_s:g} s"
         a = scenario.autoscale
         table(
