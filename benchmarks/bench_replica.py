@@ -7,6 +7,7 @@ wall-clock medians over `--repeats` runs; on a shared 2-core machine compare fig
 
     .venv/bin/python benchmarks/bench_replica.py                 # all tables
     .venv/bin/python benchmarks/bench_replica.py --only ttft     # one of: throughput, ttft, memory, agreement, tools
+    .venv/bin/python benchmarks/bench_replica.py --only ttft --wider 512   # the architecture 4x wider, random weights
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `shoal replica` serves: replica.cli.sleeping_omp_threads
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -25,7 +27,8 @@ import torch
 from replica.demo.build import ensure_demo_model, held_out_texts
 from replica.engine.engine import EngineConfig, LLMEngine, RequestOutput
 from replica.engine.sampling import SamplingParams
-from replica.model.loader import load_model
+from replica.model.config import ModelConfig
+from replica.model.loader import init_weights, load_model
 from replica.model.model import MoEForCausalLM
 from replica.quant.calibrate import observe_experts, read_chat_prompts
 from replica.quant.experts import quantize_model_experts, routed_expert_bytes
@@ -108,6 +111,26 @@ def ttft(model: MoEForCausalLM, tokenizer: Tokenizer, texts: list[str], repeats:
         print(f"{length:>7} {cached:>7} {c * 1000:>9.1f} {w * 1000:>9.1f} {c / w:>8.1f}x")
 
 
+def wider_model(path: Path, hidden: int) -> MoEForCausalLM:
+    """The checkpoint's architecture `hidden / its hidden size` times wider (hidden size, expert and shared-expert
+    widths, heads of 64), random weights: timing only, for where the linear layers outweigh attention and the
+    per-step costs, as in production models. Its outputs mean nothing."""
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    scale = hidden / config["hidden_size"]
+    shared = config.get("shared_expert_intermediate_size") or 0
+    config.update(
+        hidden_size=hidden,
+        head_dim=64,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 128),
+        moe_intermediate_size=int(config["moe_intermediate_size"] * scale),
+        shared_expert_intermediate_size=int(shared * scale),
+    )
+    model = MoEForCausalLM(ModelConfig.from_hf(config)).eval()
+    init_weights(model, seed=0)
+    return model
+
+
 def memory(path: Path) -> None:
     print("\n## Routed-expert memory (bytes actually held by the expert tensors)")
     print(f"{'format':<10} {'expert bytes':>13} {'bytes/param':>12} {'model bytes':>12}")
@@ -174,6 +197,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--agreement-texts", type=int, default=100, help="held-out conversations to score")
     parser.add_argument("--tool-prompts", type=int, default=50, help="tool-call prompts to score")
+    parser.add_argument(
+        "--wider",
+        type=int,
+        metavar="HIDDEN",
+        help="throughput and ttft on the model's architecture widened to this hidden size, random weights "
+        "(timing only; e.g. 512, 4x the demo model)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -181,10 +211,16 @@ def main() -> None:
     tokenizer = Tokenizer.from_file(path / "tokenizer.json")
     texts = held_out_texts(path)
     print(f"model {path}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    def timed_model() -> MoEForCausalLM:
+        return load_model(path) if args.wider is None else wider_model(path, args.wider)
+
+    if args.wider is not None:
+        c = timed_model().config
+        print(f"widened to hidden {c.hidden_size}, experts {c.moe_intermediate_size} wide, random weights")
     if args.only in (None, "throughput"):
-        throughput(load_model(path), tokenizer, texts, args.repeats)
+        throughput(timed_model(), tokenizer, texts, args.repeats)
     if args.only in (None, "ttft"):
-        ttft(load_model(path), tokenizer, texts, args.repeats)
+        ttft(timed_model(), tokenizer, texts, args.repeats)
     if args.only in (None, "memory"):
         memory(path)
     if args.only in (None, "agreement"):
