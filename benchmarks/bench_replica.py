@@ -88,7 +88,10 @@ def ttft(model: MoEForCausalLM, tokenizer: Tokenizer, texts: list[str], repeats:
     for t in texts:
         stream.extend(tokenizer.encode(t))
     print(f"{'prompt':>7} {'cached':>7} {'cold ms':>9} {'warm ms':>9} {'speed-up':>9}")
-    for length in (256, 512, 1024, 1900, 3800):
+    # Multiples of ten blocks, so that 90% of each prompt is whole blocks: the cache holds exactly 90% of it (a
+    # partial block is never cached, and 90% of 1,900 tokens would cache 89.3%, of 256 tokens 87.5%).
+    ten_blocks = 10 * ENGINE_VALUES["block_size"]
+    for length in (2 * ten_blocks, 4 * ten_blocks, 8 * ten_blocks, 12 * ten_blocks, 24 * ten_blocks):
         if length >= model.config.max_position_embeddings:
             continue
         prompt = stream[:length]
