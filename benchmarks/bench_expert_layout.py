@@ -1,5 +1,5 @@
 """Routed experts' grouped GEMMs on the CPU: weights row-major ([E, out, in], as Hugging Face stores them) against
-stored transposed ([E, in, out] in memory, the layout `replica.model.moe.Experts` keeps).
+stored transposed ([E, in, out] in memory, the layout `Experts.use_serving_layout` gives loaded models).
 
 Every expert matmul multiplies x [n, in] by the transposed weight. Row-major weights make that operand a strided
 view; stored transposed, it is contiguous. Each row times one SwiGLU of the demo model's shapes (16 experts,

@@ -131,6 +131,8 @@ def wider_model(path: Path, hidden: int) -> MoEForCausalLM:
     )
     model = MoEForCausalLM(ModelConfig.from_hf(config)).eval()
     init_weights(model, seed=0)
+    for layer in model.decoder_layers:
+        layer.mlp.experts.use_serving_layout()  # as `load_model` serves
     return model
 
 

@@ -2,8 +2,8 @@
 
 T = tokens, H = hidden size, I = one expert's hidden size, E = routed experts, A = experts per token.
 
-The routed experts are stacked tensors (`gate_up [E, 2I, H]`, `down [E, H, I]`, each stored transposed in memory
-so that a matmul reads it as a contiguous [in, out] operand) and run grouped by expert: the
+The routed experts are stacked tensors (`gate_up [E, 2I, H]`, `down [E, H, I]`; for serving stored transposed in
+memory, `use_serving_layout`) and run grouped by expert: the
 (token, slot) pairs are sorted by expert id, each expert with work multiplies its rows once, and the results are
 scattered back weighted. On the CPU at inference the grouped rows go through one `grouped_mm` per projection: each
 expert's rows in one GEMM, as the expert-by-expert loop computes them (the same numbers, bit for bit, tested), in
@@ -97,15 +97,10 @@ class Experts(nn.Module):
         self.intermediate_size = intermediate_size
         self.layer = layer
         self.observer: ExpertObserver | None = None
-        # Logical shapes as Hugging Face stores experts ([out, in] per expert), memory laid out [E, in, out]: every
-        # matmul multiplies x [n, in] by the transposed weight, which is then a contiguous [in, out] operand. On the
-        # CPU that makes small-row GEMMs with weights not in cache ~20% faster (benchmarks/bench_expert_layout.py).
         self.gate_up = nn.Parameter(
-            torch.empty(num_experts, hidden_size, 2 * intermediate_size, dtype=dtype, device=device).transpose(1, 2)
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device)
         )
-        self.down = nn.Parameter(
-            torch.empty(num_experts, intermediate_size, hidden_size, dtype=dtype, device=device).transpose(1, 2)
-        )
+        self.down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype, device=device))
 
     has_stacked_weights = True
     """Whether `forward` may run all experts in one grouped or padded batched matmul (the BF16 weights are stacked
@@ -204,6 +199,17 @@ class Experts(nn.Module):
         y = torch.bmm(F.silu(gate) * up, self.down.transpose(1, 2))  # [E, N, H]
         out.index_add_(0, tokens, y[sorted_ids, rows].float() * flat_weights[order])
         return out.to(x.dtype)
+
+    def use_serving_layout(self) -> None:
+        """Store the weights transposed in memory, logical shapes unchanged ([E, out, in], as Hugging Face stores
+        experts): every matmul multiplies x [n, in] by the transposed weight, which then is a contiguous [in, out]
+        operand. On the CPU a step's grouped GEMMs, whose weights are out of cache between two uses of a layer,
+        take 15-39% less time so at most row counts (benchmarks/bench_expert_layout.py). `load_model` applies it;
+        training keeps the row-major layout, so that a seed still names one demo model (the layouts round
+        differently in the last bits)."""
+        with torch.no_grad():
+            for param in (self.gate_up, self.down):
+                param.data = param.data.transpose(1, 2).contiguous().transpose(1, 2)
 
     def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """One expert's SwiGLU on its rows: x [n, H] -> [n, H]."""

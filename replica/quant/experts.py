@@ -106,7 +106,7 @@ class NVFP4Experts(Experts):
             ):
                 global_scales.copy_(per_expert_global_scale(weight))  # [E]
                 for expert in range(experts.num_experts):
-                    # Row-major, blocks of 16 along the input dimension (Experts keep theirs stored transposed).
+                    # Row-major, blocks of 16 along the input dimension (loaded Experts store theirs transposed).
                     p, s, _ = quantize_nvfp4(weight[expert].contiguous(), global_scales[expert])
                     packed[expert].copy_(p)
                     scales[expert].copy_(s)

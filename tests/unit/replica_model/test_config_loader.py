@@ -72,8 +72,27 @@ def test_round_trip_through_hugging_face_keys(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "config.json").read_text())["num_experts"] == 4
     loaded = load_model(tmp_path)
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    for layer in model.decoder_layers:
+        layer.mlp.experts.use_serving_layout()  # as loaded: the same operand layouts, hence the same roundings
     with torch.no_grad():
         assert torch.equal(model.forward_train(ids)[0], loaded.forward_train(ids)[0])
+
+
+def test_loaded_experts_are_stored_transposed_and_built_ones_row_major(tmp_path: Path) -> None:
+    """Serving reads each expert weight as a contiguous [in, out] operand; training keeps the row-major layout
+    that the demo model was built with. Logical shapes and values are the same, logits equal to rounding."""
+    model = _model()
+    save_checkpoint(model, tmp_path)
+    loaded = load_model(tmp_path)
+    for built, served in zip(model.decoder_layers, loaded.decoder_layers, strict=True):
+        for name in ("gate_up", "down"):
+            row_major, transposed = getattr(built.mlp.experts, name), getattr(served.mlp.experts, name)
+            assert row_major.is_contiguous()
+            assert transposed.transpose(1, 2).is_contiguous() and not transposed.is_contiguous()
+            assert transposed.shape == row_major.shape and torch.equal(transposed, row_major)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model.forward_train(ids)[0], loaded.forward_train(ids)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_deepseek_names_load(tmp_path: Path) -> None:

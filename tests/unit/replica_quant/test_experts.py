@@ -73,14 +73,11 @@ def test_w4a16_equals_bf16_experts_holding_the_dequantized_weights() -> None:
     experts = random_experts(0)
     quantized = NVFP4Experts.from_experts(experts)
     dequantized = Experts(E, H, INTER, dtype=torch.bfloat16)
-    # The dequantized tensors themselves, row-major as the W4A16 path multiplies them: the same BLAS operand
-    # layout, hence the same roundings (Experts' own parameters are stored transposed).
-    dequantized.gate_up = torch.nn.Parameter(
-        dequantize_nvfp4(quantized.gate_up_packed, quantized.gate_up_scales, quantized.gate_up_global, torch.bfloat16)
-    )
-    dequantized.down = torch.nn.Parameter(
-        dequantize_nvfp4(quantized.down_packed, quantized.down_scales, quantized.down_global, torch.bfloat16)
-    )
+    with torch.no_grad():
+        dequantized.gate_up.copy_(
+            dequantize_nvfp4(quantized.gate_up_packed, quantized.gate_up_scales, quantized.gate_up_global)
+        )
+        dequantized.down.copy_(dequantize_nvfp4(quantized.down_packed, quantized.down_scales, quantized.down_global))
     x, ids, weights = random_batch(1)
     assert torch.equal(quantized(x, ids, weights), dequantized(x, ids, weights))
 
