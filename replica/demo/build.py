@@ -81,6 +81,22 @@ def held_out_texts(path: Path) -> list[str]:
     return list(data)
 
 
+WARMUP_STEPS = 50
+
+
+def scheduled_learning_rate(recipe: DemoRecipe, step: int, elapsed_s: float) -> float:
+    """Linear warm-up over `WARMUP_STEPS`, then a cosine from the recipe's rate down to a tenth of it.
+
+    Progress through the cosine is by steps or by time, whichever is further along, so a run bound by
+    `max_seconds` still ends at a low rate. Time counts in whole steps of the schedule: a run that keeps up with
+    its step budget never reads the clock into a rate, so a seed names one model (a raw time fraction made the
+    first step's rate, and with it every later weight, differ from build to build)."""
+    time_steps = math.floor(elapsed_s / recipe.max_seconds * recipe.max_steps)
+    frac = min(1.0, max(step, time_steps) / recipe.max_steps)
+    warm = min(1.0, (step + 1) / WARMUP_STEPS)
+    return recipe.learning_rate * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
 def build_demo(
     out_dir: Path | None = None,
     *,
@@ -146,15 +162,11 @@ def build_demo(
     train_started = time.monotonic()
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=0.01, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(recipe.seed)
-    warmup = 50
     step = 0
     loss_value = float("nan")
     last_report = started
     while step < recipe.max_steps and time.monotonic() - train_started < recipe.max_seconds:
-        # Progress through the schedule is by steps or by time, whichever is further along, so a time-bound run
-        # still ends at a low learning rate.
-        frac = min(1.0, max(step / recipe.max_steps, (time.monotonic() - train_started) / recipe.max_seconds))
-        lr = recipe.learning_rate * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        lr = scheduled_learning_rate(recipe, step, time.monotonic() - train_started)
         for group in optimizer.param_groups:
             group["lr"] = lr
         if float(torch.rand((), generator=gen)) < recipe.long_fraction:

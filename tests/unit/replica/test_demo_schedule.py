@@ -1,0 +1,37 @@
+"""The demo model's learning-rate schedule: steps decide it, the clock only when a run falls behind its budget."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from replica.demo.build import WARMUP_STEPS, DemoRecipe, scheduled_learning_rate
+
+RECIPE = DemoRecipe()
+
+
+@pytest.mark.parametrize("step", [0, 1, WARMUP_STEPS, 200, RECIPE.max_steps - 1])
+def test_a_run_that_keeps_up_with_its_steps_never_reads_the_clock(step: int) -> None:
+    # From the start of training to just before this step would be behind the budget (max_seconds / max_steps per
+    # step). The first step runs a few milliseconds into training: the old schedule read that into its rate.
+    budget_s = (step + 1) * RECIPE.max_seconds / RECIPE.max_steps
+    elapsed = (0.0, 1e-6, 0.003, 0.5 * budget_s, 0.999 * budget_s)
+    assert len({scheduled_learning_rate(RECIPE, step, e) for e in elapsed}) == 1
+
+
+def test_warm_up_then_cosine_to_a_tenth() -> None:
+    assert scheduled_learning_rate(RECIPE, 0, 0.0) == pytest.approx(RECIPE.learning_rate / WARMUP_STEPS)
+    assert scheduled_learning_rate(RECIPE, WARMUP_STEPS - 1, 0.0) == pytest.approx(
+        RECIPE.learning_rate * (0.1 + 0.45 * (1 + math.cos(math.pi * (WARMUP_STEPS - 1) / RECIPE.max_steps)))
+    )
+    assert scheduled_learning_rate(RECIPE, RECIPE.max_steps, 0.0) == pytest.approx(0.1 * RECIPE.learning_rate)
+
+
+def test_a_run_behind_its_budget_follows_the_clock_down() -> None:
+    step = 100
+    on_time = scheduled_learning_rate(RECIPE, step, 0.0)
+    late = scheduled_learning_rate(RECIPE, step, 0.8 * RECIPE.max_seconds)
+    out_of_time = scheduled_learning_rate(RECIPE, step, RECIPE.max_seconds)
+    assert out_of_time == pytest.approx(0.1 * RECIPE.learning_rate)
+    assert out_of_time < late < on_time
