@@ -30,6 +30,11 @@ on the load needs for a given attainment when it knows the load in advance:
     .venv/bin/python benchmarks/bench_autoscale.py --workload azure --static-replicas 11 --policies '' \
         --clairvoyant 2:300 --clairvoyant 3:0 --clairvoyant 3:60 --clairvoyant 4:0
 
+With `--clairvoyant` the table is followed by the trace's idle gaps longer than a cold start (after 10 s for the
+requests in flight to finish), and what a fleet at static peak would save by dropping to one replica in each.
+`--initial-replicas N` starts the autoscaled rows (not static peak) with N ready replicas instead of the
+scenario's fleet.
+
 `--router-limit N` runs every row, static peak included, with the router holding requests while every replica
 has N in flight (`router/policy/admission.py`): one queue at the router instead of one per engine.
 
@@ -47,6 +52,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +262,24 @@ def where_missed(simulation: Simulation, slo_s: float) -> str:
     return f"missed/requests {'; '.join(parts)}; {num_started} replicas started, {len(removals)} removed"
 
 
+IDLE_SETTLE_S = 10.0
+"""Seconds after an arrival before a replica could go: the requests in flight finish (`idle_gaps`)."""
+
+
+def idle_gaps(workload: Workload, cold_start_s: float, static: Row) -> str:
+    """The gaps between arrivals that outlast the requests in flight (`IDLE_SETTLE_S`) by more than a cold start,
+    and the share of static peak's replica-seconds that dropping to one replica in each would save (a replica let
+    go must start again a cold start before the next arrival)."""
+    arrivals = sorted(r.arrival_s for r in workload.requests())
+    spare = [b - a - IDLE_SETTLE_S - cold_start_s for a, b in pairwise(arrivals)]
+    spare = [s for s in spare if s > 0]
+    saved = sum(spare) * (static.max_replicas - 1) / static.replica_seconds
+    return (
+        f"idle gaps longer than {IDLE_SETTLE_S:g} s + a {cold_start_s:g} s cold start: {len(spare)}; dropping to one "
+        f"replica in each saves {100 * saved:.1f}% of static peak's replica-seconds"
+    )
+
+
 def clairvoyant_spec(text: str) -> tuple[float, float]:
     """`--clairvoyant FACTOR[:HOLD_S]` -> (factor, hold seconds)."""
     factor, _, hold = text.partition(":")
@@ -352,6 +376,11 @@ def main() -> None:
         "FACTOR times the requests they put in flight over the per-replica target, kept HOLD_S seconds (default 0); "
         "repeatable",
     )
+    parser.add_argument(
+        "--initial-replicas",
+        type=int,
+        help="ready replicas the autoscaled rows start with (default: the scenario's fleet); static peak keeps its own",
+    )
     parser.add_argument("--where-missed", action="store_true", help="per row, when the missed requests arrived")
     parser.add_argument("--seed", type=int, help="the scenarios' seed (arrivals of servegen traces, policies' draws)")
     parser.add_argument(
@@ -416,6 +445,9 @@ def main() -> None:
         else:
             static = static_peak(scenario, workload, args.attainment)
         static.policy = f"static peak ({static.max_replicas})"
+        if args.initial_replicas is not None:
+            fleet = scenario.fleet.model_copy(update={"num_replicas": args.initial_replicas})
+            scenario = scenario.model_copy(update={"fleet": fleet})
         rows = [run(scenario, workload, policy) for policy in policies]
         for i, overrides in enumerate(args.shoal_variant):
             overrides = dict(overrides)
@@ -440,6 +472,8 @@ def main() -> None:
             args.attainment,
             is_where_missed=args.where_missed,
         )
+        if args.clairvoyant:
+            print(idle_gaps(workload, scenario.autoscale.startup_s, static))
 
 
 if __name__ == "__main__":

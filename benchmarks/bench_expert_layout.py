@@ -1,11 +1,12 @@
-"""Routed experts' grouped GEMMs on the CPU: weights row-major ([E, out, in], as Hugging Face stores them) against
-stored transposed ([E, in, out] in memory, the layout `Experts.use_serving_layout` gives loaded models).
+"""Routed experts on the CPU: weights row-major ([E, out, in], as Hugging Face stores them and training keeps
+them) against the serving layout (`Experts.use_serving_layout`: stored transposed, [E, in, out] in memory).
 
 Every expert matmul multiplies x [n, in] by the transposed weight. Row-major weights make that operand a strided
-view; stored transposed, it is contiguous. Each row times one SwiGLU of the demo model's shapes (16 experts,
-H = I = 128, top-2) through two `grouped_mm` calls, for a step of T tokens, with the weights left in the CPU
-caches ("warm") or pushed out of them first by a 64 MB write ("flushed", as in serving, where the KV cache and the
-other layers' weights pass through the caches between two uses of a layer's experts). Medians over `--repeats`.
+view; in the serving layout it is contiguous. Each row times one layer's routed experts (`Experts.forward`, the
+engine's path: grouping, the two grouped GEMMs, the weighted scatter) at the demo model's shapes (16 experts,
+H = I = 128, top-2) for a step of T tokens, with the weights left in the CPU caches ("warm") or pushed out of them
+first by a 64 MB write ("flushed", as in serving, where the KV cache and the other layers' weights pass through
+the caches between two uses of a layer's experts). Medians over `--repeats`; the two layouts alternate.
 
     taskset -c 1 .venv/bin/python benchmarks/bench_expert_layout.py
 """
@@ -13,32 +14,33 @@ other layers' weights pass through the caches between two uses of a layer's expe
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 
 import torch
-import torch.nn.functional as F
+
+from replica.model.moe import Experts
 
 E, H, INTER, A = 16, 128, 128, 2  # experts, hidden, expert hidden, top-k
 
 
-def grouped_swiglu_us(
-    tokens: int, gate_up: torch.Tensor, down: torch.Tensor, *, flush: torch.Tensor | None, repeats: int
-) -> float:
+def forward_us(experts: list[Experts], tokens: int, *, flush: torch.Tensor | None, repeats: int) -> list[float]:
+    """Median microseconds of one forward of each of `experts` on the same T tokens, alternating between them."""
     gen = torch.Generator().manual_seed(tokens)
-    ids = torch.randint(0, E, (tokens * A,), generator=gen)
-    order = ids.sort(stable=True).indices
-    ends = torch.bincount(ids, minlength=E).cumsum(0, dtype=torch.int32)
-    x = torch.randn(tokens, H, generator=gen)[order // A]
-    times = []
-    for _ in range(repeats):
-        if flush is not None:
-            flush.add_(1.0)
-        started = time.perf_counter()
-        gate, up = F.grouped_mm(x, gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-        F.grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=ends)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e6
+    x = torch.randn(tokens, H, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:A] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, A, generator=gen), dim=-1)
+    times: list[list[float]] = [[] for _ in experts]
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for module, samples in zip(experts, times, strict=True):
+                if flush is not None:
+                    flush.add_(1.0)
+                started = time.perf_counter()
+                module(x, ids, weights)
+                samples.append(time.perf_counter() - started)
+    return [statistics.median(samples) * 1e6 for samples in times]
 
 
 def main() -> None:
@@ -47,25 +49,24 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if not hasattr(F, "grouped_mm"):
-        raise SystemExit(f"torch {torch.__version__} has no grouped_mm")
-    row_major = (torch.randn(E, 2 * INTER, H), torch.randn(E, H, INTER))
-    transposed = tuple(w.transpose(1, 2).contiguous().transpose(1, 2) for w in row_major)
+    row_major = Experts(E, H, INTER, dtype=torch.float32)
+    with torch.no_grad():
+        row_major.gate_up.normal_(0, 0.02)
+        row_major.down.normal_(0, 0.02)
+    serving = copy.deepcopy(row_major)
+    serving.use_serving_layout()
     flush = torch.zeros(16 * 1024 * 1024)  # 64 MB
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); one layer's SwiGLU, microseconds")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); one layer's routed experts, microseconds")
     print(
-        f"{'tokens':>6} {'warm row-major':>15} {'warm transposed':>16} {'flushed row-major':>18} "
-        f"{'flushed transposed':>19} {'flushed gain':>13}"
+        f"{'tokens':>6} {'warm row-major':>15} {'warm serving':>13} {'flushed row-major':>18} "
+        f"{'flushed serving':>16} {'flushed gain':>13}"
     )
     for tokens in (1, 4, 16, 32, 112, 204, 1024):
-        figures = [
-            grouped_swiglu_us(tokens, *weights, flush=cache, repeats=args.repeats)
-            for cache in (None, flush)
-            for weights in (row_major, transposed)
-        ]
-        gain = 1.0 - figures[3] / figures[2]
+        warm = forward_us([row_major, serving], tokens, flush=None, repeats=args.repeats)
+        flushed = forward_us([row_major, serving], tokens, flush=flush, repeats=args.repeats)
+        gain = 1.0 - flushed[1] / flushed[0]
         print(
-            f"{tokens:>6} {figures[0]:>15.0f} {figures[1]:>16.0f} {figures[2]:>18.0f} {figures[3]:>19.0f} "
+            f"{tokens:>6} {warm[0]:>15.0f} {warm[1]:>13.0f} {flushed[0]:>18.0f} {flushed[1]:>16.0f} "
             f"{100 * gain:>12.0f}%"
         )
 

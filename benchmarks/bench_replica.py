@@ -131,8 +131,8 @@ def wider_model(path: Path, hidden: int) -> MoEForCausalLM:
     )
     model = MoEForCausalLM(ModelConfig.from_hf(config)).eval()
     init_weights(model, seed=0)
-    for layer in model.decoder_layers:
-        layer.mlp.experts.use_serving_layout()  # as `load_model` serves
+    model.use_serving_layout()  # as `load_model` serves on the CPU
+    print(f"widened to hidden {hidden}, experts {config['moe_intermediate_size']} wide, random weights")
     return model
 
 
@@ -219,9 +219,6 @@ def main() -> None:
     def timed_model() -> MoEForCausalLM:
         return load_model(path) if args.wider is None else wider_model(path, args.wider)
 
-    if args.wider is not None:
-        c = timed_model().config
-        print(f"widened to hidden {c.hidden_size}, experts {c.moe_intermediate_size} wide, random weights")
     if args.only in (None, "throughput"):
         throughput(timed_model(), tokenizer, texts, args.repeats)
     if args.only in (None, "ttft"):

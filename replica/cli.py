@@ -29,6 +29,7 @@ engine as it will serve."""
 
 
 def add_replica_command(subparsers: Any) -> None:
+    from replica.demo.build import DemoRecipe  # no torch: the recipe is a dataclass
     from replica.settings import ReplicaSettings
 
     parser = subparsers.add_parser(
@@ -50,8 +51,10 @@ def add_replica_command(subparsers: Any) -> None:
 
     build = actions.add_parser("build-demo", help="train the demo model and tokenizer into the cache directory")
     build.add_argument("--out", type=Path, help="output folder (default: the cache directory's demo model)")
-    build.add_argument("--max-seconds", type=float, help="training time budget in seconds (default 240)")
-    build.add_argument("--max-steps", type=int, help="training steps (default 1500)")
+    build.add_argument(
+        "--max-seconds", type=float, help=f"training time budget in seconds (default {DemoRecipe.max_seconds:g})"
+    )
+    build.add_argument("--max-steps", type=int, help=f"training steps (default {DemoRecipe.max_steps})")
     build.add_argument("--force", action="store_true", help="rebuild even if the demo model exists")
     build.set_defaults(run=_run_build_demo)
 

@@ -66,8 +66,8 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> MoEForCausalLM:
-    """Build the model of `path/config.json` and load `path/*.safetensors` into it, for serving: the routed
-    experts in their serving layout (`Experts.use_serving_layout`)."""
+    """Build the model of `path/config.json` and load `path/*.safetensors` into it, for serving: on the CPU the
+    routed experts in their serving layout (`MoEForCausalLM.use_serving_layout`)."""
     from safetensors import safe_open
 
     folder = Path(path)
@@ -127,8 +127,8 @@ def load_model(
     missing = [n for n, p in params.items() if n not in skip and filled.get(n, 0) != p.numel()]
     if missing:
         raise CheckpointError(f"checkpoint leaves {len(missing)} parameters unset, e.g. {missing[:5]}")
-    for layer in model.decoder_layers:
-        layer.mlp.experts.use_serving_layout()
+    if model.device.type == "cpu":  # measured on the CPU; GPUs multiply either layout through cuBLAS
+        model.use_serving_layout()
     return model.eval()
 
 

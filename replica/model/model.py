@@ -70,6 +70,11 @@ class MoEForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
+    def use_serving_layout(self) -> None:
+        """Every layer's routed experts in their serving layout (`Experts.use_serving_layout`)."""
+        for layer in self.decoder_layers:
+            layer.mlp.experts.use_serving_layout()
+
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

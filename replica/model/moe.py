@@ -203,9 +203,9 @@ class Experts(nn.Module):
     def use_serving_layout(self) -> None:
         """Store the weights transposed in memory, logical shapes unchanged ([E, out, in], as Hugging Face stores
         experts): every matmul multiplies x [n, in] by the transposed weight, which then is a contiguous [in, out]
-        operand. On the CPU a step's grouped GEMMs, whose weights are out of cache between two uses of a layer,
-        take 15-39% less time so at most row counts (benchmarks/bench_expert_layout.py). `load_model` applies it;
-        training keeps the row-major layout, so that a seed still names one demo model (the layouts round
+        operand. On the CPU that makes the routed experts of a step faster when their weights are out of cache, as
+        between two uses of a layer while serving (benchmarks/bench_expert_layout.py). `load_model` applies it on
+        the CPU; training keeps the row-major layout, so that a seed still names one demo model (the layouts round
         differently in the last bits)."""
         with torch.no_grad():
             for param in (self.gate_up, self.down):
