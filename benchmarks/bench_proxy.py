@@ -236,24 +236,41 @@ def running(service: Service) -> Iterator[Service]:
         service.stop()
 
 
-def measure_router(name: str, url: str, pid: int | None, args: argparse.Namespace,
-                   results: dict[str, dict[int, dict[str, Any]]]) -> None:
-    timeout_s = args.duration_s + 60
+def warm_up(url: str, args: argparse.Namespace) -> None:
     warmup = ["--concurrency", "16", "--requests", str(args.warmup_requests), "--duration-s", "10",
               "--prompt-bytes", str(args.prompt_bytes)]
-    run_loadgen(url, args.loadgen_core, warmup, timeout_s)
-    for concurrency in args.concurrency:
-        extra = ["--concurrency", str(concurrency), "--requests", str(args.requests), "--duration-s",
-                 str(args.duration_s), "--prompt-bytes", str(args.prompt_bytes), "--client", args.client]
-        cpu_before_s = process_tree_cpu_s(pid) if pid else 0.0
-        report = run_loadgen(url, args.loadgen_core, extra, timeout_s)
-        cpu_s = process_tree_cpu_s(pid) - cpu_before_s if pid else 0.0
-        num_requests = max(1, report["num_ok"] + report["num_errors"])
-        report["router_cpu_us_per_request"] = cpu_s * 1e6 / num_requests if pid else None
-        report["loadgen_cpu_percent"] = 100 * report["cpu_s"] / max(1e-9, report["elapsed_s"])
-        results.setdefault(name, {})[concurrency] = report
-        print(f"  {name:14s} c={concurrency:<3d} {report['requests_per_s']:9.0f} req/s  "
-              f"p50 {report['p50_ms']:7.3f} ms  errors {report['num_errors']}", flush=True)
+    run_loadgen(url, args.loadgen_core, warmup, args.duration_s + 60)
+
+
+def measure_point(name: str, url: str, pid: int | None, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One closed-loop run of `concurrency` connections through one router: loadgen's report plus the router's CPU."""
+    extra = ["--concurrency", str(concurrency), "--requests", str(args.requests), "--duration-s",
+             str(args.duration_s), "--prompt-bytes", str(args.prompt_bytes), "--client", args.client]
+    cpu_before_s = process_tree_cpu_s(pid) if pid else 0.0
+    report = run_loadgen(url, args.loadgen_core, extra, args.duration_s + 60)
+    cpu_s = process_tree_cpu_s(pid) - cpu_before_s if pid else 0.0
+    num_requests = max(1, report["num_ok"] + report["num_errors"])
+    report["router_cpu_us_per_request"] = cpu_s * 1e6 / num_requests if pid else None
+    report["loadgen_cpu_percent"] = 100 * report["cpu_s"] / max(1e-9, report["elapsed_s"])
+    print(f"  {name:14s} c={concurrency:<3d} {report['requests_per_s']:9.0f} req/s  "
+          f"p50 {report['p50_ms']:7.3f} ms  errors {report['num_errors']}", flush=True)
+    return report
+
+
+def median_report(rounds: list[dict[str, Any]], smg_rounds: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """The round with the median throughput, carrying every round's throughput and, when smg ran, the median and
+    range of the per-round ratios to it (round k of each router ran back to back, so a ratio compares like with
+    like even while the machine's speed drifts)."""
+    ordered = sorted(rounds, key=lambda r: r["requests_per_s"])
+    report = dict(ordered[(len(ordered) - 1) // 2])
+    report["rounds_requests_per_s"] = [r["requests_per_s"] for r in rounds]
+    cpus = sorted(r["router_cpu_us_per_request"] for r in rounds if r["router_cpu_us_per_request"] is not None)
+    report["router_cpu_us_per_request"] = cpus[(len(cpus) - 1) // 2] if cpus else None
+    if smg_rounds:
+        ratios = sorted(r["requests_per_s"] / s["requests_per_s"] for r, s in zip(rounds, smg_rounds, strict=True))
+        report["x_smg_rounds"] = ratios
+        report["x_smg"] = ratios[(len(ratios) - 1) // 2]
+    return report
 
 
 def stream_check(name: str, url: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -283,23 +300,25 @@ def print_tables(results: dict[str, dict[int, dict[str, Any]]], streams: dict[st
                  args: argparse.Namespace) -> None:
     for concurrency in args.concurrency:
         print(f"\nconcurrency {concurrency}: {args.requests} requests per router or {args.duration_s:g} s, "
-              f"{args.prompt_bytes}-byte chat prompts, canned nginx backend")
-        header = (f"{'router':16s}{'req/s':>9s}{'x smg':>8s}{'p50 ms':>9s}{'p99 ms':>9s}{'+p50 ms':>9s}"
-                  f"{'CPU us/req':>12s}{'loadgen CPU':>13s}{'errors':>8s}")
+              f"{args.prompt_bytes}-byte chat prompts, canned nginx backend; median of {args.rounds} interleaved"
+              f" round{'s' if args.rounds != 1 else ''}")
+        header = (f"{'router':16s}{'req/s':>9s}{'x smg':>8s}{'x smg range':>13s}{'p50 ms':>9s}{'p99 ms':>9s}"
+                  f"{'+p50 ms':>9s}{'CPU us/req':>12s}{'loadgen CPU':>13s}{'errors':>8s}")
         print(header)
         print("-" * len(header))
         direct = results.get("direct", {}).get(concurrency)
-        smg = results.get("smg", {}).get(concurrency)
         for name, by_concurrency in results.items():
             row = by_concurrency.get(concurrency)
             if row is None:
                 continue
-            ratio = f"{row['requests_per_s'] / smg['requests_per_s']:.2f}" if smg else "-"
+            ratios = row.get("x_smg_rounds")
+            ratio = f"{row['x_smg']:.2f}" if ratios else "-"
+            spread = f"{ratios[0]:.2f}-{ratios[-1]:.2f}" if ratios else "-"
             added = f"{row['p50_ms'] - direct['p50_ms']:+.3f}" if direct and name != "direct" else "-"
             cpu = row["router_cpu_us_per_request"]
             cpu_text = f"{cpu:.0f}" if cpu is not None else "-"
             label = "direct (nginx)" if name == "direct" else name
-            print(f"{label:16s}{row['requests_per_s']:9.0f}{ratio:>8s}{row['p50_ms']:9.3f}{row['p99_ms']:9.3f}"
+            print(f"{label:16s}{row['requests_per_s']:9.0f}{ratio:>8s}{spread:>13s}{row['p50_ms']:9.3f}{row['p99_ms']:9.3f}"
                   f"{added:>9s}{cpu_text:>12s}{row['loadgen_cpu_percent']:12.0f}%{row['num_errors']:8d}")
     if streams:
         print(f"\nstreaming: {args.stream_requests} sequential streamed chats of 8 tokens from a fake replica that "
@@ -319,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,16,64", help="comma-separated concurrency levels")
     parser.add_argument("--requests", type=int, default=2000, help="requests per point")
     parser.add_argument("--duration-s", type=float, default=20.0, help="time cap per point")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="runs of each point, interleaved across routers; tables show the median")
     parser.add_argument("--warmup-requests", type=int, default=300)
     parser.add_argument("--prompt-bytes", type=int, default=1024)
     parser.add_argument("--num-replicas", type=int, default=2, help="nginx listens on this many ports, one a replica")
@@ -331,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--setup-peers", action="store_true", help=f"create benchmarks/.venvs/ for {PEER_PACKAGES}")
     args = parser.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     names = [n.strip() for n in args.routers.split(",") if n.strip()]
     unknown = set(names) - set(ROUTERS)
     if unknown:
@@ -369,24 +392,40 @@ def main(argv: list[str] | None = None) -> int:
                 if error:
                     print(f"{service.name} did not start: {error}\n{service.log_tail()}", file=sys.stderr)
                     return 1
-            print("direct:", flush=True)
-            measure_router("direct", upstreams[0] + "/v1/chat/completions", None, args, results)
+            # Every router is started up front and the points interleave: for each concurrency, round k runs each
+            # router once, in an order that alternates between rounds, so slow minutes of the machine fall on
+            # every router alike.
+            live: dict[str, tuple[Service, str]] = {}
+            with contextlib.ExitStack() as stack:
+                for name in names:
+                    router, url, why = start_router(name, upstreams, args, workdir, ready_body)
+                    if router is None:
+                        skipped[name] = why
+                        print(f"  skipped {name}: {why}", flush=True)
+                        continue
+                    stack.enter_context(running(router))
+                    live[name] = (router, url)
+                order = ["direct", *live]
+                urls = {"direct": (None, upstreams[0] + "/v1/chat/completions")}
+                urls.update({name: (router.process.pid, url) for name, (router, url) in live.items()})
+                for name in order:
+                    warm_up(urls[name][1], args)
+                for concurrency in args.concurrency:
+                    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in order}
+                    for k in range(args.rounds):
+                        print(f"concurrency {concurrency}, round {k + 1} of {args.rounds}:", flush=True)
+                        for name in order if k % 2 == 0 else order[::-1]:
+                            pid, url = urls[name]
+                            rounds[name].append(measure_point(name, url, pid, concurrency, args))
+                    for name in order:
+                        results.setdefault(name, {})[concurrency] = median_report(rounds[name], rounds.get("smg"))
             if args.stream_requests:
                 streams["direct"] = stream_check("direct", f"http://127.0.0.1:{fake_port}/v1/chat/completions", args)
-            for name in names:
-                print(f"{name}:", flush=True)
-                router, url, why = start_router(name, upstreams, args, workdir, ready_body)
-                if router is None:
-                    skipped[name] = why
-                    print(f"  skipped {name}: {why}", flush=True)
-                    continue
-                with running(router):
-                    measure_router(name, url, router.process.pid, args, results)
-                if args.stream_requests:
+                for name in live:
                     router, url, why = start_router(name, [f"http://127.0.0.1:{fake_port}"], args, workdir,
                                                     ready_body)
                     if router is None:
-                        print(f"  streaming check skipped: {why}", flush=True)
+                        print(f"  streaming check of {name} skipped: {why}", flush=True)
                         continue
                     with running(router):
                         streams[name] = stream_check(name, url, args)

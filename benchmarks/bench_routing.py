@@ -10,6 +10,11 @@ column (recorded into an index of its own, so that every measured decision sees 
 ids are checked and packed when the request is parsed, as in the router (that cost is printed under the table).
 `--no-memo` hashes every block afresh, all of them before the decision. Prints p50/p99 in microseconds per step.
 
+The machine's own tail, for scale: after each decision the same fixed pure-Python loop (calibrated at start to take
+about `--reference-us`, 50 by default) is timed too, and its p50/p99 close each row ("ref"). On a shared virtual
+machine the loop's p99 is well above its p50 although its work never varies; what a decision's p99 adds beyond
+that ratio is the decision's own.
+
 Between decisions the replicas' loads move as the router moves them (untimed): the chosen replica gets the request
 (in flight, waiting, its uncached tokens on the prefill backlog), and the oldest requests get their first byte
 (waiting -> streaming, the replica's learned prefill rate moves) and finish, so about three replicas change per
@@ -51,6 +56,27 @@ from router.policy.types import Branch, Decision, Policy, ReplicaState, RouteReq
 BLOCKS_PER_PROMPT = 512
 TEXT_BLOCK = 64
 BYTES_PER_TOKEN = 4.0
+
+
+def fixed_work(n: int) -> int:
+    """A loop whose work never varies: `n` additions."""
+    total = 0
+    for i in range(n):
+        total += i
+    return total
+
+
+def calibrate_fixed_work(target_us: float) -> int:
+    """The `n` for which `fixed_work(n)` takes about `target_us` at p50 on this core."""
+    n = 1000
+    for _ in range(3):
+        samples = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            fixed_work(n)
+            samples.append((time.perf_counter() - t0) * 1e6)
+        n = max(1, round(n * target_us / percentile(samples, 0.5)))
+    return n
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -252,6 +278,9 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=1_000_000)
     parser.add_argument("--decisions", type=int, default=2000)
     parser.add_argument(
+        "--reference-us", type=float, default=50.0, help="p50 of the fixed loop timed after each decision, for scale"
+    )
+    parser.add_argument(
         "--no-memo", action="store_true", help="hash every block afresh, without the router's ChainMemo"
     )
     parser.add_argument(
@@ -283,7 +312,8 @@ def main() -> None:
         index.record(r, hash_text(system_text, seed, TEXT_BLOCK), now=1e6)
         index.record(r, hash_tokens(system_tokens, seed), now=1e6)
     print(f"{args.decisions} decisions per row, {args.replicas} replicas, 8k-token prompts, times in microseconds\n")
-    columns = ("hash p50", "match p50", "select p50", "total p50", "total p99", "after p50")
+    columns = ("hash p50", "match p50", "select p50", "total p50", "total p99", "after p50", "ref p50", "ref p99")
+    work_n = calibrate_fixed_work(args.reference_us)
     header = f"{'policy':<20} {'mode':<6} " + " ".join(f"{c:>10}" for c in columns)
     print(header)
     print("-" * len(header))
@@ -311,6 +341,7 @@ def main() -> None:
             states = replica_states(replicas, capacity)
             load = Load(states, random.Random(13), in_flight=3 * len(states))
             after_us: list[float] = []
+            reference_us: list[float] = []
             parse_us: list[float] = []
             num_differing = 0
             gc.collect()
@@ -338,6 +369,9 @@ def main() -> None:
                 if not args.no_after:
                     recorded.record(decision.replica, sides[0].complete(), now=now)
                 after_us.append((time.perf_counter() - a0) * 1e6)
+                r0 = time.perf_counter()
+                fixed_work(work_n)
+                reference_us.append((time.perf_counter() - r0) * 1e6)
                 for side in sides[1:]:
                     side.complete()
             for side in sides:
@@ -351,7 +385,8 @@ def main() -> None:
                 )
                 row = f"{label:<20} {mode:<6} " + " ".join(f"{f:>10.1f}" for f in figures)
                 if side is sides[0]:
-                    print(row + f" {percentile(after_us, 0.5):>10.1f}")
+                    tail = (percentile(after_us, 0.5), percentile(reference_us, 0.5), percentile(reference_us, 0.99))
+                    print(row + " " + " ".join(f"{f:>10.1f}" for f in tail))
                 else:
                     print(row + f" {'':>10}  ({num_differing} decisions differ)")
             if parse_us:

@@ -36,8 +36,8 @@ class HashingSettings(_Section):
     """Average UTF-8 bytes per token, to estimate prompt tokens from text. ~4 for English BPE vocabularies."""
     memo_entries: int = Field(16384, ge=0)
     """Chunks of 64 blocks whose hashes are remembered (`hashing.ChainMemo`), so a prefix seen before (a
-    conversation's earlier turns, a system prompt) is not hashed again. Memory: ~0.8 KiB per chunk plus ~180 bytes
-    for each of up to 4x as many chunks seen once; ~25 MiB at the default, which covers 64 MiB of prompt text.
+    conversation's earlier turns, a system prompt) is not hashed again. Memory: ~2.9 KiB per chunk plus ~180 bytes
+    for each of up to 4x as many chunks seen once; ~58 MiB at the default, which covers 64 MiB of prompt text.
     0 turns it off."""
     max_blocks: int = Field(8192, gt=0)
     """Hash at most this many leading blocks (512 KiB of text): bounds the router's CPU on huge prompts."""
