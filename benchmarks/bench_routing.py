@@ -11,9 +11,9 @@ ids are checked and packed when the request is parsed, as in the router (that co
 `--no-memo` hashes every block afresh, all of them before the decision. Prints p50/p99 in microseconds per step.
 
 The machine's own tail, for scale: after each decision the same fixed pure-Python loop (calibrated at start to take
-about `--reference-us`, 50 by default) is timed too, and its p50/p99 close each row ("ref"). On a shared virtual
-machine the loop's p99 is well above its p50 although its work never varies; what a decision's p99 adds beyond
-that ratio is the decision's own.
+about `--reference-us`, 50 by default; the machine's speed drifts, so its p50 within a row is printed too) is timed,
+and its p50/p99 close each row ("ref"). On a shared virtual machine the loop's p99 is well above its p50 although
+its work never varies; what a decision's p99 adds beyond that ratio is the decision's own.
 
 Between decisions the replicas' loads move as the router moves them (untimed): the chosen replica gets the request
 (in flight, waiting, its uncached tokens on the prefill backlog), and the oldest requests get their first byte
