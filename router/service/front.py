@@ -34,7 +34,7 @@ import asyncio
 import logging
 import re
 import socket
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from http import HTTPStatus
 from typing import Protocol
 
@@ -71,7 +71,9 @@ _HEAD, _BODY, _BUSY, _CLOSED = range(4)
 class Handler(Protocol):
     """What serves a parsed request: the proxy. Returns a whole answer, or the stream it has written."""
 
-    def __call__(self, request: FrontRequest, body: bytes, /) -> Awaitable[web.StreamResponse | FrontStream]: ...
+    def __call__(
+        self, request: FrontRequest, body: bytes, /
+    ) -> Awaitable[web.StreamResponse | WholeAnswer | FrontStream]: ...
 
 
 class FrontRequest:
@@ -102,6 +104,19 @@ class FrontRequest:
         return FrontStream(self._conn, status, headers, self.keep_alive)
 
 
+class WholeAnswer:
+    """A complete answer for the front to write: status, end-to-end header pairs and body. The proxy hands a
+    replica's whole answer on in this form, since a `web.Response` would only be built to be taken apart again
+    (some 4 us a request: `benchmarks/README.md`, the proxy's per-request work)."""
+
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+
 class FrontStream:
     """A streamed answer on a front connection: `write` each piece, then `write_eof`."""
 
@@ -110,7 +125,7 @@ class FrontStream:
     def __init__(self, conn: _Connection, status: int, headers: CIMultiDict[str], keep_alive: bool) -> None:
         self.status = status
         self._conn = conn
-        head = _encode_head(status, headers, keep_alive and not conn.server.is_closing)
+        head = _encode_head(status, headers.items(), keep_alive and not conn.server.is_closing)
         self._head: bytes | None = head + b"Transfer-Encoding: chunked\r\n\r\n"
 
     async def write(self, data: bytes) -> None:
@@ -200,23 +215,27 @@ def parse_head(
     return _Head(handler, method, target, headers, content_length, content_type, keep_alive, end + 4)
 
 
-def _encode_head(status: int, headers: CIMultiDict[str], keep_alive: bool) -> bytes:
+def _encode_head(status: int, headers: Iterable[tuple[str, str]], keep_alive: bool) -> bytes:
     """The status line and `headers`, which must be end-to-end ones: the front frames the answer itself (the
     proxy drops a replica's hop-by-hop headers before they get here)."""
     lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"]
-    for name, value in headers.items():
+    for name, value in headers:
         lines.append(f"{name}: {value}\r\n")
     if not keep_alive:
         lines.append("Connection: close\r\n")
     return "".join(lines).encode("utf-8", "surrogateescape")
 
 
-def encode_response(response: web.StreamResponse, keep_alive: bool) -> bytes:
-    """A whole answer (a `web.Response` with bytes for its body), framed by Content-Length."""
-    assert isinstance(response, web.Response)
-    body = response.body
-    assert body is None or isinstance(body, bytes)
-    head = _encode_head(response.status, response.headers, keep_alive)
+def encode_response(response: web.StreamResponse | WholeAnswer, keep_alive: bool) -> bytes:
+    """A whole answer (a `WholeAnswer`, or a `web.Response` with bytes for its body), framed by Content-Length."""
+    if isinstance(response, WholeAnswer):
+        body: bytes | None = response.body
+        head = _encode_head(response.status, response.headers, keep_alive)
+    else:
+        assert isinstance(response, web.Response)
+        assert response.body is None or isinstance(response.body, bytes)
+        body = response.body
+        head = _encode_head(response.status, response.headers.items(), keep_alive)
     if response.status in _NO_BODY_STATUS:
         return head + b"\r\n"
     body = body or b""

@@ -32,7 +32,7 @@ from multidict import CIMultiDict
 
 from router.policy.routing_text import RoutingInputError, RoutingKey, chat_routing_key, completion_routing_key
 from router.service.errors import error_response, sse_error_event
-from router.service.front import FrontRequest, FrontStream
+from router.service.front import FrontRequest, FrontStream, WholeAnswer
 from router.service.metrics import RouterMetrics
 from router.service.pool import Replica, ReplicaPool
 from router.service.routing import Prepared, RoutingCore, Ticket
@@ -65,7 +65,8 @@ _HOP_BY_HOP = frozenset(
 )
 # Host is the replica's; aiohttp's server has already decoded a compressed request body.
 _REQUEST_DROP = _HOP_BY_HOP | {"host", "content-encoding"}
-_RESPONSE_DROP = _HOP_BY_HOP
+# A replica behind another Shoal router answers with that router's tags: this router's own replace them.
+_RESPONSE_DROP = _HOP_BY_HOP | {"x-shoal-replica", "x-shoal-route-branch"}
 _DECODER = json.JSONDecoder()
 _RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 _ROUTED_PATHS = {"/v1/completions": completion_routing_key, "/v1/chat/completions": chat_routing_key}
@@ -181,16 +182,18 @@ class Proxy:
         answer = await self._route_json(inbound, raw, started)
         return _aiohttp_answer(inbound, answer)
 
-    async def handle_front(self, request: FrontRequest, raw: bytes) -> web.StreamResponse | FrontStream:
+    async def handle_front(self, request: FrontRequest, raw: bytes) -> web.StreamResponse | WholeAnswer | FrontStream:
         """A routed request the front parsed, its body read: a whole answer to write, or the stream it wrote."""
         started = self._clock()
         if request.content_type != "application/json":
             return _wrong_content_type(request.content_type)
         answer = await self._route_json(request, raw, started)
-        assert isinstance(answer, (web.StreamResponse, FrontStream))  # its streams are the front's
+        assert isinstance(answer, (web.StreamResponse, WholeAnswer, FrontStream))  # its streams are the front's
         return answer
 
-    async def _route_json(self, request: _Inbound, raw: bytes, started: float) -> web.StreamResponse | _Stream:
+    async def _route_json(
+        self, request: _Inbound, raw: bytes, started: float
+    ) -> web.StreamResponse | WholeAnswer | _Stream:
         try:
             body = orjson.loads(raw)
         except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep for the decoder
@@ -258,7 +261,7 @@ class Proxy:
 
     async def _route_and_forward(
         self, request: _Inbound, body: dict[str, Any], raw: bytes, key: RoutingKey, started: float
-    ) -> web.StreamResponse | _Stream:
+    ) -> web.StreamResponse | WholeAnswer | _Stream:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             return error_response(400, "'model' must be a string", param="model")
@@ -399,7 +402,7 @@ class Proxy:
         headers: list[tuple[str, str]],
         raw: bytes,
         on_sent: Callable[[], object],
-    ) -> web.StreamResponse | _Stream:
+    ) -> web.StreamResponse | WholeAnswer | _Stream:
         replica = ticket.replica
         limits = self.settings.limits
         deadline = ticket.started + limits.request_timeout_s
@@ -426,9 +429,9 @@ class Proxy:
                 return await self._relay_stream(request, ticket, upstream, deadline)
             self._first_byte(ticket, is_stream=False)
             self._observe_cached_tokens(upstream, body)
-            answer_headers = _response_headers(upstream)
-            self._tag(answer_headers, ticket, upstream.status)
-            return web.Response(status=upstream.status, body=body, headers=answer_headers)
+            answer_headers = _end_to_end(upstream.headers, upstream.header("Connection"), _RESPONSE_DROP)
+            answer_headers += self._tag(ticket, upstream.status)
+            return WholeAnswer(upstream.status, answer_headers, body)
         except UpstreamConnectError as exc:
             if replica.mark_unreachable(str(exc)):
                 log.warning("replica %s unreachable, out of rotation: %s", replica.id, exc)
@@ -452,7 +455,7 @@ class Proxy:
         self, request: _Inbound, ticket: Ticket, upstream: UpstreamResponse, deadline: float
     ) -> _Stream:
         headers = _response_headers(upstream)
-        self._tag(headers, ticket, upstream.status)
+        headers.extend(self._tag(ticket, upstream.status))
         chunks = upstream.iter_chunks()
         # Wait for the first chunk before answering: a replica that dies before it can still be retried.
         try:
@@ -496,13 +499,14 @@ class Proxy:
         if ticket.replica.request_failed(self.settings.breaker, self._clock(), error):
             log.warning("circuit opened for replica %s after repeated failures: %s", ticket.replica.id, error)
 
-    def _tag(self, headers: CIMultiDict[str], ticket: Ticket, status: int) -> None:
+    def _tag(self, ticket: Ticket, status: int) -> list[tuple[str, str]]:
+        """Count the answer; the headers that tell the client which replica answered and why."""
         decision = ticket.decision
-        headers["x-shoal-replica"] = ticket.replica.id
-        headers["x-shoal-route-branch"] = decision.branch.value
-        self.metrics.requests.inc((str(status), decision.branch.value, ticket.replica.id))
+        branch = decision.branch.value
+        self.metrics.requests.inc((str(status), branch, ticket.replica.id))
         if decision.predicted_cached_tokens:
             self.metrics.predicted_cached_tokens.inc(amount=decision.predicted_cached_tokens)
+        return [("x-shoal-replica", ticket.replica.id), ("x-shoal-route-branch", branch)]
 
     def _observe_cached_tokens(self, upstream: UpstreamResponse, body: bytes) -> None:
         if upstream.content_type != "application/json" or upstream.header("Content-Encoding"):
@@ -577,10 +581,12 @@ class Proxy:
         request_log.info(json.dumps(record))
 
 
-def _aiohttp_answer(inbound: _AiohttpInbound, answer: web.StreamResponse | _Stream) -> web.StreamResponse:
+def _aiohttp_answer(inbound: _AiohttpInbound, answer: web.StreamResponse | WholeAnswer | _Stream) -> web.StreamResponse:
     """What an aiohttp handler returns: the whole answer, or the stream it prepared and wrote."""
     if inbound.response is not None:
         return inbound.response
+    if isinstance(answer, WholeAnswer):
+        return web.Response(status=answer.status, body=answer.body, headers=CIMultiDict(answer.headers))
     assert isinstance(answer, web.StreamResponse)
     return answer
 

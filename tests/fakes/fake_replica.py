@@ -74,6 +74,8 @@ class FakeReplicaConfig:
     """Force a gauge: keys `running`, `waiting`, `kv_usage`."""
     max_recorded: int = 100
     """How many request bodies and headers are kept in `received_bodies` / `received_headers`."""
+    extra_response_headers: dict[str, str] = field(default_factory=dict)
+    """Headers added to every answer, say those another router in front of this replica would add."""
 
 
 class PrefixCache:
@@ -250,7 +252,7 @@ class FakeReplica:
         return app
 
     def _headers(self) -> dict[str, str]:
-        return {"x-fake-replica": self.name}
+        return {"x-fake-replica": self.name, **self.config.extra_response_headers}
 
     def _count(self, request: web.Request) -> None:
         self.requests_total += 1

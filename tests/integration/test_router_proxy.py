@@ -201,6 +201,22 @@ async def test_hop_by_hop_headers_are_not_forwarded(
     assert fake.received_bodies[-1] == {"model": MODEL, "prompt": "headers"}
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_the_routers_tags_replace_those_of_a_router_behind_it(
+    start_fakes: StartFakes, start_router: StartRouter, http: aiohttp.ClientSession, stream: bool
+) -> None:
+    fakes = await start_fakes(1)
+    fakes[0].config.extra_response_headers = {"x-shoal-replica": "inner-replica", "x-shoal-route-branch": "spill"}
+    router = await start_router(fakes)
+    body = {"model": MODEL, "prompt": "tags", "stream": stream}
+    async with http.post(router.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        await resp.read()
+        assert resp.headers.getall("x-shoal-replica") == [replica_id(fakes[0])]
+        assert resp.headers.getall("x-shoal-route-branch") == ["only_replica"]
+        assert resp.headers["x-fake-replica"] == "f0"
+
+
 async def test_other_v1_paths_pass_through(start_fakes: StartFakes, start_router: StartRouter) -> None:
     fakes = await start_fakes(2)
     router = await start_router(fakes)
