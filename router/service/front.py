@@ -103,6 +103,15 @@ class FrontRequest:
         """An answer whose body follows in pieces: chunked transfer coding. The head goes out with the first piece."""
         return FrontStream(self._conn, status, headers, self.keep_alive)
 
+    def deliver(self, answer: WholeAnswer) -> bool:
+        """Write a whole answer now, before the handler returns, so that its bookkeeping after the answer (metrics,
+        the request's log line) does not delay the client; the front does not write it again. True: written."""
+        conn = self._conn
+        if conn.state != _CLOSED:
+            conn._send(encode_response(answer, not conn._must_close()))
+            conn.has_written = True
+        return True
+
 
 class WholeAnswer:
     """A complete answer for the front to write: status, end-to-end header pairs and body. The proxy hands a
@@ -349,7 +358,7 @@ class _Connection(asyncio.Protocol):
         server.num_served += 1
         try:
             response = await handler(request, body)
-            if not isinstance(response, FrontStream) and self.state != _CLOSED:
+            if not isinstance(response, FrontStream) and self.state != _CLOSED and not self.has_written:
                 self._send(encode_response(response, not self._must_close()))
         except asyncio.CancelledError:
             if self.state != _CLOSED:  # cancelled by the shutdown, not by the client going away

@@ -100,6 +100,11 @@ class _Inbound(Protocol):
 
     async def start_stream(self, status: int, headers: CIMultiDict[str]) -> _Stream: ...
 
+    def deliver(self, answer: WholeAnswer) -> bool:
+        """Write a whole answer now if this inbound can (the front can, aiohttp's server answers when the handler
+        returns); True when it did."""
+        ...
+
 
 class _AiohttpInbound:
     """A request aiohttp's server parsed: its answer stream is a `web.StreamResponse`, prepared on it."""
@@ -118,6 +123,9 @@ class _AiohttpInbound:
         response = self.response = web.StreamResponse(status=status, headers=headers)
         await response.prepare(self.request)
         return response
+
+    def deliver(self, answer: WholeAnswer) -> bool:
+        return False
 
 
 class _Retry(Exception):
@@ -309,6 +317,8 @@ class Proxy:
             commit = functools.partial(self.core.commit, prepared, decision, now)
             try:
                 response = await self._attempt(request, ticket, headers, raw, commit)
+                if isinstance(response, WholeAnswer):
+                    request.deliver(response)  # the client has its answer before the bookkeeping below
             except _Retry as failure:
                 last_failure = failure
                 self.metrics.retries.inc((failure.reason,))
