@@ -103,20 +103,19 @@ class FrontRequest:
         """An answer whose body follows in pieces: chunked transfer coding. The head goes out with the first piece."""
         return FrontStream(self._conn, status, headers, self.keep_alive)
 
-    def deliver(self, answer: WholeAnswer) -> bool:
+    def deliver(self, answer: WholeAnswer) -> None:
         """Write a whole answer now, before the handler returns, so that its bookkeeping after the answer (metrics,
-        the request's log line) does not delay the client; the front does not write it again. True: written."""
+        the request's log line) does not delay the client; the front does not write it again."""
         conn = self._conn
         if conn.state != _CLOSED:
             conn._send(encode_response(answer, not conn._must_close()))
             conn.has_written = True
-        return True
 
 
 class WholeAnswer:
     """A complete answer for the front to write: status, end-to-end header pairs and body. The proxy hands a
     replica's whole answer on in this form, since a `web.Response` would only be built to be taken apart again
-    (some 4 us a request: `benchmarks/README.md`, the proxy's per-request work)."""
+    (1.1 against 5.2 us to build and encode one; README, Performance)."""
 
     __slots__ = ("body", "headers", "status")
 

@@ -100,9 +100,9 @@ class _Inbound(Protocol):
 
     async def start_stream(self, status: int, headers: CIMultiDict[str]) -> _Stream: ...
 
-    def deliver(self, answer: WholeAnswer) -> bool:
-        """Write a whole answer now if this inbound can (the front can, aiohttp's server answers when the handler
-        returns); True when it did."""
+    def deliver(self, answer: WholeAnswer) -> None:
+        """Write a whole answer now if this inbound can (the front can); otherwise it goes out as the handler's
+        return value (aiohttp's server answers when the handler returns)."""
         ...
 
 
@@ -124,8 +124,8 @@ class _AiohttpInbound:
         await response.prepare(self.request)
         return response
 
-    def deliver(self, answer: WholeAnswer) -> bool:
-        return False
+    def deliver(self, answer: WholeAnswer) -> None:
+        pass  # aiohttp writes what the handler returns
 
 
 class _Retry(Exception):
