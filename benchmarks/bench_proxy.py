@@ -183,7 +183,7 @@ def router_argv(name: str, port: int, upstreams: list[str], peer_policy: str) ->
     if name == "bare":
         argv = [sys.executable, str(BENCH / "bare_proxy.py"), "--host", "127.0.0.1", "--port", str(port)]
         return argv + [a for u in upstreams for a in ("--upstream", u)], ""
-    if name in ("shoal", "shoal-aiohttp"):
+    if name in ("shoal", "shoal-aiohttp") or name.startswith("shoal:"):
         shoal = REPO / ".venv" / "bin" / "shoal"
         if shoal.exists():
             command = [str(shoal)]
@@ -192,7 +192,8 @@ def router_argv(name: str, port: int, upstreams: list[str], peer_policy: str) ->
         else:
             return None, f"{shoal} not found (run `make install`)"
         argv = [*command, "router", "--host", "127.0.0.1", "--port", str(port), "--no-request-log",
-                "--log-level", "WARNING", *(["--no-front"] if name == "shoal-aiohttp" else [])]
+                "--log-level", "WARNING", *(["--no-front"] if name == "shoal-aiohttp" else []),
+                *(["--policy", name.partition(":")[2]] if name.startswith("shoal:") else [])]
         return argv + [a for u in upstreams for a in ("--replica", u)], ""
     python = VENVS / name / "bin" / "python"
     if not python.exists():
@@ -334,7 +335,11 @@ def print_tables(results: dict[str, dict[int, dict[str, Any]]], streams: dict[st
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--routers", default=",".join(ROUTERS), help=f"comma-separated subset of {ROUTERS}")
+    parser.add_argument(
+        "--routers",
+        default=",".join(ROUTERS),
+        help=f"comma-separated subset of {ROUTERS}; shoal:POLICY runs Shoal with --policy POLICY",
+    )
     parser.add_argument("--concurrency", default="1,16,64", help="comma-separated concurrency levels")
     parser.add_argument("--requests", type=int, default=2000, help="requests per point")
     parser.add_argument("--duration-s", type=float, default=20.0, help="time cap per point")
@@ -355,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     names = [n.strip() for n in args.routers.split(",") if n.strip()]
-    unknown = set(names) - set(ROUTERS)
+    unknown = {n for n in names if n not in ROUTERS and not n.startswith("shoal:")}
     if unknown:
         parser.error(f"unknown routers {sorted(unknown)}; known: {ROUTERS}")
 

@@ -72,7 +72,7 @@ from itertools import compress
 from typing import TYPE_CHECKING
 
 from router.policy.decisions import branch_for_blocks, decision
-from router.policy.ttft_terms import MIN_PREFILL_TOKENS_PER_S, FleetTerms
+from router.policy.ttft_terms import MIN_PREFILL_TOKENS_PER_S, FleetTerms, rate_pooling
 from router.policy.types import Branch, Decision, ReplicaState, RouteRequest
 
 if TYPE_CHECKING:
@@ -81,6 +81,12 @@ if TYPE_CHECKING:
 DIRECT_MAX_REPLICAS = 8
 """Fleets up to this size are costed directly from the replicas' fields (`_select_directly`); larger ones keep
 their request-independent terms between decisions (`ttft_terms.FleetTerms`)."""
+
+
+def own_prefill_s(cached: int, uncached: int, rate: float, attention_s_per_token_pair: float) -> float:
+    """Seconds a replica spends on a prompt's `uncached` tokens after its `cached` ones, at `rate` tokens/s: the
+    linear part and causal attention's (query, key) pairs (module docstring, own)."""
+    return uncached / rate + attention_s_per_token_pair * uncached * (cached + uncached / 2)
 
 
 class EstimatedTTFT:
@@ -95,17 +101,13 @@ class EstimatedTTFT:
     def pooled_rates(self, replicas: Sequence[ReplicaState]) -> list[float]:
         """Each replica's learned prefill rate shrunk towards the fleet mean (tokens/s), see the module docstring."""
         rates = [max(r.prefill_tokens_per_s, MIN_PREFILL_TOKENS_PER_S) for r in replicas]
-        mean = sum(rates) / len(rates)
-        var = sum((x - mean) ** 2 for x in rates) / len(rates)
-        noise = (self.config.rate_noise_cv * mean) ** 2
-        lam = max(0.0, 1.0 - noise / var) if var > 0.0 else 0.0
-        return [mean + lam * (x - mean) for x in rates]
+        mean, shrink = rate_pooling(rates, self.config.rate_noise_cv)
+        return [mean + shrink * (x - mean) for x in rates]
 
     def own_prefill_s(self, request: RouteRequest, replica: ReplicaState, rate: float) -> float:
         """Seconds `replica` would spend on the request's own uncached tokens at `rate` tokens/s."""
         cached = request.cached_tokens(replica.id)
-        uncached = request.prompt_tokens - cached
-        return uncached / rate + self.config.attention_s_per_token_pair * uncached * (cached + uncached / 2)
+        return own_prefill_s(cached, request.prompt_tokens - cached, rate, self.config.attention_s_per_token_pair)
 
     def estimate_s(self, request: RouteRequest, replica: ReplicaState, rate: float | None = None) -> float:
         """Predicted time to first token of `request` on `replica`, in seconds, at `rate` tokens/s (default: the
@@ -163,9 +165,8 @@ class EstimatedTTFT:
             cached = int(blocks * tokens_per_block)  # request.cached_tokens
             if cached > prompt_tokens:
                 cached = prompt_tokens
-            uncached = prompt_tokens - cached
             rate = mean_rate if pooled is None else pooled[i]
-            hits.append((i, cached, uncached / rate + attn * uncached * (cached + uncached / 2)))
+            hits.append((i, cached, own_prefill_s(cached, prompt_tokens - cached, rate, attn)))
         chosen = None
         if pooled is None and not terms.num_irregular:
             chosen = self._choose_by_lines(prompt_tokens, hits, mean_rate)
@@ -182,18 +183,8 @@ class EstimatedTTFT:
         the rates' pooling. Below `DIRECT_MAX_REPLICAS` this costs less than keeping `FleetTerms` (whose every
         write re-derives a replica's terms anyway) and gives the same floats."""
         cfg = self.config
-        n = len(replicas)
-        rates = [r.prefill_tokens_per_s for r in replicas]
-        rate_sum = rate_sq_sum = 0.0
-        for i, rate in enumerate(rates):
-            if rate < MIN_PREFILL_TOKENS_PER_S:
-                rates[i] = rate = MIN_PREFILL_TOKENS_PER_S
-            rate_sum += rate
-            rate_sq_sum += rate * rate
-        mean = rate_sum / n
-        var = rate_sq_sum / n - mean * mean
-        noise = (cfg.rate_noise_cv * mean) ** 2
-        shrink = 1.0 - noise / var if var > noise else 0.0
+        rates = [max(r.prefill_tokens_per_s, MIN_PREFILL_TOKENS_PER_S) for r in replicas]
+        mean, shrink = rate_pooling(rates, cfg.rate_noise_cv)
         prompt_tokens = request.prompt_tokens
         tokens_per_block = request.tokens_per_block
         matched = request.matched_blocks
@@ -217,7 +208,7 @@ class EstimatedTTFT:
             if cached > prompt_tokens:
                 cached = prompt_tokens
             uncached = prompt_tokens - cached
-            own = uncached / rate + attn * uncached * (cached + uncached / 2)
+            own = own_prefill_s(cached, uncached, rate, attn)
             backlog = r.waiting_prompt_tokens
             running = r.num_running or 0
             streaming = r.streaming
@@ -240,7 +231,7 @@ class EstimatedTTFT:
         floor_s = min(owns)
         weight = cfg.fleet_cost_weight
         costs = [ttft + weight * (own - floor_s) for ttft, own in zip(ttfts, owns, strict=True)]
-        candidates = under_cap if under_cap else range(n)
+        candidates = under_cap if under_cap else range(len(replicas))
         best_s = min([costs[i] for i in candidates])
         tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
         tied = [i for i in candidates if costs[i] <= tied_below_s]

@@ -171,8 +171,8 @@ class ChainMemo:
         self.max_entries = max_entries
         self._chunks: OrderedDict[tuple[int, int], tuple[int, ...]] = OrderedDict()
         """Stored chunks' fine hashes, as tuples of the int objects themselves: a hit extends a prompt's hashes by
-        reference, where an `array("Q")` (a quarter of the memory) made a new int object per block, some 8 us
-        more per 256 blocks."""
+        reference, where an `array("Q")` (a quarter of the memory) made a new int object per block (the hash
+        column of `benchmarks/bench_routing.py --baseline` measures the difference)."""
         self._seen: OrderedDict[tuple[int, int], None] = OrderedDict()
         """Chunks seen once and not stored yet; a second sighting stores them."""
         self.max_seen = 4 * max_entries

@@ -39,7 +39,7 @@ MIN_PREFILL_TOKENS_PER_S = 1.0
 
 _VAR_ROUNDING_PER_REPLICA = 1e-14
 """Bound on the rounding of the policy's float variance over n rates, per replica, relative to max**2 (it is
-below 3.4e-16 * n * max**2): `pool_rates` adds it to the bound var <= (max - min)**2 / 4, so that a fleet the
+below 3.4e-16 * n * max**2): `rate_pooling` adds it to the bound var <= (max - min)**2 / 4, so that a fleet the
 bound calls homogeneous is one by the policy's own float arithmetic too."""
 
 
@@ -137,28 +137,33 @@ class FleetTerms:
         self.num_under_cap = is_under_cap.count(True)
 
     def pool_rates(self) -> tuple[float, list[float] | None]:
-        """(fleet mean, pooled rate per replica or None when every one pools to the mean) of the current rates:
-        `EstimatedTTFT.pooled_rates`, with the sums taken in list order."""
+        """(fleet mean, pooled rate per replica or None when every one pools to the mean) of the current rates
+        (`rate_pooling`), kept until a rate changes."""
         if self.pooled is not None:
             return self.pooled
         rates = self.rates
-        n = len(rates)
-        rate_mean = reduce(add, rates, 0.0) / n
-        noise = (self.config.rate_noise_cv * rate_mean) ** 2
-        low, high = min(rates), max(rates)
-        spread = high - low
-        margin = _VAR_ROUNDING_PER_REPLICA * n * high * high
-        if math.isfinite(rate_mean) and high < 1e150 and spread * spread / 4 + margin < noise:
-            # var <= spread**2 / 4 < noise: no need for the sum of squares to know that nothing is kept.
-            self.pooled = (rate_mean, None)
-            return self.pooled
-        rate_sq_sum = reduce(add, map(mul, rates, rates), 0.0)
-        rate_var = rate_sq_sum / n - rate_mean * rate_mean
-        # var <= noise covers a homogeneous fleet, where float cancellation can leave a tiny var of either sign.
-        shrink = 1.0 - noise / rate_var if rate_var > noise else 0.0
-        # A fleet within `rate_noise_cv` pools every rate to the mean: exactly, while the rates are finite.
-        if shrink == 0.0 and rate_sq_sum < math.inf:
-            self.pooled = (rate_mean, None)
+        mean, shrink = rate_pooling(rates, self.config.rate_noise_cv)
+        # A fleet within `rate_noise_cv` pools every rate to the mean, exactly while the rates are finite (a finite
+        # mean of rates of at least 1 token/s means they all are).
+        if shrink == 0.0 and math.isfinite(mean):
+            self.pooled = (mean, None)
         else:
-            self.pooled = (rate_mean, [rate_mean + shrink * (x - rate_mean) for x in rates])
+            self.pooled = (mean, [mean + shrink * (x - mean) for x in rates])
         return self.pooled
+
+
+def rate_pooling(rates: Sequence[float], rate_noise_cv: float) -> tuple[float, float]:
+    """(fleet mean, shrink) of floored prefill rates, every sum taken in list order: a replica's rate pools to
+    `mean + shrink * (rate - mean)` (James-Stein, `estimated_ttft`'s module docstring); shrink 0.0 pools them all
+    to the mean."""
+    n = len(rates)
+    mean = reduce(add, rates, 0.0) / n
+    noise = (rate_noise_cv * mean) ** 2
+    high = max(rates)
+    spread = high - min(rates)
+    margin = _VAR_ROUNDING_PER_REPLICA * n * high * high
+    if math.isfinite(mean) and high < 1e150 and spread * spread / 4 + margin < noise:
+        return mean, 0.0  # var <= spread**2 / 4 < noise: no need for the sum of squares to know it
+    var = reduce(add, map(mul, rates, rates), 0.0) / n - mean * mean
+    # var <= noise covers a homogeneous fleet, where float cancellation can leave a tiny var of either sign.
+    return mean, (1.0 - noise / var if var > noise else 0.0)

@@ -61,6 +61,7 @@ _BURST_S = 0.05
 """Seconds of `max_blocks_per_s` a stream may apply at once after an idle spell."""
 _KIND: dict[type, str] = {BlockStored: "stored", BlockRemoved: "removed", AllCleared: "cleared"}
 
+
 class Pacer:
     """A token bucket over blocks: how long to wait, at `now`, before applying `num_blocks` more."""
 

@@ -439,9 +439,7 @@ class Proxy:
                 return await self._relay_stream(request, ticket, upstream, deadline)
             self._first_byte(ticket, is_stream=False)
             self._observe_cached_tokens(upstream, body)
-            answer_headers = _end_to_end(upstream.headers, upstream.header("Connection"), _RESPONSE_DROP)
-            answer_headers += self._tag(ticket, upstream.status)
-            return WholeAnswer(upstream.status, answer_headers, body)
+            return WholeAnswer(upstream.status, _answer_headers(upstream) + self._tag(ticket, upstream.status), body)
         except UpstreamConnectError as exc:
             if replica.mark_unreachable(str(exc)):
                 log.warning("replica %s unreachable, out of rotation: %s", replica.id, exc)
@@ -611,5 +609,10 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
 
 
+def _answer_headers(upstream: UpstreamResponse) -> list[tuple[str, str]]:
+    """The replica's end-to-end answer headers, to pass on."""
+    return _end_to_end(upstream.headers, upstream.header("Connection"), _RESPONSE_DROP)
+
+
 def _response_headers(upstream: UpstreamResponse) -> CIMultiDict[str]:
-    return CIMultiDict(_end_to_end(upstream.headers, upstream.header("Connection"), _RESPONSE_DROP))
+    return CIMultiDict(_answer_headers(upstream))
