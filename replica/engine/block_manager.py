@@ -107,14 +107,24 @@ class BlockManager:
             self.prefix_hit_tokens += seq.num_computed_tokens
         return True
 
+    def can_hold(self, seq: Sequence, num_positions: int) -> bool:
+        """Whether the sequence's block table can grow to cover positions 0..num_positions-1."""
+        return self.blocks_needed(num_positions) - len(seq.block_table) <= self.num_free_blocks
+
+    def hold(self, seq: Sequence, num_positions: int) -> None:
+        """Grow the block table to cover positions 0..num_positions-1 (`can_hold` must be true). Positions past the
+        sequence's tokens hold draft tokens under verification or a drafter's look-ahead: their slots are written
+        and overwritten, but only computed full blocks of committed tokens are ever registered."""
+        for _ in range(self.blocks_needed(num_positions) - len(seq.block_table)):
+            seq.block_table.append(self._take_free_block())
+
     def can_append(self, seq: Sequence) -> bool:
         """Whether the sequence's next token fits (it needs a new block only when its last one is full)."""
-        return len(seq.block_table) * self.block_size >= seq.num_tokens or self.num_free_blocks > 0
+        return self.can_hold(seq, seq.num_tokens)
 
     def append_slot(self, seq: Sequence) -> None:
         """Make room for `seq.token_ids[-1]`, the token about to be computed."""
-        if len(seq.block_table) * self.block_size < seq.num_tokens:
-            seq.block_table.append(self._take_free_block())
+        self.hold(seq, seq.num_tokens)
 
     def _take_free_block(self) -> int:
         if self._free_uncached:

@@ -4,8 +4,16 @@
 while a step runs in the engine's worker thread): they only append to an inbox that `step` drains first. Everything
 else is touched by `step` alone, so the engine has no locks.
 
-A step: drain the inbox, schedule, run the model, sample, append tokens, check stop conditions, register newly
-computed full blocks in the prefix cache, and return each touched request's new token plus the KV events.
+A step: drain the inbox, schedule, run the model, decide the tokens (`replica.engine.decide`: sampling, or with a
+drafter the verification of last step's drafts and the proposal of the next ones), append them, check stop
+conditions, register newly computed full blocks in the prefix cache, and return each touched request's new tokens
+plus the KV events.
+
+Speculation (`num_speculative_tokens` > 0 and a drafter): a decoding sequence runs its last token and its drafts in
+one forward pass; `decide` keeps the accepted drafts and one more token, so a step emits 1 to k + 1 tokens per
+sequence. Rejected drafts never become part of the sequence: their cache slots lie past `num_computed_tokens` and are
+overwritten by the next step, and only full blocks of committed, computed tokens enter the prefix cache, so KV
+events and prefix hits are exactly those of decoding without speculation. `SpeculationPolicy` picks each step's k.
 """
 
 from __future__ import annotations
@@ -19,11 +27,13 @@ from dataclasses import dataclass, field
 import torch
 
 from replica.engine.block_manager import BlockManager
-from replica.engine.runner import ModelRunner
-from replica.engine.sampler import sample
+from replica.engine.decide import decide
+from replica.engine.drafting import Drafter
+from replica.engine.runner import ModelRunner, RunnerOutput
 from replica.engine.sampling import SamplingParams
-from replica.engine.scheduler import Scheduler
+from replica.engine.scheduler import ScheduledBatch, Scheduler
 from replica.engine.sequence import FinishReason, Sequence, SequenceStatus
+from replica.engine.speculation import SpeculationConfig, SpeculationPolicy
 from replica.model.model import MoEForCausalLM
 from router.policy.kv_events import KVEvent
 
@@ -48,6 +58,11 @@ class EngineConfig:
     """Namespace of the block hashes (router.policy.hashing.namespace_seed of the served model name)."""
     seed: int = 0
     """Seed of the generator for requests without a seed of their own."""
+    num_speculative_tokens: int = 0
+    """k: tokens the drafter proposes per sequence per step, at most (needs a drafter); 0 turns speculation off."""
+    adaptive_speculation: bool = True
+    """Shrink k for sequences whose drafts are rarely accepted, and skip speculation for batch sizes where it is
+    measured not to pay (`replica.engine.speculation`)."""
 
 
 @dataclass
@@ -62,11 +77,23 @@ class RequestOutput:
 
 
 @dataclass
+class SpeculationStats:
+    """One step's verifications, with vLLM's meanings: a draft is one sequence's drafts verified in a step."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    """Accepted drafts by their position in the draft (0 = first)."""
+
+
+@dataclass
 class StepResult:
     outputs: list[RequestOutput] = field(default_factory=list)
     events: list[KVEvent] = field(default_factory=list)
     num_batched_tokens: int = 0
     num_preempted: int = 0
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)
 
 
 class LLMEngine:
@@ -77,9 +104,18 @@ class LLMEngine:
         *,
         eos_token_ids: Iterable[int] = (),
         clock: Callable[[], float] = time.monotonic,
+        drafter: Drafter | None = None,
     ) -> None:
+        if config.num_speculative_tokens and drafter is None:
+            raise ValueError("num_speculative_tokens > 0 needs a drafter")
+        if drafter is not None and drafter.vocab_size != model.config.vocab_size:
+            raise ValueError(f"the drafter's vocabulary ({drafter.vocab_size}) is not the model's")
         self.model = model
         self.config = config
+        self.drafter = drafter if config.num_speculative_tokens else None
+        self.policy = SpeculationPolicy(
+            SpeculationConfig(max_tokens=config.num_speculative_tokens, adaptive=config.adaptive_speculation)
+        )
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
         cache_len = config.num_blocks * config.block_size
@@ -92,6 +128,7 @@ class LLMEngine:
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            lookahead_tokens=self.drafter.lookahead_tokens if self.drafter is not None else 0,
         )
         self.runner = ModelRunner(model, num_blocks=config.num_blocks, block_size=config.block_size)
         self._inbox: deque[tuple[str, Sequence | int]] = deque()
@@ -100,6 +137,8 @@ class LLMEngine:
         self._generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self._seq_generators: dict[int, torch.Generator] = {}
         self.num_preemptions = 0
+        self.step_timer: Callable[[], float] = time.perf_counter
+        """Times steps for the speculation policy (tests may replace it)."""
 
     # ---- thread-safe entry points -----------------------------------------------------------------------------
 
@@ -183,33 +222,86 @@ class LLMEngine:
         return None
 
     def step(self) -> StepResult:
+        started = self.step_timer()
         result = StepResult()
         self._drain_inbox(result)
         batch = self.scheduler.schedule()
         result.num_preempted = len(batch.preempted)
         self.num_preemptions += len(batch.preempted)
-        if batch.seqs:
-            result.num_batched_tokens = batch.num_tokens
-            sample_idx, logits = self.runner.run(batch)
-            for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-                seq.num_computed_tokens += n
+        if not batch.seqs:
+            result.events = self.block_manager.drain_events()
+            return result
+        result.num_batched_tokens = batch.num_tokens
+        out = self.runner.run(batch, self.drafter.feature_layers if self.drafter is not None else ())
+        if self.drafter is not None:
+            self.drafter.ingest(out.inputs, out.features)
+        for seq, n, d in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens, strict=True):
+            seq.num_computed_tokens += n - d  # the drafts count once verified
+        num_emitted, proposed = self._decide(batch, out, result) if out.sampled else (0, False)
+        for seq in batch.seqs:
+            if seq.status is SequenceStatus.RUNNING:
                 self.block_manager.register_computed(seq)
-            if logits is not None:
-                seqs = [batch.seqs[i] for i in sample_idx]
-                gens: list[torch.Generator | None] = [self._seq_generators.get(s.seq_id, self._generator) for s in seqs]
-                tokens = sample(logits, [s.params for s in seqs], gens)
-                now = self.clock()
-                for seq, token in zip(seqs, tokens, strict=True):
-                    seq.token_ids.append(token)
-                    if seq.first_token_s is None:
-                        seq.first_token_s = now
-                    reason = self._stop_reason(seq, token)
-                    if reason is not None:
-                        self._finish(seq, reason, result, [token])
-                    else:
-                        result.outputs.append(self._output(seq, [token]))
         result.events = self.block_manager.drain_events()
+        if all(n - d == 1 for n, d in zip(batch.num_new_tokens, batch.num_draft_tokens, strict=True)):
+            verified = result.speculation.num_drafts > 0
+            if verified == proposed:  # a pure step of one mode, not a switch between them
+                self.policy.observe_step(
+                    len(batch.seqs), num_emitted, self.step_timer() - started, speculative=verified
+                )
         return result
+
+    def _decide(self, batch: ScheduledBatch, out: RunnerOutput, result: StepResult) -> tuple[int, bool]:
+        """Decide and append the sampled sequences' tokens; -> (tokens emitted, whether drafts were proposed)."""
+        seqs = [batch.seqs[i] for i in out.sampled]
+        num_drafts = [batch.num_draft_tokens[i] for i in out.sampled]
+        speculate = self.drafter is not None and self.policy.should_speculate(len(self.scheduler.running))
+        room = self.max_model_len - self.config.num_speculative_tokens - 1
+        num_next = [
+            self.policy.num_drafts(s) if speculate and s.has_draft_room and s.num_tokens + d < room else 0
+            for s, d in zip(seqs, num_drafts, strict=True)
+        ]
+        generators = [self._seq_generators.get(s.seq_id, self._generator) for s in seqs]
+        decided = decide(seqs, num_drafts, num_next, out, generators, self.drafter)
+        stats = result.speculation
+        now = self.clock()
+        num_emitted = 0
+        for seq, d, choice in zip(seqs, num_drafts, decided, strict=True):
+            num_accepted = len(choice.tokens) - 1
+            if d:
+                stats.num_drafts += 1
+                stats.num_draft_tokens += d
+                stats.num_accepted_tokens += num_accepted
+                if len(stats.accepted_per_position) < d:
+                    stats.accepted_per_position.extend([0] * (d - len(stats.accepted_per_position)))
+                for j in range(num_accepted):
+                    stats.accepted_per_position[j] += 1
+                self.policy.observe_verification(seq, d, num_accepted)
+            seq.num_computed_tokens += num_accepted
+            seq.clear_drafts()
+            appended: list[int] = []
+            reason = None
+            for token in choice.tokens:
+                seq.token_ids.append(token)
+                appended.append(token)
+                reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    break
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+            num_emitted += len(appended)
+            if seq.first_token_s is None:
+                seq.first_token_s = now
+            if reason is not None:
+                self.block_manager.register_computed(seq)  # its blocks stay cached after it is freed
+                self._finish(seq, reason, result, appended)
+                continue
+            remaining = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+            keep = max(0, min(len(choice.next_drafts), remaining - 1))
+            if keep:
+                seq.draft_token_ids = choice.next_drafts[:keep]
+                assert choice.next_draft_probs is not None
+                seq.draft_probs = choice.next_draft_probs[:keep]
+            result.outputs.append(self._output(seq, appended))
+        return num_emitted, any(num_next)
 
     def check_invariants(self) -> None:
         """Block accounting holds (tests call this after every step): every block is free xor referenced."""

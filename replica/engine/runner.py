@@ -1,19 +1,50 @@
 """Runs one scheduled step on the model: builds the flat token batch, the slot mapping and block tables, and
-returns the logits of the sequences whose last token was in the step (the LM head runs on those rows only).
+returns the logits of the rows to sample: a sequence whose committed tokens end in the step samples at its last
+committed token and at each of its drafts (the LM head runs on those rows only).
 
-Step inputs (token ids, positions, cache slots by runs of one block) are built as Python lists and become tensors
-once, so a step spends only a few tensor ops before the model.
+Sequences with few new tokens (decodes, verifications) go first, ordered by their count, so that attention batches
+each run of equal counts (`AttentionBatch.build`); prefill chunks follow in scheduling order. Step inputs (token
+ids, positions, cache slots by runs of one block) are built as Python lists and become tensors once, so a step
+spends only a few tensor ops before the model.
 
 The KV cache is allocated here, once: per layer `k_cache, v_cache [num_blocks * block_size, Hkv, D]`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from replica.engine.scheduler import ScheduledBatch
-from replica.model.attention import AttentionBatch, KVCache
+from replica.model.attention import MAX_BATCHED_QUERIES, AttentionBatch, KVCache
 from replica.model.model import MoEForCausalLM
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What the target ran in a step, in row order; a drafter that follows the target reads the same tensors."""
+
+    input_ids: torch.Tensor
+    """[T] int64."""
+    positions: torch.Tensor
+    """[T] int64."""
+    attention: AttentionBatch
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    inputs: StepInputs
+    sampled: list[int]
+    """Indices into the batch's sequences of those with rows to sample, in row order."""
+    num_rows: list[int]
+    """Rows each of them samples: 1 + its drafts."""
+    first_positions: list[int]
+    """Position of each one's first sampled row: its last committed token."""
+    logits: torch.Tensor | None
+    """[R, V] FP32, R = sum(num_rows); None when nothing samples."""
+    features: torch.Tensor | None
+    """[T, F] outputs of the requested target layers, for a block drafter; None if none were requested."""
 
 
 def append_slots(slots: list[int], block_table: list[int], start: int, end: int, block_size: int) -> None:
@@ -28,18 +59,31 @@ def append_slots(slots: list[int], block_table: list[int], start: int, end: int,
         pos = run_end
 
 
+def allocate_kv_caches(
+    num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, *, dtype: torch.dtype, device: torch.device
+) -> list[KVCache]:
+    """Per layer `k_cache, v_cache [num_slots, Hkv, D]`, zeroed."""
+    shape = (num_slots, num_kv_heads, head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(num_layers)
+    ]
+
+
 class ModelRunner:
     def __init__(self, model: MoEForCausalLM, *, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None):
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
         c = model.config
-        dtype = kv_dtype or model.dtype
-        shape = (num_blocks * block_size, c.num_key_value_heads, c.head_dim)
-        self.kv_caches: list[KVCache] = [
-            (torch.zeros(shape, dtype=dtype, device=model.device), torch.zeros(shape, dtype=dtype, device=model.device))
-            for _ in range(c.num_hidden_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(
+            c.num_hidden_layers,
+            num_blocks * block_size,
+            c.num_key_value_heads,
+            c.head_dim,
+            dtype=kv_dtype or model.dtype,
+            device=model.device,
+        )
 
     @staticmethod
     def kv_bytes_per_block(model: MoEForCausalLM, block_size: int, dtype: torch.dtype | None = None) -> int:
@@ -48,42 +92,59 @@ class ModelRunner:
         return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * itemsize
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor | None]:
-        """-> (indices into batch.seqs that completed their tokens and need sampling, their logits [N, V])."""
+    def run(self, batch: ScheduledBatch, feature_layers: tuple[int, ...] = ()) -> RunnerOutput:
         bs = self.block_size
         device = self.model.device
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         context_lens: list[int] = []
-        last_rows: list[int] = []
-        sample_idx: list[int] = []
+        query_lens: list[int] = []
+        sample_rows: list[int] = []
+        sampled: list[int] = []
+        num_rows: list[int] = []
+        first_positions: list[int] = []
+        order = sorted(
+            range(len(batch.seqs)),
+            key=lambda i: batch.num_new_tokens[i] if batch.num_new_tokens[i] <= MAX_BATCHED_QUERIES else 1 << 30,
+        )
         max_blocks = max(len(s.block_table) for s in batch.seqs)
         tables = []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+        for i in order:
+            seq, n, d = batch.seqs[i], batch.num_new_tokens[i], batch.num_draft_tokens[i]
             start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start : start + n])
+            input_ids.extend(seq.token_ids[start : start + n - d])
+            input_ids.extend(seq.draft_token_ids[:d])
             positions.extend(range(start, start + n))
             append_slots(slots, seq.block_table, start, start + n, bs)
             context_lens.append(start + n)
+            query_lens.append(n)
             tables.append(seq.block_table + [0] * (max_blocks - len(seq.block_table)))
-            if start + n == seq.num_tokens:
-                sample_idx.append(i)
-                last_rows.append(len(input_ids) - 1)
+            if start + n - d == seq.num_tokens:
+                sampled.append(i)
+                num_rows.append(d + 1)
+                first_positions.append(start + n - d - 1)
+                sample_rows.extend(range(len(input_ids) - d - 1, len(input_ids)))
         block_tables = torch.tensor(tables, dtype=torch.long, device=device)  # [B, max_blocks]
-        positions_t = torch.tensor(positions, dtype=torch.long, device=device)  # [T]
-        attn = AttentionBatch.build(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),  # [T]
-            query_lens=list(batch.num_new_tokens),
-            context_lens=context_lens,
-            block_tables=block_tables,
-            block_size=bs,
-            dtype=self.kv_caches[0][0].dtype,
+        inputs = StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            attention=AttentionBatch.build(
+                slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),  # [T]
+                query_lens=query_lens,
+                context_lens=context_lens,
+                block_tables=block_tables,
+                block_size=bs,
+                dtype=self.kv_caches[0][0].dtype,
+            ),
         )
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=device), positions_t, self.kv_caches, attn)
-        if not sample_idx:
-            return [], None
-        first, last = last_rows[0], last_rows[-1]
-        # Increasing rows; when they are one run (a decode step, a single sequence's chunk) a slice, not a gather.
-        rows = hidden[first : last + 1] if last - first + 1 == len(last_rows) else hidden[last_rows]
-        return sample_idx, self.model.compute_logits(rows)
+        hidden, features = self.model.forward_with_features(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention, feature_layers
+        )
+        logits = None
+        if sample_rows:
+            first, last = sample_rows[0], sample_rows[-1]
+            # Increasing rows; when they are one run (a decode step, a single sequence's chunk) a slice, not a gather.
+            rows = hidden[first : last + 1] if last - first + 1 == len(sample_rows) else hidden[sample_rows]
+            logits = self.model.compute_logits(rows)
+        return RunnerOutput(inputs, sampled, num_rows, first_positions, logits, features)

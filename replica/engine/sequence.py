@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from replica.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SequenceStatus(enum.Enum):
@@ -43,6 +47,14 @@ class Sequence:
     first_token_s: float | None = None
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Tokens a drafter proposed to follow `token_ids`, verified in the next step; not part of the sequence."""
+    draft_probs: torch.Tensor | None = None
+    """[len(draft_token_ids), V] on the model's device: the distribution each draft was drawn from."""
+    has_draft_room: bool = False
+    """Set by the scheduler each step: the block table covers the drafter's look-ahead, so it may propose."""
+    acceptance_rate: float | None = None
+    """Running estimate of the chance that this sequence's next draft is accepted (`replica.spec.adaptive`)."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -63,6 +75,14 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    def clear_drafts(self) -> None:
+        self.draft_token_ids = []
+        self.draft_probs = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def is_prefilling(self) -> bool:

@@ -11,10 +11,11 @@ once per step by `AttentionBatch.build`, so a layer only projects, writes its ca
 key and value projections are one matmul (`qkv_proj`, rows q | k | v, loaded from Hugging Face's three weights), and
 queries and keys go through the per-head norm and RoPE together.
 
-Decode steps (one query per sequence) run as one padded batch. Prefill chunks run per sequence: a chunk with nothing
-cached before it attends causally over its own fresh keys (no gather, no mask); a chunk after cached tokens gathers
-the whole context and attends with a mask offset by the cached length. All call `scaled_dot_product_attention`,
-which picks a fused kernel on CPU and GPU.
+Sequences with few new tokens (a decode step's one, a speculative verification's k + 1: at most
+`MAX_BATCHED_QUERIES`) run as padded batches, one per run of sequences with the same count, each query masked to the
+context before it. Longer prefill chunks run per sequence: a chunk with nothing cached before it attends causally
+over its own fresh keys (no gather, no mask); a chunk after cached tokens gathers the whole context and attends with
+a mask offset by the cached length. All call `scaled_dot_product_attention`, which picks a fused kernel on CPU and GPU.
 
 T = new tokens in the step, B = sequences, Hq / Hkv = query / key-value heads, D = head dim, L = context slots.
 """
@@ -33,9 +34,14 @@ from replica.model.layers import RMSNorm, apply_rope, rms_norm
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+MAX_BATCHED_QUERIES = 16
+"""Sequences with at most this many new tokens in a step attend in padded batches: decode steps and speculative
+verification (k + 1 tokens) batch their sequences; longer prefill chunks run one sequence at a time."""
+
+
 @dataclass(frozen=True)
 class PrefillSeq:
-    """One sequence's chunk in a prefill step."""
+    """One sequence's prefill chunk, attended on its own."""
 
     start: int
     """First row of its new tokens in the step's [T, ...] tensors."""
@@ -48,19 +54,50 @@ class PrefillSeq:
 
 
 @dataclass(frozen=True)
+class BatchedQueries:
+    """G sequences with q new tokens each, in consecutive rows, attending over their whole context as one padded
+    batch: decode (q = 1) and speculative verification (q = k + 1)."""
+
+    start: int
+    """First row of the group's G * q rows in the step's [T, ...] tensors."""
+    num_seqs: int
+    num_queries: int
+    slots: torch.Tensor
+    """[G, L] int64 slots of each sequence's context, padded with slots of the tables' padding block."""
+    mask: torch.Tensor
+    """[G, 1, q, L] additive mask: query j of a sequence with context c sits at position c - q + j and sees the
+    keys up to it; padding is hidden."""
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        start: int,
+        num_queries: int,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_size: int,
+        dtype: torch.dtype,
+    ) -> BatchedQueries:
+        """block_tables [G, max_blocks] int64 (padded); context_lens [G] int64 on the same device: cached + new
+        tokens. Both may live on the device: nothing here reads them on the host."""
+        device = block_tables.device
+        slots = (block_tables.unsqueeze(-1) * block_size + torch.arange(block_size, device=device)).flatten(1)
+        keys = torch.arange(slots.shape[1], device=device)  # [L]
+        positions = context_lens.unsqueeze(-1) - num_queries + torch.arange(num_queries, device=device)  # [G, q]
+        hidden = keys > positions.unsqueeze(-1)  # [G, q, L]
+        mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, -torch.inf)
+        return cls(start, block_tables.shape[0], num_queries, slots, mask.unsqueeze(1))
+
+
+@dataclass(frozen=True)
 class AttentionBatch:
     """Where a step's tokens go in the cache and what each sequence attends over, shared by every layer."""
 
     slot_mapping: torch.Tensor
     """[T] int64 cache slot of each new token."""
-    is_decode: bool
-    """Every sequence has exactly one new token."""
-    decode_slots: torch.Tensor | None = None
-    """Decode: [B, L] int64 slots of each sequence's context, padded with slots of block 0."""
-    decode_mask: torch.Tensor | None = None
-    """Decode: [B, 1, 1, L] additive mask hiding the padding."""
-    prefill: tuple[PrefillSeq, ...] = ()
-    """Prefill: each sequence's chunk, in step order."""
+    parts: tuple[BatchedQueries | PrefillSeq, ...]
+    """The step's sequences in row order: padded batches of few-token sequences, and prefill chunks."""
 
     @classmethod
     def build(
@@ -73,29 +110,46 @@ class AttentionBatch:
         block_size: int,
         dtype: torch.dtype,
     ) -> AttentionBatch:
-        """block_tables [B, max_blocks] int64 (padded with 0); context_lens: cached + new tokens per sequence."""
+        """block_tables [B, max_blocks] int64 (padded with 0); context_lens: cached + new tokens per sequence.
+
+        Consecutive sequences with the same number of new tokens, at most `MAX_BATCHED_QUERIES`, form one
+        `BatchedQueries` (the runner orders a step's sequences so that they are consecutive)."""
         device = block_tables.device
         offsets = torch.arange(block_size, device=device)
-        if all(n == 1 for n in query_lens):
-            slots = (block_tables.unsqueeze(-1) * block_size + offsets).flatten(1)  # [B, L]
-            positions = torch.arange(slots.shape[1], device=device)
-            lens = torch.tensor(context_lens, device=device).unsqueeze(-1)
-            mask = torch.zeros(slots.shape, dtype=dtype, device=device).masked_fill_(positions >= lens, -torch.inf)
-            return cls(slot_mapping, True, decode_slots=slots, decode_mask=mask[:, None, None, :])
-        seqs = []
+        parts: list[BatchedQueries | PrefillSeq] = []
         start = 0
-        for i, (num_new, context) in enumerate(zip(query_lens, context_lens, strict=True)):
+        i = 0
+        while i < len(query_lens):
+            num_new, context = query_lens[i], context_lens[i]
+            if num_new <= MAX_BATCHED_QUERIES:
+                end = i + 1
+                while end < len(query_lens) and query_lens[end] == num_new:
+                    end += 1
+                parts.append(
+                    BatchedQueries.build(
+                        start=start,
+                        num_queries=num_new,
+                        block_tables=block_tables[i:end],
+                        context_lens=torch.tensor(context_lens[i:end], device=device),
+                        block_size=block_size,
+                        dtype=dtype,
+                    )
+                )
+                start += (end - i) * num_new
+                i = end
+                continue
             if num_new == context:
-                seqs.append(PrefillSeq(start, num_new, None, None))
+                parts.append(PrefillSeq(start, num_new, None, None))
             else:
                 num_blocks = -(-context // block_size)
                 slots = (block_tables[i, :num_blocks, None] * block_size + offsets).flatten()[:context]
                 # Query j sits at position L - n + j: keys after it (column - row > L - n) are hidden. One fill and
                 # one triangle, 2-3x cheaper than comparing positions and masked_fill_ on a long context.
                 mask = torch.full((num_new, context), -torch.inf, dtype=dtype, device=device)
-                seqs.append(PrefillSeq(start, num_new, slots, mask.triu_(context - num_new + 1)))  # [n, L]
+                parts.append(PrefillSeq(start, num_new, slots, mask.triu_(context - num_new + 1)))  # [n, L]
             start += num_new
-        return cls(slot_mapping, False, prefill=tuple(seqs))
+            i += 1
+        return cls(slot_mapping, tuple(parts))
 
 
 class Attention(nn.Module):
@@ -139,27 +193,32 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
-        if batch.is_decode:
-            out = self._decode(q, k_cache, v_cache, batch)
-        else:
-            out = self._prefill(q, k, v, k_cache, v_cache, batch)
+        outs = [
+            self.attend_batched(q, k_cache, v_cache, part)
+            if isinstance(part, BatchedQueries)
+            else self._prefill(q, k, v, k_cache, v_cache, part)
+            for part in batch.parts
+        ]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))  # type: ignore[no-any-return]
 
-    def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch
+    def attend_batched(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, part: BatchedQueries
     ) -> torch.Tensor:
-        assert batch.decode_slots is not None
-        k = _gather(k_cache, batch.decode_slots).transpose(1, 2)  # [B, Hkv, L, D]
-        v = _gather(v_cache, batch.decode_slots).transpose(1, 2)
+        """The group's queries (rows of q [T, Hq, D]) over their gathered contexts -> [G * q, Hq, D]."""
+        g, n = part.num_seqs, part.num_queries
+        rows = q[part.start : part.start + g * n].view(g, n, self.num_heads, self.head_dim).transpose(1, 2)
+        k = gather_slots(k_cache, part.slots).transpose(1, 2)  # [G, Hkv, L, D]
+        v = gather_slots(v_cache, part.slots).transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2).to(k.dtype),  # [B, Hq, 1, D]
+            rows.to(k.dtype),  # [G, Hq, q, D]
             k,
             v,
-            attn_mask=batch.decode_mask,
+            attn_mask=part.mask,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
-        return out.squeeze(2).to(q.dtype)  # [B, Hq, D]
+        return out.transpose(1, 2).reshape(g * n, self.num_heads, self.head_dim).to(q.dtype)
 
     def _prefill(
         self,
@@ -168,31 +227,26 @@ class Attention(nn.Module):
         v_new: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        batch: AttentionBatch,
+        seq: PrefillSeq,
     ) -> torch.Tensor:
         gqa = self.num_heads != self.num_kv_heads
-        outs = []
-        for seq in batch.prefill:
-            rows = slice(seq.start, seq.start + seq.num_new)
-            qi = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            if seq.slots is None:  # nothing cached before: plain causal attention, the fused kernel's best case
-                # In the cache's dtype, as if read back from it: the same numbers as a chunk after cached tokens.
-                k = k_new[rows].transpose(0, 1).unsqueeze(0).to(k_cache.dtype)  # [1, Hkv, n, D]
-                v = v_new[rows].transpose(0, 1).unsqueeze(0).to(v_cache.dtype)
-                out = F.scaled_dot_product_attention(
-                    qi.to(k.dtype), k, v, is_causal=True, scale=self.scale, enable_gqa=gqa
-                )
-            else:
-                k = k_cache.index_select(0, seq.slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-                v = v_cache.index_select(0, seq.slots).transpose(0, 1).unsqueeze(0)
-                out = F.scaled_dot_product_attention(
-                    qi.to(k.dtype), k, v, attn_mask=seq.mask, scale=self.scale, enable_gqa=gqa
-                )
-            outs.append(out.squeeze(0).transpose(0, 1))  # [n, Hq, D]
-        return (outs[0] if len(outs) == 1 else torch.cat(outs)).to(q.dtype)
+        rows = slice(seq.start, seq.start + seq.num_new)
+        qi = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        if seq.slots is None:  # nothing cached before: plain causal attention, the fused kernel's best case
+            # In the cache's dtype, as if read back from it: the same numbers as a chunk after cached tokens.
+            k = k_new[rows].transpose(0, 1).unsqueeze(0).to(k_cache.dtype)  # [1, Hkv, n, D]
+            v = v_new[rows].transpose(0, 1).unsqueeze(0).to(v_cache.dtype)
+            out = F.scaled_dot_product_attention(qi.to(k.dtype), k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
+        else:
+            k = k_cache.index_select(0, seq.slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            v = v_cache.index_select(0, seq.slots).transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(
+                qi.to(k.dtype), k, v, attn_mask=seq.mask, scale=self.scale, enable_gqa=gqa
+            )
+        return out.squeeze(0).transpose(0, 1).to(q.dtype)  # [n, Hq, D]
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """cache [num_slots, Hkv, D], slots [B, L] -> [B, L, Hkv, D]: `cache[slots]`."""
     return cache.index_select(0, slots.flatten()).view(*slots.shape, *cache.shape[1:])
 

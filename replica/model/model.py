@@ -87,13 +87,28 @@ class MoEForCausalLM(nn.Module):
         batch: AttentionBatch,
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, H] (the caller picks rows for `compute_logits`)."""
+        return self.forward_with_features(input_ids, positions, kv_caches, batch, ())[0]
+
+    def forward_with_features(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        batch: AttentionBatch,
+        feature_layers: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (final hidden states [T, H], the outputs of `feature_layers` side by side [T, len * H], or None when
+        none are asked for): what a block drafter conditions on."""
         assert self.rotary is not None, "init_rope() was not called after building on the meta device"
         cos, sin = self.rotary(positions)
         h = self.model.embed_tokens(input_ids)  # [T, H]
-        for layer, kv_cache in zip(self.decoder_layers, kv_caches, strict=True):
+        features = []
+        for i, (layer, kv_cache) in enumerate(zip(self.decoder_layers, kv_caches, strict=True)):
             h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv_cache, batch)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.model.norm(h)  # type: ignore[no-any-return]
+            if i in feature_layers:
+                features.append(h)
+        return self.model.norm(h), (torch.cat(features, dim=-1) if features else None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, V] in FP32."""
@@ -105,12 +120,20 @@ class MoEForCausalLM(nn.Module):
         The balancing loss is Switch Transformer's E * sum_e(fraction of tokens to e * mean router prob of e),
         averaged over layers; it keeps every expert in use, which calibration later requires.
         """
+        logits, aux, _ = self.forward_train_with_features(input_ids, ())
+        return logits, aux
+
+    def forward_train_with_features(
+        self, input_ids: torch.Tensor, feature_layers: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`forward_train`, plus the outputs of `feature_layers` side by side [B, S, len * H] (None if none)."""
         assert self.rotary is not None
         batch, seq = input_ids.shape
         cos, sin = self.rotary(torch.arange(seq, device=input_ids.device))
         h = self.model.embed_tokens(input_ids)  # [B, S, H]
         aux = torch.zeros((), device=input_ids.device)
-        for layer in self.decoder_layers:
+        features = []
+        for i, layer in enumerate(self.decoder_layers):
             h = h + dense_causal_attention(layer.self_attn, layer.input_layernorm(h), cos, sin)
             flat = layer.post_attention_layernorm(h).reshape(batch * seq, -1)  # [T, H]
             mlp: MoEBlock = layer.mlp
@@ -122,5 +145,7 @@ class MoEForCausalLM(nn.Module):
             num_experts = logits.shape[-1]
             fraction = torch.bincount(topk_ids.flatten(), minlength=num_experts).float() / topk_ids.numel()
             aux = aux + num_experts * (fraction * logits.softmax(-1).mean(0)).sum()
+            if i in feature_layers:
+                features.append(h)
         logits_out = self.lm_head(self.model.norm(h)).float()
-        return logits_out, aux / len(self.model.layers)
+        return logits_out, aux / len(self.model.layers), (torch.cat(features, dim=-1) if features else None)

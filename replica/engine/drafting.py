@@ -1,0 +1,69 @@
+"""What the engine asks of a drafter: follow the target's steps, and propose the next tokens of some sequences.
+
+A drafter keeps whatever state it needs in the engine's block layout: the same block tables and slots as the
+target, in caches of its own, so a sequence's prefix-cached blocks serve its drafter too. Each step the engine
+calls `ingest` with what the target ran (every token, prefill chunks and verified drafts alike, with the target's
+layer outputs a block drafter asked for), then `propose` for the sequences that will verify drafts next step.
+
+Proposals stay on the device: the engine moves the drafted tokens to the host together with the step's verified
+tokens, in its one transfer, and keeps the proposal probabilities on the device for the next step's acceptance test.
+A drafter must report the exact distribution every draft was drawn from (one-hot for a greedy draft): acceptance is
+exact only against it.
+
+S = proposing sequences, k = drafts per sequence, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from replica.engine.runner import StepInputs
+from replica.engine.sampler import SamplingTensors
+
+
+@dataclass(frozen=True)
+class ProposeRequest:
+    num_tokens: int
+    """k: drafts to propose for every sequence (a sequence that wants fewer uses the first ones)."""
+    anchor_tokens: torch.Tensor
+    """[S] int64: each sequence's last token, which the drafts follow; its keys are not cached yet."""
+    anchor_positions: torch.Tensor
+    """[S] int64: its position; the target has computed every position before it."""
+    block_tables: torch.Tensor
+    """[S, max_blocks] int64, padded; they cover the anchor plus `Drafter.lookahead_tokens` positions."""
+    sampling: SamplingTensors
+    """Each sequence's temperature, top-k and top-p: drafts are drawn from the drafter's scores under them."""
+    uniforms: torch.Tensor
+    """[S, k] in [0, 1): the draws for drafting, from each request's own generator."""
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tokens: torch.Tensor
+    """[S, k] int64 drafted tokens."""
+    probs: torch.Tensor
+    """[S, k, V] the distribution each draft was drawn from (given the drafts before it)."""
+
+
+class Drafter(Protocol):
+    feature_layers: tuple[int, ...]
+    """Target layers whose outputs `ingest` needs (empty for a drafter that reads tokens only)."""
+    lookahead_tokens: int
+    """Positions from the anchor on that `propose` writes to the drafter's cache."""
+    vocab_size: int
+
+    def ingest(self, inputs: StepInputs, features: torch.Tensor | None) -> None:
+        """Follow one target step: the same tokens, positions and slots; features [T, F] of `feature_layers`."""
+
+    def propose(self, request: ProposeRequest) -> Proposal: ...
+
+
+def slots_at(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slots of `positions` [S] (or [S, n]) in each row's block table [S, max_blocks], on the device."""
+    pos = positions if positions.dim() == 2 else positions.unsqueeze(-1)
+    blocks = block_tables.gather(1, torch.div(pos, block_size, rounding_mode="floor"))
+    slots = blocks * block_size + pos % block_size
+    return slots if positions.dim() == 2 else slots.squeeze(-1)

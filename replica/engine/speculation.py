@@ -1,0 +1,144 @@
+"""How many tokens to draft for each sequence, step by step: an adaptive k.
+
+Two rules, both on the host and both fed by measurements:
+- Per sequence: the chance that its next draft is accepted, alpha, is estimated from its own verifications (each
+  round's accepted drafts over accepted drafts plus the rejection, smoothed, starting from the replica-wide
+  estimate). The j-th draft of a round survives with probability alpha^j, so a sequence drafts the largest
+  k <= `max_tokens` with alpha^k >= `min_draft_acceptance`, and at least one, so that its estimate keeps learning.
+- Per batch: speculation pays only while verifying and drafting cost less than the steps they save, and that depends
+  on the batch size and the machine. The policy measures tokens emitted per second of step time with and without
+  speculation, per batch-size bucket (powers of two), on pure decode steps (no prefill in them), and speculates in a
+  bucket while the measured speculative rate is at least the plain one. Every `explore_interval` decisions a bucket
+  runs the other mode for `explore_steps` steps, so that a change of load, drafter or machine is noticed.
+
+A step's mode is decided when the previous step proposes (or does not propose) its drafts, so a switch costs one
+step that neither mode's measurement counts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from replica.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    max_tokens: int = 0
+    """k: tokens drafted per sequence per step at most; 0 turns speculation off."""
+    adaptive: bool = True
+    """Shrink k per sequence with its acceptance and turn speculation off for batch sizes where it does not pay;
+    off: every decoding sequence drafts `max_tokens` every step."""
+    min_draft_acceptance: float = 0.1
+    """A draft is proposed only while its estimated chance of acceptance is at least this: one more verified
+    position costs a fraction of a step (a tenth or less on the demo model at batch 1, measured by
+    benchmarks/bench_speculative.py), so a draft worth a tenth of a token is about even."""
+    explore_interval: int = 64
+    """Decisions per batch-size bucket between two tries of the mode it is not in."""
+    explore_steps: int = 3
+    """Length of such a try, in steps (the first one is a switch and is not measured)."""
+    smoothing: float = 0.3
+    """Weight of a sequence's newest round in its acceptance estimate."""
+    rate_decay: float = 0.98
+    """Per-step decay of the measured token and second counts, so old load fades within a few hundred steps."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be 0 (off) or positive, got {self.max_tokens}")
+        if not 0.0 < self.min_draft_acceptance < 1.0:
+            raise ValueError(f"min_draft_acceptance must be in (0, 1), got {self.min_draft_acceptance}")
+
+
+@dataclass
+class _Rate:
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+    def add(self, tokens: int, seconds: float, decay: float) -> None:
+        self.tokens = self.tokens * decay + tokens
+        self.seconds = self.seconds * decay + seconds
+
+    @property
+    def per_s(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+
+@dataclass
+class _Bucket:
+    speculative: _Rate = field(default_factory=_Rate)
+    plain: _Rate = field(default_factory=_Rate)
+    decisions: int = 0
+    exploring: int = 0
+    """Steps left in the current try of the other mode."""
+
+    def preferred(self) -> bool:
+        spec, plain = self.speculative.per_s, self.plain.per_s
+        if spec is None:
+            return True  # try speculation first: it is what a drafter is configured for
+        if plain is None:
+            return False
+        return spec >= plain
+
+
+class SpeculationPolicy:
+    def __init__(self, config: SpeculationConfig) -> None:
+        self.config = config
+        self.acceptance_rate = 0.5
+        """Replica-wide estimate: new sequences start from it."""
+        self._buckets: dict[int, _Bucket] = {}
+
+    @staticmethod
+    def bucket(num_decoding: int) -> int:
+        """1, 2-3, 4-7, 8-15, ...: batch sizes whose costs are alike."""
+        return max(1, num_decoding).bit_length()
+
+    def should_speculate(self, num_decoding: int) -> bool:
+        """Whether the next step verifies drafts, for a batch of `num_decoding` decoding sequences."""
+        if self.config.max_tokens == 0:
+            return False
+        if not self.config.adaptive:
+            return True
+        key = self.bucket(num_decoding)
+        b = self._buckets.setdefault(key, _Bucket())
+        b.decisions += 1
+        if b.exploring == 0 and b.decisions % self.config.explore_interval == 0:
+            b.exploring = self.config.explore_steps
+        mode = b.preferred()
+        if b.exploring:
+            b.exploring -= 1
+            mode = not mode
+        return mode
+
+    def num_drafts(self, seq: Sequence) -> int:
+        """Drafts to propose for `seq` in a speculative step."""
+        k = self.config.max_tokens
+        if not self.config.adaptive:
+            return k
+        alpha = seq.acceptance_rate if seq.acceptance_rate is not None else self.acceptance_rate
+        if alpha >= 1.0:
+            return k
+        if alpha <= self.config.min_draft_acceptance:
+            return 1
+        return max(1, min(k, math.floor(math.log(self.config.min_draft_acceptance) / math.log(alpha))))
+
+    def observe_verification(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """A round of `num_drafts` drafts of `seq` kept `num_accepted`."""
+        if num_drafts == 0:
+            return
+        trials = num_accepted + (num_accepted < num_drafts)
+        observed = num_accepted / trials
+        w = self.config.smoothing
+        prior = seq.acceptance_rate if seq.acceptance_rate is not None else self.acceptance_rate
+        seq.acceptance_rate = (1 - w) * prior + w * observed
+        self.acceptance_rate = 0.99 * self.acceptance_rate + 0.01 * observed
+
+    def observe_step(self, num_decoding: int, num_tokens: int, seconds: float, *, speculative: bool) -> None:
+        """A pure decode step of `num_decoding` sequences emitted `num_tokens` in `seconds`; `speculative`: it
+        verified drafts and proposed the next ones (a step that did one and not the other is a switch: skip it)."""
+        b = self._buckets.setdefault(self.bucket(num_decoding), _Bucket())
+        (b.speculative if speculative else b.plain).add(num_tokens, seconds, self.config.rate_decay)
+
+    def rates(self) -> dict[int, tuple[float | None, float | None]]:
+        """Measured tokens/s per bucket: {bucket: (speculative, plain)} (for logs and benchmarks)."""
+        return {k: (b.speculative.per_s, b.plain.per_s) for k, b in sorted(self._buckets.items())}
