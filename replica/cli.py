@@ -46,6 +46,17 @@ def add_replica_command(subparsers: Any) -> None:
     parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to listen on (default 8100)")
     parser.add_argument("--log-level", help="logging level (default INFO)")
+    parser.add_argument(
+        "--capture-dir",
+        type=Path,
+        metavar="DIR",
+        help="record each request's prompt and output token ids here (JSONL), for training a drafter; off by default",
+    )
+    parser.add_argument(
+        "--capture-text",
+        choices=["none", "full"],
+        help="with --capture-dir: `full` also records prompt and output text (default none: token ids only)",
+    )
     parser.set_defaults(run=_run_serve)
     actions = parser.add_subparsers(dest="action", metavar="ACTION")
 
@@ -133,6 +144,8 @@ def _settings_from_args(args: argparse.Namespace) -> Any:
         "num_blocks",
         "max_num_seqs",
         "log_level",
+        "capture_dir",
+        "capture_text",
     ):
         value = getattr(args, flag, None)
         if value is not None:

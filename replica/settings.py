@@ -69,6 +69,22 @@ class ReplicaSettings(BaseSettings):
     """Name in KV events; default host:port."""
     seed: int = 0
     """Seed for requests without a seed of their own."""
+    capture_dir: Path | None = None
+    """Record every request's prompt and output token ids here, as JSONL (`replica.capture`), for training a
+    speculative drafter on the model's own ids. Off by default: capture is opt-in."""
+    capture_text: Literal["none", "full"] = "none"
+    """`full` also records prompt and output text and stop strings. `none` by default: token ids are what a drafter
+    trains on; keeping text is for people inspecting traffic, and a privacy decision."""
+    capture_file_max_bytes: int = Field(64 * 1024**2, gt=0)
+    """Bytes after which a capture file is closed and the next one started (64 MiB: a few thousand long requests
+    per file, small enough to copy or delete one at a time)."""
+    capture_total_max_bytes: int = Field(1024**3, gt=0)
+    """Bytes the capture files may take together, earlier runs' included; the oldest files are deleted to stay within
+    it (1 GiB: a bounded share of a pod's disk)."""
+    capture_queue_max_records: int = Field(4096, gt=0)
+    """Records held in memory for the writer thread; more are dropped rather than slow a request or grow memory
+    without bound (4096: a few seconds of a stalled disk at hundreds of requests per second; a waiting record holds
+    its token ids, tens of bytes per token)."""
     log_level: str = "INFO"
     config_file: Path | None = None
     """YAML file with any of these settings."""
@@ -79,6 +95,8 @@ class ReplicaSettings(BaseSettings):
             raise ValueError("activation_scales only applies to quantization=nvfp4-w4a4")
         if self.quantization == "nvfp4-w4a4" and self.activation_scales is None:
             raise ValueError("quantization=nvfp4-w4a4 needs activation_scales (run `shoal replica calibrate`)")
+        if self.capture_file_max_bytes > self.capture_total_max_bytes:
+            raise ValueError("capture_file_max_bytes must not exceed capture_total_max_bytes")
         return self
 
     @classmethod

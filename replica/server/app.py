@@ -6,6 +6,9 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE), `GET 
 Errors are OpenAI-shaped JSON bodies: 400 for a bad body or parameters, 404 for another model's name, 429 with
 Retry-After when the waiting queue is full, 503 once the engine has failed. A handler cancelled by its client's
 disconnect aborts its request, so the engine frees the request's blocks at its next step.
+
+With `capture_dir` set, every request that reached the engine (finished, stopped at a stop string, or aborted) is
+handed to a `CaptureWriter` as the handler ends, with the ids the engine emitted (`replica.capture`).
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from replica.capture import CaptureSource, CaptureWriter, fingerprint_model, fingerprint_tokenizer
 from replica.engine.engine import LLMEngine, RequestError, RequestOutput, StepResult
 from replica.model.model import MoEForCausalLM
 from replica.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
@@ -41,6 +46,9 @@ from replica.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 log = logging.getLogger(__name__)
 
+_CAPTURE_CLOSE_TIMEOUT_S = 5.0
+"""Shutdown waits at most this long for queued capture records to be written: a stuck disk must not hold the exit."""
+
 
 @dataclass
 class ReplicaState:
@@ -50,6 +58,8 @@ class ReplicaState:
     metrics: ReplicaMetrics
     events: KVEventHub
     model_name: str
+    capture: CaptureWriter | None = None
+    capture_source: CaptureSource | None = None
     created_s: int = field(default_factory=now_s)
     _last_queries: int = 0
     _last_hits: int = 0
@@ -100,7 +110,7 @@ def _check_model(state: ReplicaState, body: Any) -> web.Response | None:
 
 
 class _Generation:
-    """Detokenises a request's outputs, applies stop strings and records per-request metrics."""
+    """Detokenises a request's outputs, applies stop strings, records per-request metrics and captures the request."""
 
     def __init__(self, state: ReplicaState, parsed: ParsedRequest, stream: RequestStream, arrival_s: float) -> None:
         self.state = state
@@ -113,25 +123,33 @@ class _Generation:
         self.num_prompt_tokens = len(parsed.prompt_token_ids)
         self.num_cached_tokens = 0
         self.num_output_tokens = 0
+        self.output_token_ids: list[int] = []
+        source = state.capture_source
+        self.output_texts: list[str] | None = [] if source is not None and source.keep_text else None
+        self.e2e_s: float | None = None
+        self._first_token_s: float | None = None
         self._last_token_s: float | None = None
 
     def _observe(self, out: RequestOutput) -> None:
         m, name = self.state.metrics, self.state.model_name
         now = time.monotonic()
         if self._last_token_s is None:
+            self._first_token_s = now
             m.ttft.labels(name).observe(now - self.arrival_s)
             m.prompt_tokens.labels(name).inc(out.num_prompt_tokens)
         else:
             m.itl.labels(name).observe(now - self._last_token_s)
         self._last_token_s = now
         m.generation_tokens.labels(name).inc(len(out.new_token_ids))
+        self.output_token_ids.extend(out.new_token_ids)
         self.num_cached_tokens = out.num_cached_tokens
         self.num_output_tokens = out.num_output_tokens
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
         m, name = self.state.metrics, self.state.model_name
-        m.e2e.labels(name).observe(time.monotonic() - self.arrival_s)
+        self.e2e_s = time.monotonic() - self.arrival_s
+        m.e2e.labels(name).observe(self.e2e_s)
         m.request_success.labels(name, reason).inc()
 
     async def texts(self) -> AsyncIterator[str]:
@@ -147,6 +165,8 @@ class _Generation:
                     if stopped:
                         self.stream.close()
                         self._finish("stop")
+                        if self.output_texts is not None:
+                            self.output_texts.append(text)
                         yield text
                         return
                     if out.finished:
@@ -154,12 +174,37 @@ class _Generation:
                 if out.finished:
                     assert out.finish_reason is not None
                     self._finish(out.finish_reason.value)
+                if self.output_texts is not None:
+                    self.output_texts.append(text)
                 yield text
         finally:
             self.stream.close()
 
     def usage(self) -> dict[str, Any]:
         return usage(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
+
+    def capture(self, request_id: str, *, chat: bool) -> None:
+        """Hand the request to the capture writer, if there is one; a request that did not finish is an abort."""
+        writer, source = self.state.capture, self.state.capture_source
+        if writer is None or source is None:
+            return
+        now = time.monotonic()
+        writer.record(
+            source.record(
+                request_id=request_id,
+                endpoint="chat" if chat else "completions",
+                prompt_token_ids=self.parsed.prompt_token_ids,
+                output_token_ids=self.output_token_ids,
+                params=self.parsed.params,
+                finish_reason=self.finish_reason or "abort",
+                num_cached_tokens=self.num_cached_tokens,
+                arrival_unix_s=time.time() - (now - self.arrival_s),
+                ttft_s=None if self._first_token_s is None else self._first_token_s - self.arrival_s,
+                e2e_s=self.e2e_s if self.e2e_s is not None else now - self.arrival_s,
+                prompt_text=self.parsed.prompt_text,
+                output_text=None if self.output_texts is None else "".join(self.output_texts),
+            )
+        )
 
 
 async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
@@ -197,6 +242,7 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
         return _error(503, str(exc), kind="ServiceUnavailableError")
     finally:
         stream.close()
+        gen.capture(request_id, chat=chat)  # also when the client went away: the handler is cancelled
 
 
 async def _complete(gen: _Generation, request_id: str, *, chat: bool) -> web.Response:
@@ -334,7 +380,11 @@ async def kv_events(request: web.Request) -> web.StreamResponse:
     return response
 
 
-def create_app(settings: ReplicaSettings, model: MoEForCausalLM, tokenizer: Tokenizer) -> web.Application:
+def create_app(
+    settings: ReplicaSettings, model: MoEForCausalLM, tokenizer: Tokenizer, *, checkpoint_dir: Path | None = None
+) -> web.Application:
+    """`checkpoint_dir` (config.json, *.safetensors, tokenizer.json) is fingerprinted for capture records; it is
+    needed, and read, only when `settings.capture_dir` is set."""
     model_name = settings.model_name
     config = settings.engine_config()
     engine = LLMEngine(model, config, eos_token_ids=tokenizer.eos_token_ids)
@@ -347,17 +397,40 @@ def create_app(settings: ReplicaSettings, model: MoEForCausalLM, tokenizer: Toke
         settings=settings, tokenizer=tokenizer, engine=async_engine, metrics=metrics_, events=hub, model_name=model_name
     )
     state_holder.append(state)
+    if settings.capture_dir is not None:
+        if checkpoint_dir is None:
+            raise ValueError("capture_dir is set: create_app needs the checkpoint_dir to fingerprint")
+        state.capture_source = CaptureSource(
+            model=model_name,
+            model_hash=fingerprint_model(checkpoint_dir),
+            tokenizer_hash=fingerprint_tokenizer(checkpoint_dir / "tokenizer.json"),
+            keep_text=settings.capture_text == "full",
+        )
+        state.capture = CaptureWriter(
+            settings.capture_dir,
+            file_max_bytes=settings.capture_file_max_bytes,
+            total_max_bytes=settings.capture_total_max_bytes,
+            queue_max_records=settings.capture_queue_max_records,
+        )
+        metrics_.add_capture(state.capture.stats)
+    capture = state.capture
 
     app = web.Application(client_max_size=16 * 1024 * 1024)
     app[STATE] = state
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        if capture is not None:
+            capture.start()
         async_engine.start()
         if settings.kv_events_redis_url:
             await hub.start_redis(settings.kv_events_redis_url, settings.kv_events_stream)
         yield
         await hub.close()
         await async_engine.stop()
+        if capture is not None and not await asyncio.to_thread(capture.close, _CAPTURE_CLOSE_TIMEOUT_S):
+            log.warning(
+                "capture: the writer did not finish in %.0f s; records still queued are lost", _CAPTURE_CLOSE_TIMEOUT_S
+            )
 
     app.cleanup_ctx.append(lifecycle)
 

@@ -1,9 +1,19 @@
 """Prometheus metrics under vLLM's names, so one scraper (the router's, the autoscaler's, a Grafana board made for
-vLLM) reads Shoal's replica and vLLM alike. Each app owns its registry; nothing is global."""
+vLLM) reads Shoal's replica and vLLM alike. Each app owns its registry; nothing is global.
+
+Capture counters (`shoal_replica_capture_*`, no vLLM equivalent) are read from the `CaptureWriter` at scrape time,
+so the writer thread keeps plain counts and never touches Prometheus objects.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from replica.capture import DROP_REASONS, CaptureStats
 
 _TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
 _ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
@@ -43,3 +53,30 @@ class ReplicaMetrics:
             "vllm:cache_config_info", "KV cache configuration", [*labels, "block_size", "num_gpu_blocks"], registry=r
         )
         self.model_name = model_name
+
+    def add_capture(self, stats: Callable[[], CaptureStats]) -> None:
+        """Export a capture writer's counters."""
+        self.registry.register(_CaptureCollector(stats))
+
+
+class _CaptureCollector(Collector):
+    def __init__(self, stats: Callable[[], CaptureStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        yield CounterMetricFamily(
+            "shoal_replica_capture_records", "Capture records written", value=s.num_records_written
+        )
+        yield CounterMetricFamily(
+            "shoal_replica_capture_bytes", "Bytes of capture records written", value=s.num_bytes_written
+        )
+        yield CounterMetricFamily(
+            "shoal_replica_capture_files_rotated", "Capture files closed at their size limit", value=s.num_files_rotated
+        )
+        dropped = CounterMetricFamily(
+            "shoal_replica_capture_dropped", "Capture records dropped, by reason", labels=["reason"]
+        )
+        for reason in DROP_REASONS:
+            dropped.add_metric([reason], s.num_dropped[reason])
+        yield dropped

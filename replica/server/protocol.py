@@ -35,6 +35,8 @@ class ParsedRequest:
     include_usage: bool
     model: str
     has_tools: bool
+    prompt_text: str | None = None
+    """The prompt as text: the chat template's rendering, or a completion's string prompt; None for token ids."""
 
 
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
@@ -105,8 +107,9 @@ def parse_completion(body: Any, tokenizer: Tokenizer, *, model: str, default_max
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
+    text: str | None = None
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
+        ids, text = tokenizer.encode(prompt), prompt
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
     elif isinstance(prompt, list) and len(prompt) > 1:
@@ -121,6 +124,7 @@ def parse_completion(body: Any, tokenizer: Tokenizer, *, model: str, default_max
         include_usage=include_usage,
         model=model,
         has_tools=False,
+        prompt_text=text,
     )
 
 
@@ -148,6 +152,7 @@ def parse_chat(body: Any, tokenizer: Tokenizer, *, model: str, default_max_token
         include_usage=include_usage,
         model=model,
         has_tools=bool(tools),
+        prompt_text=text,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import Literal
 
 from replica.settings import ReplicaSettings
@@ -12,21 +13,23 @@ from replica.settings import ReplicaSettings
 log = logging.getLogger(__name__)
 
 
+def checkpoint_dir(settings: ReplicaSettings) -> Path:
+    """The checkpoint folder `settings.model` names; the demo model's is built first if it is not cached yet."""
+    if settings.model == "demo":
+        from replica.demo.build import ensure_demo_model
+
+        return ensure_demo_model(progress=lambda line: log.info("%s", line))
+    return Path(settings.model)
+
+
 def load_for_serving(settings: ReplicaSettings) -> tuple[object, object]:
     """-> (model, tokenizer), the demo model built first when `model == "demo"` and not yet cached."""
-    from pathlib import Path
-
     import torch
 
     from replica.model.loader import load_model
     from replica.tokenizer import Tokenizer
 
-    if settings.model == "demo":
-        from replica.demo.build import ensure_demo_model
-
-        path = ensure_demo_model(progress=lambda line: log.info("%s", line))
-    else:
-        path = Path(settings.model)
+    path = checkpoint_dir(settings)
     dtype = getattr(torch, settings.dtype)
     model = load_model(path, dtype=dtype, device=settings.device)
     if settings.quantization != "none":
@@ -57,7 +60,7 @@ def serve(settings: ReplicaSettings, *, threads: int | None = None) -> int:
         print(f"shoal replica: cannot load the model: {exc}", file=sys.stderr)
         return 1
     assert isinstance(model, MoEForCausalLM) and isinstance(tokenizer, Tokenizer)
-    app = create_app(settings, model, tokenizer)
+    app = create_app(settings, model, tokenizer, checkpoint_dir=checkpoint_dir(settings))
     ready = {"event": "ready", "model": settings.model_name, "url": f"http://{settings.host}:{settings.port}"}
     web.run_app(
         app,

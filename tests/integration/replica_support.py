@@ -48,7 +48,7 @@ async def start_replica(tiny_checkpoint: Path) -> AsyncIterator[StartReplica]:
         values.update(overrides)
         settings = ReplicaSettings(**values)
         model, tokenizer = load_for_serving(settings)
-        app = create_app(settings, model, tokenizer)  # type: ignore[arg-type]
+        app = create_app(settings, model, tokenizer, checkpoint_dir=tiny_checkpoint)  # type: ignore[arg-type]
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -1,16 +1,18 @@
 """`shoal replica` over HTTP: the official openai client, streaming, usage with cached tokens, metrics under vLLM's
-names, KV events, and bad input that gets a 400 and leaves the server serving."""
+names, KV events, bad input that gets a 400 and leaves the server serving, and capture of raw token ids."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
 
+from replica.capture import fingerprint_model, fingerprint_tokenizer, iter_captures
 from router.policy.hashing import hash_tokens, namespace_seed
 from tests.integration.conftest import eventually, metric_value
 from tests.integration.replica_support import StartReplica
@@ -246,3 +248,128 @@ async def test_kv_events_are_published_to_a_redis_stream(start_replica: StartRep
     assert stored[0]["block_hashes"] == hash_tokens(
         stored[0]["token_ids"], namespace_seed("shoal-demo"), stored[0]["block_size"]
     )
+
+
+async def test_capture_records_the_ids_the_engine_read_and_emitted(
+    start_replica: StartReplica, tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    capture_dir = tmp_path / "capture"
+    replica = await start_replica(capture_dir=capture_dir)
+    tokenizer = replica.state.tokenizer
+    messages = [{"role": "user", "content": "Please confirm order SO-1234."}]
+    async with client(replica.url) as c:
+        chat = await c.chat.completions.create(model="shoal-demo", messages=messages, max_tokens=12, temperature=0)
+        completion = await c.completions.create(model="shoal-demo", prompt="Dear Mr. Tanaka,", max_tokens=10, seed=3)
+        stream = await c.completions.create(
+            model="shoal-demo", prompt="Invoice INV-2024 status:", max_tokens=10, temperature=0.8, seed=5, stream=True
+        )
+        parts, stream_id, stream_finish = [], "", None
+        async for chunk in stream:
+            stream_id = chunk.id
+            parts += [choice.text for choice in chunk.choices]
+            stream_finish = next((ch.finish_reason for ch in chunk.choices if ch.finish_reason), stream_finish)
+    writer = replica.state.capture
+    await eventually(lambda: writer.stats().num_records_written == 3, what="three capture records")
+
+    records = {r.request_id: r for r in iter_captures(capture_dir)}
+    chat_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    expected = {
+        chat.id: ("chat", chat_prompt, chat.choices[0].message.content, chat.choices[0].finish_reason),
+        completion.id: (
+            "completions",
+            "Dear Mr. Tanaka,",
+            completion.choices[0].text,
+            completion.choices[0].finish_reason,
+        ),
+        stream_id: ("completions", "Invoice INV-2024 status:", "".join(parts), stream_finish),
+    }
+    assert records.keys() == expected.keys()
+    for request_id, (endpoint, prompt, text, finish) in expected.items():
+        rec = records[request_id]
+        assert (rec.endpoint, rec.finish_reason, rec.model) == (endpoint, finish, "shoal-demo")
+        assert rec.prompt_token_ids == tokenizer.encode(prompt)
+        assert rec.output_token_ids and tokenizer.decode(rec.output_token_ids) == text
+        assert rec.model_hash == fingerprint_model(tiny_checkpoint)
+        assert rec.tokenizer_hash == fingerprint_tokenizer(tiny_checkpoint / "tokenizer.json")
+        assert rec.prompt_text is None and rec.output_text is None
+        assert rec.ttft_s is not None and 0 < rec.ttft_s <= rec.e2e_s
+    assert chat.usage is not None and len(records[chat.id].output_token_ids) == chat.usage.completion_tokens
+    assert (records[stream_id].params["temperature"], records[stream_id].params["seed"]) == (0.8, 5)
+    data = b"".join(path.read_bytes() for path in capture_dir.iterdir())
+    assert not [word for word in (b"Tanaka", b"SO-1234", b"INV-2024", b"confirm") if word in data]
+
+    async with aiohttp.ClientSession() as http, http.get(replica.url + "/metrics") as resp:
+        text = await resp.text()
+    assert metric_value(text, "shoal_replica_capture_records_total") == 3
+    assert metric_value(text, "shoal_replica_capture_bytes_total") == len(data)
+    assert metric_value(text, "shoal_replica_capture_dropped_total", {"reason": "queue_full"}) == 0
+
+
+async def test_capture_text_full_keeps_text_ids_cut_at_a_stop_string_and_aborted_requests(
+    start_replica: StartReplica, tmp_path: Path
+) -> None:
+    capture_dir = tmp_path / "capture"
+    replica = await start_replica(capture_dir=capture_dir, capture_text="full")
+    tokenizer = replica.state.tokenizer
+    async with client(replica.url) as c:
+        free = await c.completions.create(model="shoal-demo", prompt="Hello", max_tokens=20, temperature=0)
+        text = free.choices[0].text
+        assert len(text) >= 4
+        stop = text[2:4]
+        cut = await c.completions.create(model="shoal-demo", prompt="Hello", max_tokens=20, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    long_prompt = "Hello " * 50
+    body = {"model": "shoal-demo", "prompt": long_prompt, "max_tokens": 500, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(replica.url + "/v1/completions", json=body)
+        await resp.content.readline()  # the first chunk arrived; then the client goes away
+        resp.close()
+    writer = replica.state.capture
+    await eventually(lambda: writer.stats().num_records_written == 3, timeout_s=10, what="three capture records")
+
+    records = {r.request_id: r for r in iter_captures(capture_dir)}
+    free_rec, cut_rec = records.pop(free.id), records.pop(cut.id)
+    (aborted,) = records.values()
+    assert (free_rec.prompt_text, free_rec.output_text) == ("Hello", text)
+    assert (cut_rec.output_text, cut_rec.finish_reason, cut_rec.params["stop"]) == (cut.choices[0].text, "stop", [stop])
+    # The engine's ids up to the one that completed the stop string: a prefix of the free run's, past the cut text.
+    assert cut_rec.output_token_ids == free_rec.output_token_ids[: len(cut_rec.output_token_ids)]
+    assert tokenizer.decode(cut_rec.output_token_ids).startswith(cut.choices[0].text + stop)
+    assert aborted.finish_reason == "abort" and aborted.prompt_text == long_prompt
+    assert aborted.prompt_token_ids == tokenizer.encode(long_prompt)
+    assert 0 < len(aborted.output_token_ids) < 500
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+async def test_a_full_capture_disk_never_fails_a_request(start_replica: StartReplica, tmp_path: Path) -> None:
+    capture_dir = tmp_path / "capture"
+    replica = await start_replica(capture_dir=capture_dir)
+    full = capture_dir / "capture-00000001.jsonl"
+    full.symlink_to("/dev/full")  # the file the writer opens next: every write fails with ENOSPC
+    writer = replica.state.capture
+    async with aiohttp.ClientSession() as http:
+
+        async def send(path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+            async with http.post(replica.url + path, json={"model": "shoal-demo", "max_tokens": 8, **body}) as resp:
+                return resp.status, await resp.read()
+
+        requests = [("/v1/completions", {"prompt": f"Order {i} shipped"}) for i in range(4)]
+        requests += [
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Invoice?"}]}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Meeting?"}], "stream": True}),
+        ]
+        replies = await asyncio.gather(*(send(path, body) for path, body in requests))
+        assert [status for status, _ in replies] == [200] * 6
+        assert replies[-1][1].endswith(b"data: [DONE]\n\n")
+        await eventually(lambda: writer.stats().num_dropped["write_error"] == 6, what="six failed capture writes")
+
+        full.unlink()  # room on the disk again
+        assert (await send("/v1/completions", {"prompt": "Order 9 shipped"}))[0] == 200
+        await eventually(lambda: writer.stats().num_records_written == 1, what="capture to work again")
+        async with http.get(replica.url + "/metrics") as resp:
+            text = await resp.text()
+    assert metric_value(text, "shoal_replica_capture_dropped_total", {"reason": "write_error"}) == 6
+    assert metric_value(text, "shoal_replica_capture_records_total") == 1
+    assert [r.prompt_token_ids for r in iter_captures(capture_dir)] == [
+        replica.state.tokenizer.encode("Order 9 shipped")
+    ]
