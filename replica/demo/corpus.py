@@ -143,6 +143,22 @@ def uses_tools(conversation: Sequence[Message]) -> bool:
     return any(message.get("tool_calls") for message in conversation)
 
 
+def chat_requests(
+    num_requests: int, *, seed: int, japanese_fraction: float = 0.5, tool_fraction: float = 1 / 3
+) -> list[dict[str, Any]]:
+    """Chat-completions request bodies, each cut from its own conversation where the model answers next."""
+    rng = random.Random(seed)
+    conversations = _generate(rng, num_requests, japanese_fraction, tool_fraction)
+    bodies = []
+    for conversation in conversations:
+        cut_indices = [index for index, message in enumerate(conversation) if message["role"] in ("user", "tool")]
+        body: dict[str, Any] = {"messages": conversation[: rng.choice(cut_indices) + 1]}
+        if uses_tools(conversation):
+            body["tools"] = TOOLS
+        bodies.append(body)
+    return bodies
+
+
 def write_chat_requests(
     path: str | Path,
     num_requests: int,
@@ -151,16 +167,9 @@ def write_chat_requests(
     japanese_fraction: float = 0.5,
     tool_fraction: float = 1 / 3,
 ) -> None:
-    """Write one chat-completions request body per line (JSONL), each cut from its own conversation."""
-    rng = random.Random(seed)
-    conversations = _generate(rng, num_requests, japanese_fraction, tool_fraction)
-    lines = []
-    for conversation in conversations:
-        cut_indices = [index for index, message in enumerate(conversation) if message["role"] in ("user", "tool")]
-        body: dict[str, Any] = {"messages": conversation[: rng.choice(cut_indices) + 1]}
-        if uses_tools(conversation):
-            body["tools"] = TOOLS
-        lines.append(json.dumps(body, ensure_ascii=False, separators=(",", ":")) + "\n")
+    """Write `chat_requests` as JSONL, one request body per line."""
+    bodies = chat_requests(num_requests, seed=seed, japanese_fraction=japanese_fraction, tool_fraction=tool_fraction)
+    lines = [json.dumps(body, ensure_ascii=False, separators=(",", ":")) + "\n" for body in bodies]
     Path(path).write_text("".join(lines), encoding="utf-8")
 
 
