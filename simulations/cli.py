@@ -5,9 +5,9 @@
 
 A scenario file sets everything (see `scenario.Scenario`); flags override it. Without one, the defaults are the
 issue's comparison: the five policies of `scenario.DEFAULT_POLICIES` on 16 replicas of the LLaMA-70B preset.
-Prints one table row per policy, writes `results.json` and, unless `--no-plots`, `ttft_cdf.png` and
-`timeseries.png` into `--out`. Policies run one after the other on the same requests; a progress bar per policy
-goes to stderr.
+Prints one table row per policy, then a line per row whose fleet speculates, writes `results.json` and, unless
+`--no-plots`, `ttft_cdf.png` and `timeseries.png` into `--out`. Policies run one after the other on the same
+requests; a progress bar per policy goes to stderr.
 """
 
 from __future__ import annotations
@@ -53,7 +53,16 @@ def add_simulate_command(subparsers: Any) -> None:
         help="engine preset (simulations/presets/), a preset YAML file, or a `shoal replica profile` JSON to fit",
     )
     parser.add_argument("--index-mode", choices=_INDEX_MODES, help="prefix index fed by decisions or by KV events")
-    parser.add_argument("--seed", type=int, help="seed of the trace jitter and the policies' random choices")
+    parser.add_argument(
+        "--seed", type=int, help="seed of the trace jitter, the policies' random choices and the accepted drafts"
+    )
+    parser.add_argument(
+        "--acceptance-length",
+        type=float,
+        metavar="TAU",
+        help="speculate with this mean acceptance length (tokens per sequence per speculative step, bonus included) "
+        "on the preset's or the scenario's speculation, e.g. one fitted from a profile",
+    )
     parser.add_argument("--out", required=True, metavar="DIR", help="directory for results.json and the plots")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -112,6 +121,8 @@ def resolve_scenario(args: argparse.Namespace) -> Any:
         fleet["num_replicas"] = args.replicas
     if args.preset is not None:
         fleet["preset"] = args.preset
+    if args.acceptance_length is not None:
+        fleet["speculation"] = {**(fleet.get("speculation") or {}), "mean_acceptance_length": args.acceptance_length}
     data["fleet"] = fleet
     if args.index_mode is not None:
         data["router"] = {**(data.get("router") or {}), "index_mode": args.index_mode}
@@ -127,7 +138,13 @@ def run_simulate(args: argparse.Namespace) -> int:
     from tqdm import tqdm  # type: ignore[import-untyped]
 
     from simulations.floor import floor_ttfts
-    from simulations.report import floor_summary, format_table, results_document, write_results
+    from simulations.report import (
+        floor_summary,
+        format_speculation,
+        format_table,
+        results_document,
+        write_results,
+    )
     from simulations.scenario import build_workload
     from simulations.simulation import RunResult, Simulation
 
@@ -143,7 +160,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         total: int | None = len(workload)  # type: ignore[arg-type]
     except TypeError:
         total = None
-    engine, step_model = scenario.fleet.resolve()
+    engine, step_model, _ = scenario.fleet.resolve()
     if scenario.fleet.preset.endswith(".json"):
         from simulations.step_model import load_preset
 
@@ -160,6 +177,9 @@ def run_simulate(args: argparse.Namespace) -> int:
         f"index {scenario.router.index_mode}, hit ceiling {floor['hit_ratio']:.3f}"
     )
     print(format_table(results, floor))
+    speculation = format_speculation(results)
+    if speculation:
+        print(speculation)
     document = results_document(scenario, results, command=command, floor=floor)
     write_results(out_dir / "results.json", document)
     if not args.no_plots:
@@ -172,7 +192,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 def command_line(args: argparse.Namespace) -> str:
     """The `shoal simulate` command line that reproduces `args` (for results.json and the README)."""
     words = ["shoal", "simulate"]
-    for flag in ("scenario", "trace", "policies", "replicas", "speed", "limit", "preset", "index_mode", "seed", "out"):
+    flags = ("scenario", "trace", "policies", "replicas", "speed", "limit", "preset", "index_mode", "seed")
+    for flag in (*flags, "acceptance_length", "out"):
         value = getattr(args, flag, None)
         if value is not None:
             words += [f"--{flag.replace('_', '-')}", str(value)]

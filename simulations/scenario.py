@@ -9,7 +9,7 @@ so a typo in a scenario is an error, not a silent default. Policies are `router.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -22,7 +22,7 @@ from simulations.metrics import SLOConfig
 from simulations.routing import IndexMode
 from simulations.scaling import AutoscaleConfig, FixedScalingConfig, ScalingConfig
 from simulations.servegen import ServeGenTraceConfig, ServeGenWorkload
-from simulations.step_model import EngineConfig, StepModel, load_preset
+from simulations.step_model import EngineConfig, SpeculationConfig, StepModel, load_preset
 from simulations.synthetic import (
     AgenticConfig,
     AgenticWorkload,
@@ -68,6 +68,15 @@ TraceConfig = Annotated[
 ]
 
 
+class ResolvedFleet(NamedTuple):
+    """A fleet's engine, step model and speculation, its preset's with the scenario's overrides applied."""
+
+    engine: EngineConfig
+    step_model: StepModel
+    speculation: SpeculationConfig | None
+    """None, or one whose `is_enabled` is False: plain decoding."""
+
+
 class FleetConfig(_Model):
     preset: str = "llama70b_8xa100"
     """Engine preset: a name in simulations/presets/ or a path to a preset file."""
@@ -77,17 +86,26 @@ class FleetConfig(_Model):
     """Overrides of the preset's `engine` fields (say, num_kv_blocks)."""
     step_model: dict[str, Any] = Field(default_factory=dict)
     """Overrides of the preset's `step_model` coefficients."""
+    speculation: dict[str, Any] | None = Field(default_factory=dict)
+    """Overrides of the preset's `speculation` fields (`step_model.SpeculationConfig`), or all of them for a preset
+    without speculation. `null`: no speculation, whatever the preset has. `{}` (the default): the preset's."""
     prefill_only: bool = False
     """Replicas are the prefill instances of a disaggregated deployment (Mooncake, Dynamo, llm-d P/D): each
     computes a prompt and its first token, then hands the request to decode instances, which are not simulated.
     Every request's output is cut to that one token; the prompt's blocks stay in the prefill instance's prefix
     cache. TTFT is then queueing plus prefill, and end-to-end latency equals TTFT."""
 
-    def resolve(self) -> tuple[EngineConfig, StepModel]:
+    def resolve(self) -> ResolvedFleet:
         preset = load_preset(self.preset)
         engine = EngineConfig.model_validate({**preset.engine.model_dump(), **self.engine})
         step_model = StepModel.model_validate({**preset.step_model.model_dump(), **self.step_model})
-        return engine, step_model
+        speculation = preset.speculation
+        if self.speculation is None:
+            speculation = None
+        elif self.speculation:
+            base = speculation.model_dump() if speculation is not None else {}
+            speculation = SpeculationConfig.model_validate({**base, **self.speculation})
+        return ResolvedFleet(engine, step_model, speculation)
 
 
 class RouterConfig(_Model):
@@ -159,7 +177,8 @@ class Scenario(_Model):
     decode_steps_per_event: int = Field(default=64, ge=1)
     """Decode-only steps a replica may run as one event while no request waits (a request arriving meanwhile
     cuts it at the step boundary it arrives in). Timings are those of single steps; only the KV blocks for the
-    steps are allocated at its start. 1 simulates every step as its own event."""
+    steps are allocated at its start. 1 simulates every step as its own event; so does a replica that speculates,
+    whose steps emit a random number of tokens."""
     sample_interval_s: float = Field(default=10.0, gt=0.0)
     """Seconds between time-series samples (queue depth, hit ratio, replicas)."""
 
@@ -206,7 +225,7 @@ def _build_trace_workload(scenario: Scenario) -> Workload:
     trace = scenario.trace
     if trace is None:
         raise ValueError("the scenario names no trace")
-    block_size = scenario.fleet.resolve()[0].block_size
+    block_size = scenario.fleet.resolve().engine.block_size
     if isinstance(trace, MooncakeTraceConfig):
         return MooncakeWorkload(
             trace.path,
