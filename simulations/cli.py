@@ -5,9 +5,9 @@
 
 A scenario file sets everything (see `scenario.Scenario`); flags override it. Without one, the defaults are the
 issue's comparison: the five policies of `scenario.DEFAULT_POLICIES` on 16 replicas of the LLaMA-70B preset.
-Prints one table row per policy, then a line per row whose fleet speculates, writes `results.json` and, unless
-`--no-plots`, `ttft_cdf.png` and `timeseries.png` into `--out`. Policies run one after the other on the same
-requests; a progress bar per policy goes to stderr.
+Prints one table row per policy (per fleet variant and policy when the scenario has `variants`), then a line per
+row whose fleet speculates, writes `results.json` and, unless `--no-plots`, `ttft_cdf.png` and `timeseries.png`
+into `--out`. Runs go one after the other on the same requests; a progress bar per run goes to stderr.
 """
 
 from __future__ import annotations
@@ -151,6 +151,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     try:
         scenario = resolve_scenario(args)
         workload = build_workload(scenario)
+        runs = scenario.runs()
+        for variant_scenario, _ in runs:
+            variant_scenario.fleet.resolve()  # a bad override fails now, not after the runs before it
     except (ValidationError, ValueError, OSError) as exc:
         print(f"shoal simulate: {exc}", file=sys.stderr)
         return 2
@@ -167,14 +170,15 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(f"step model: {load_preset(scenario.fleet.preset).description}", file=sys.stderr)
     floor = floor_summary(*floor_ttfts(workload, engine, step_model))
     results: list[RunResult] = []
-    for entry in scenario.policies:
+    for run_scenario, entry in runs:
         with tqdm(total=total, desc=f"{entry.label:>20}", unit="req", file=sys.stderr, disable=args.no_progress) as bar:
-            simulation = Simulation(scenario, entry, workload, on_finished=bar.update)
+            simulation = Simulation(run_scenario, entry, workload, on_finished=bar.update)
             results.append(simulation.run())
     command = command_line(args)
     print(
         f"{scenario.name}: {workload.name}, {scenario.fleet.num_replicas} x {scenario.fleet.preset}, "
         f"index {scenario.router.index_mode}, hit ceiling {floor['hit_ratio']:.3f}"
+        + (f"; variants: {', '.join(v.label for v in scenario.variants)}" if scenario.variants else "")
     )
     print(format_table(results, floor))
     speculation = format_speculation(results)

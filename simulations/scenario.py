@@ -4,6 +4,11 @@ A scenario names a workload (`trace`), a fleet (an engine preset, optionally ove
 router's settings, the policies to compare, the SLO and a seed. Every model is frozen and forbids unknown fields,
 so a typo in a scenario is an error, not a silent default. Policies are `router.policy.config` configurations
 (`kind` plus that policy's parameters) with an optional `label`, so one kind can appear with several settings.
+
+Fleet variants (`variants`) compare fleets rather than policies: each is a label and overrides of `fleet`, and
+every policy runs on every variant (`runs`), rows labelled `variant: policy`. It is a list of overrides rather than
+a list of whole fleets so that what a variant changes is all it states; the workload and the floor row come from
+the scenario's own fleet, so a variant may not change the block size or `prefill_only`.
 """
 
 from __future__ import annotations
@@ -108,6 +113,39 @@ class FleetConfig(_Model):
         return ResolvedFleet(engine, step_model, speculation)
 
 
+_MERGED_FLEET_FIELDS = ("engine", "step_model", "speculation")
+"""Fleet fields that are mappings of overrides: a variant's merge into the scenario's."""
+
+
+class FleetVariant(_Model):
+    """One fleet of a comparison of fleets: the scenario's `fleet` with some fields changed."""
+
+    label: str
+    """Names the variant's rows (`label: policy`) in the table and results.json."""
+    fleet: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of the scenario's `fleet`: `engine`, `step_model` and `speculation` mappings merge into the
+    scenario's (`speculation: null` turns it off); any other field (`preset`, `num_replicas`) replaces it.
+    `prefill_only` cannot change, as the variants share one workload."""
+
+    @field_validator("fleet")
+    @classmethod
+    def _same_workload(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if "prefill_only" in value:
+            raise ValueError("a variant cannot change `prefill_only`: every variant replays the same workload")
+        return value
+
+    def apply(self, fleet: FleetConfig) -> FleetConfig:
+        """`fleet` with this variant's overrides."""
+        data = fleet.model_dump()
+        for key, value in self.fleet.items():
+            current = data.get(key)
+            if key in _MERGED_FLEET_FIELDS and isinstance(value, dict) and isinstance(current, dict):
+                data[key] = {**current, **value}
+            else:
+                data[key] = value
+        return FleetConfig.model_validate(data)
+
+
 class RouterConfig(_Model):
     index_mode: IndexMode = "approximate"
     """approximate: the router records its decisions (what the live router does today); exact: the engines' KV
@@ -166,6 +204,9 @@ class Scenario(_Model):
     fleet: FleetConfig = Field(default_factory=FleetConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     policies: list[PolicyEntry] = Field(default_factory=lambda: [policy_entry(p) for p in DEFAULT_POLICIES])
+    variants: list[FleetVariant] = Field(default_factory=list)
+    """Fleets to compare, each run with every policy (see the module docstring). Empty (the default): the one
+    `fleet`, and rows labelled by policy alone."""
     slo: SLOConfig = Field(default_factory=SLOConfig)
     scaling: ScalingConfig = Field(default_factory=FixedScalingConfig, discriminator="kind")
     autoscale: AutoscaleConfig | None = None
@@ -187,6 +228,27 @@ class Scenario(_Model):
         if self.autoscale is not None and not isinstance(self.scaling, FixedScalingConfig):
             raise ValueError("set either `scaling` or `autoscale`, not both")
         return self
+
+    @model_validator(mode="after")
+    def _variants_apply(self) -> Scenario:
+        labels = [variant.label for variant in self.variants]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"variant labels must differ, got {labels}")
+        for variant in self.variants:
+            variant.apply(self.fleet)  # an override naming no fleet field fails here, not mid-run
+        return self
+
+    def runs(self) -> list[tuple[Scenario, PolicyEntry]]:
+        """Every (scenario, policy) to simulate: each policy on the fleet, or on each variant's fleet in turn with
+        its rows labelled `variant: policy`."""
+        if not self.variants:
+            return [(self, entry) for entry in self.policies]
+        out: list[tuple[Scenario, PolicyEntry]] = []
+        for variant in self.variants:
+            scenario = self.model_copy(update={"fleet": variant.apply(self.fleet), "variants": []})
+            for entry in self.policies:
+                out.append((scenario, entry.model_copy(update={"label": f"{variant.label}: {entry.label}"})))
+        return out
 
     @field_validator("policies", mode="before")
     @classmethod

@@ -82,7 +82,8 @@ def test_bundled_scenarios_parse(tmp_path: Path) -> None:
     for path in files:
         scenario = load_scenario(path)
         assert scenario.description, path.name
-        scenario.fleet.resolve()
+        for run_scenario, _ in scenario.runs():
+            run_scenario.fleet.resolve()
 
 
 def test_bad_flags_are_refused(small_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
