@@ -2,17 +2,21 @@
 
     shoal simulate --trace /work/shared/traces/mooncake/synthetic_trace.jsonl --replicas 16 --out /tmp/sim/x
     shoal simulate --scenario simulations/scenarios/01_mooncake_moderate.yaml --out /tmp/sim/01
+    shoal simulate --scenario simulations/scenarios/15_speculative_decoding.yaml --traces-dir DIR --out /tmp/sim/15
 
 A scenario file sets everything (see `scenario.Scenario`); flags override it. Without one, the defaults are the
 issue's comparison: the five policies of `scenario.DEFAULT_POLICIES` on 16 replicas of the LLaMA-70B preset.
 Prints one table row per policy (per fleet variant and policy when the scenario has `variants`), then a line per
 row whose fleet speculates, writes `results.json` and, unless `--no-plots`, `ttft_cdf.png` and `timeseries.png`
-into `--out`. Runs go one after the other on the same requests; a progress bar per run goes to stderr.
+into `--out`. Runs go one after the other on the same requests; a progress bar per run goes to stderr. A
+scenario's relative trace paths are taken from `--traces-dir`, or else from $SHOAL_TRACES_DIR; `--trace` is a
+path like any other, from the working directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -55,6 +59,11 @@ def add_simulate_command(subparsers: Any) -> None:
     parser.add_argument("--index-mode", choices=_INDEX_MODES, help="prefix index fed by decisions or by KV events")
     parser.add_argument(
         "--seed", type=int, help="seed of the trace jitter, the policies' random choices and the accepted drafts"
+    )
+    parser.add_argument(
+        "--traces-dir",
+        metavar="DIR",
+        help="directory of a scenario's relative trace paths (default: $SHOAL_TRACES_DIR)",
     )
     parser.add_argument(
         "--acceptance-length",
@@ -107,7 +116,7 @@ def resolve_scenario(args: argparse.Namespace) -> Any:
     data: dict[str, Any] = dict(base)
     if args.trace:
         current = Scenario.model_validate(base).trace if args.scenario else None
-        data["trace"] = _trace_config(args.trace, current)
+        data["trace"] = _trace_config(str(Path(args.trace).absolute()), current)
     trace = dict(data["trace"]) if isinstance(data["trace"], dict) else data["trace"].model_dump()
     for flag in ("speed", "limit"):
         value = getattr(args, flag)
@@ -145,12 +154,13 @@ def run_simulate(args: argparse.Namespace) -> int:
         results_document,
         write_results,
     )
-    from simulations.scenario import build_workload
+    from simulations.scenario import TRACES_DIR_ENV, build_workload
     from simulations.simulation import RunResult, Simulation
 
+    traces_dir = args.traces_dir or os.environ.get(TRACES_DIR_ENV) or None
     try:
         scenario = resolve_scenario(args)
-        workload = build_workload(scenario)
+        workload = build_workload(scenario, traces_dir=Path(traces_dir) if traces_dir else None)
         runs = scenario.runs()
         for variant_scenario, _ in runs:
             variant_scenario.fleet.resolve()  # a bad override fails now, not after the runs before it
@@ -197,7 +207,7 @@ def command_line(args: argparse.Namespace) -> str:
     """The `shoal simulate` command line that reproduces `args` (for results.json and the README)."""
     words = ["shoal", "simulate"]
     flags = ("scenario", "trace", "policies", "replicas", "speed", "limit", "preset", "index_mode", "seed")
-    for flag in (*flags, "acceptance_length", "out"):
+    for flag in (*flags, "traces_dir", "acceptance_length", "out"):
         value = getattr(args, flag, None)
         if value is not None:
             words += [f"--{flag.replace('_', '-')}", str(value)]

@@ -9,6 +9,10 @@ Fleet variants (`variants`) compare fleets rather than policies: each is a label
 every policy runs on every variant (`runs`), rows labelled `variant: policy`. It is a list of overrides rather than
 a list of whole fleets so that what a variant changes is all it states; the workload and the floor row come from
 the scenario's own fleet, so a variant may not change the block size or `prefill_only`.
+
+Trace files: a relative `path` is taken from the traces directory that `shoal simulate --traces-dir DIR` or the
+environment variable `SHOAL_TRACES_DIR` names (`resolve_trace_paths`), so scenario files name no machine's paths;
+an absolute path is used as it is.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from router.policy.session import SessionAffinityConfig
 from simulations.metrics import SLOConfig
 from simulations.routing import IndexMode
 from simulations.scaling import AutoscaleConfig, FixedScalingConfig, ScalingConfig
-from simulations.servegen import ServeGenTraceConfig, ServeGenWorkload
+from simulations.servegen import AzureLengths, ServeGenTraceConfig, ServeGenWorkload
 from simulations.step_model import EngineConfig, SpeculationConfig, StepModel, load_preset
 from simulations.synthetic import (
     AgenticConfig,
@@ -41,6 +45,9 @@ from simulations.workload import PrefillOnlyWorkload, Workload
 
 DEFAULT_POLICIES = ("estimated_ttft", "sglang_cache_aware", "dynamo_kv", "least_load", "round_robin")
 """The five policies of the issue's comparison, Shoal's own first."""
+
+TRACES_DIR_ENV = "SHOAL_TRACES_DIR"
+"""The environment variable naming the directory that relative trace paths are taken from (`--traces-dir` wins)."""
 
 
 class _Model(BaseModel):
@@ -271,22 +278,51 @@ def policy_entry(item: str | dict[str, Any]) -> PolicyEntry:
 
 
 def load_scenario(path: str | Path) -> Scenario:
-    """A scenario from YAML; relative trace paths are taken from the working directory."""
+    """A scenario from YAML; relative trace paths stay relative until `resolve_trace_paths`."""
     with Path(path).open() as f:
         return Scenario.model_validate(yaml.safe_load(f))
 
 
-def build_workload(scenario: Scenario) -> Workload:
+def trace_file(path: Path, traces_dir: Path | None) -> Path:
+    """A trace file's path: an absolute one as it is, a relative one under `traces_dir`; a ValueError that names
+    the file and how to set the directory when it is relative with no directory, or missing."""
+    how = f"pass `shoal simulate --traces-dir DIR` or set {TRACES_DIR_ENV}"
+    if path.is_absolute():
+        resolved = path
+    elif traces_dir is None:
+        raise ValueError(f"trace file {str(path)!r} is relative to the traces directory, which is not set: {how}")
+    else:
+        resolved = traces_dir / path
+    if not resolved.is_file():
+        where = "" if path.is_absolute() else f" ({str(path)!r} under the traces directory {str(traces_dir)!r}; {how})"
+        raise ValueError(f"trace file {str(resolved)!r} not found{where}")
+    return resolved
+
+
+def resolve_trace_paths(trace: TraceConfig, traces_dir: Path | None) -> TraceConfig:
+    """`trace` with its file paths (the trace's, and a ServeGen curve's Azure lengths) made usable: see
+    `trace_file`. Synthetic workloads name no file and come back unchanged."""
+    if isinstance(trace, MooncakeTraceConfig | AzureTraceConfig):
+        return trace.model_copy(update={"path": trace_file(trace.path, traces_dir)})
+    if isinstance(trace, ServeGenTraceConfig):
+        update: dict[str, Any] = {"path": trace_file(trace.path, traces_dir)}
+        if isinstance(trace.lengths, AzureLengths):
+            update["lengths"] = trace.lengths.model_copy(update={"path": trace_file(trace.lengths.path, traces_dir)})
+        return trace.model_copy(update=update)
+    return trace
+
+
+def build_workload(scenario: Scenario, *, traces_dir: Path | None = None) -> Workload:
     """The scenario's workload, in blocks of its engine's block size (one output token each for a prefill-only
-    fleet)."""
-    workload = _build_trace_workload(scenario)
+    fleet); relative trace paths are taken from `traces_dir`."""
+    workload = _build_trace_workload(scenario, traces_dir)
     return PrefillOnlyWorkload(workload) if scenario.fleet.prefill_only else workload
 
 
-def _build_trace_workload(scenario: Scenario) -> Workload:
-    trace = scenario.trace
-    if trace is None:
+def _build_trace_workload(scenario: Scenario, traces_dir: Path | None) -> Workload:
+    if scenario.trace is None:
         raise ValueError("the scenario names no trace")
+    trace = resolve_trace_paths(scenario.trace, traces_dir)
     block_size = scenario.fleet.resolve().engine.block_size
     if isinstance(trace, MooncakeTraceConfig):
         return MooncakeWorkload(
