@@ -2,17 +2,21 @@
 
     shoal simulate --trace /work/shared/traces/mooncake/synthetic_trace.jsonl --replicas 16 --out /tmp/sim/x
     shoal simulate --scenario simulations/scenarios/01_mooncake_moderate.yaml --out /tmp/sim/01
+    shoal simulate --scenario simulations/scenarios/15_speculative_decoding.yaml --traces-dir DIR --out /tmp/sim/15
 
 A scenario file sets everything (see `scenario.Scenario`); flags override it. Without one, the defaults are the
 issue's comparison: the five policies of `scenario.DEFAULT_POLICIES` on 16 replicas of the LLaMA-70B preset.
-Prints one table row per policy, writes `results.json` and, unless `--no-plots`, `ttft_cdf.png` and
-`timeseries.png` into `--out`. Policies run one after the other on the same requests; a progress bar per policy
-goes to stderr.
+Prints one table row per policy (per fleet variant and policy when the scenario has `variants`), then a line per
+row whose fleet speculates, writes `results.json` and, unless `--no-plots`, `ttft_cdf.png` and `timeseries.png`
+into `--out`. Runs go one after the other on the same requests; a progress bar per run goes to stderr. A
+scenario's relative trace paths are taken from `--traces-dir`, or else from $SHOAL_TRACES_DIR; `--trace` is a
+path like any other, from the working directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -53,7 +57,21 @@ def add_simulate_command(subparsers: Any) -> None:
         help="engine preset (simulations/presets/), a preset YAML file, or a `shoal replica profile` JSON to fit",
     )
     parser.add_argument("--index-mode", choices=_INDEX_MODES, help="prefix index fed by decisions or by KV events")
-    parser.add_argument("--seed", type=int, help="seed of the trace jitter and the policies' random choices")
+    parser.add_argument(
+        "--seed", type=int, help="seed of the trace jitter, the policies' random choices and the accepted drafts"
+    )
+    parser.add_argument(
+        "--traces-dir",
+        metavar="DIR",
+        help="directory of a scenario's relative trace paths (default: $SHOAL_TRACES_DIR)",
+    )
+    parser.add_argument(
+        "--acceptance-length",
+        type=float,
+        metavar="TAU",
+        help="speculate with this mean acceptance length (tokens per sequence per speculative step, bonus included) "
+        "on the preset's or the scenario's speculation, e.g. one fitted from a profile",
+    )
     parser.add_argument("--out", required=True, metavar="DIR", help="directory for results.json and the plots")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -98,7 +116,7 @@ def resolve_scenario(args: argparse.Namespace) -> Any:
     data: dict[str, Any] = dict(base)
     if args.trace:
         current = Scenario.model_validate(base).trace if args.scenario else None
-        data["trace"] = _trace_config(args.trace, current)
+        data["trace"] = _trace_config(str(Path(args.trace).absolute()), current)
     trace = dict(data["trace"]) if isinstance(data["trace"], dict) else data["trace"].model_dump()
     for flag in ("speed", "limit"):
         value = getattr(args, flag)
@@ -112,6 +130,8 @@ def resolve_scenario(args: argparse.Namespace) -> Any:
         fleet["num_replicas"] = args.replicas
     if args.preset is not None:
         fleet["preset"] = args.preset
+    if args.acceptance_length is not None:
+        fleet["speculation"] = {**(fleet.get("speculation") or {}), "mean_acceptance_length": args.acceptance_length}
     data["fleet"] = fleet
     if args.index_mode is not None:
         data["router"] = {**(data.get("router") or {}), "index_mode": args.index_mode}
@@ -127,13 +147,23 @@ def run_simulate(args: argparse.Namespace) -> int:
     from tqdm import tqdm  # type: ignore[import-untyped]
 
     from simulations.floor import floor_ttfts
-    from simulations.report import floor_summary, format_table, results_document, write_results
-    from simulations.scenario import build_workload
+    from simulations.report import (
+        floor_summary,
+        format_speculation,
+        format_table,
+        results_document,
+        write_results,
+    )
+    from simulations.scenario import TRACES_DIR_ENV, build_workload
     from simulations.simulation import RunResult, Simulation
 
+    traces_dir = args.traces_dir or os.environ.get(TRACES_DIR_ENV) or None
     try:
         scenario = resolve_scenario(args)
-        workload = build_workload(scenario)
+        workload = build_workload(scenario, traces_dir=Path(traces_dir) if traces_dir else None)
+        runs = scenario.runs()
+        for variant_scenario, _ in runs:
+            variant_scenario.fleet.resolve()  # a bad override fails now, not after the runs before it
     except (ValidationError, ValueError, OSError) as exc:
         print(f"shoal simulate: {exc}", file=sys.stderr)
         return 2
@@ -143,23 +173,27 @@ def run_simulate(args: argparse.Namespace) -> int:
         total: int | None = len(workload)  # type: ignore[arg-type]
     except TypeError:
         total = None
-    engine, step_model = scenario.fleet.resolve()
+    engine, step_model, _ = scenario.fleet.resolve()
     if scenario.fleet.preset.endswith(".json"):
         from simulations.step_model import load_preset
 
         print(f"step model: {load_preset(scenario.fleet.preset).description}", file=sys.stderr)
     floor = floor_summary(*floor_ttfts(workload, engine, step_model))
     results: list[RunResult] = []
-    for entry in scenario.policies:
+    for run_scenario, entry in runs:
         with tqdm(total=total, desc=f"{entry.label:>20}", unit="req", file=sys.stderr, disable=args.no_progress) as bar:
-            simulation = Simulation(scenario, entry, workload, on_finished=bar.update)
+            simulation = Simulation(run_scenario, entry, workload, on_finished=bar.update)
             results.append(simulation.run())
     command = command_line(args)
     print(
         f"{scenario.name}: {workload.name}, {scenario.fleet.num_replicas} x {scenario.fleet.preset}, "
         f"index {scenario.router.index_mode}, hit ceiling {floor['hit_ratio']:.3f}"
+        + (f"; variants: {', '.join(v.label for v in scenario.variants)}" if scenario.variants else "")
     )
     print(format_table(results, floor))
+    speculation = format_speculation(results)
+    if speculation:
+        print(speculation)
     document = results_document(scenario, results, command=command, floor=floor)
     write_results(out_dir / "results.json", document)
     if not args.no_plots:
@@ -172,7 +206,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 def command_line(args: argparse.Namespace) -> str:
     """The `shoal simulate` command line that reproduces `args` (for results.json and the README)."""
     words = ["shoal", "simulate"]
-    for flag in ("scenario", "trace", "policies", "replicas", "speed", "limit", "preset", "index_mode", "seed", "out"):
+    flags = ("scenario", "trace", "policies", "replicas", "speed", "limit", "preset", "index_mode", "seed")
+    for flag in (*flags, "traces_dir", "acceptance_length", "out"):
         value = getattr(args, flag, None)
         if value is not None:
             words += [f"--{flag.replace('_', '-')}", str(value)]

@@ -25,6 +25,18 @@ the single steps' (the KV read grows by one token per sequence per step). A requ
 at the boundary of the step in progress, where a single step would have admitted it. This removes most events of
 a decode-heavy replica without changing any latency.
 
+Speculative decoding (`speculation`, when its acceptance length is set): once a step is scheduled as above, it
+speculates for all its decoding sequences or none. It does when the adaptive rule finds it faster (tau * t_plain >
+t_spec, `SpeculationConfig.is_faster`; skipped when not adaptive), when the budget left has k tokens per decoding
+sequence, and when the cache gives the blocks for each one's k + 1 verified positions without preempting; a step
+that does not runs plain, and `spec_branches` counts why. Drafts thus take the budget after prefill chunks (vLLM
+schedules them first), which matters only in steps whose prefill fills the budget. A speculating sequence emits
+1 + A tokens, A the drafts accepted (`speculation.accepted_drafts`, from the sequence's own generator seeded by
+the run's seed and the request id, so a seed names a run and the draws do not depend on the other requests),
+capped by its remaining output; the KV of the rejected positions is never computed (it never reaches the prefix
+cache) and its blocks stay with the sequence for its next steps. Decode runs are off on such a replica: a run's
+length and durations would depend on draws not yet made.
+
 A request whose prompt and output together exceed the whole cache is refused on arrival (`on_reject`), as an
 engine refuses a prompt beyond its max_model_len; admitted, it would preempt itself forever.
 
@@ -34,14 +46,16 @@ as `router.policy.kv_events` objects (engine hash = router hash: the simulator h
 
 from __future__ import annotations
 
-from collections import deque
+import random
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from router.policy.kv_events import BlockRemoved, BlockStored, KVEvent
 from simulations.events import Simulator
 from simulations.kv_cache import KVCache
-from simulations.step_model import EngineConfig, StepModel
+from simulations.speculation import acceptance_rate, accepted_drafts
+from simulations.step_model import EngineConfig, SpeculationConfig, StepModel
 from simulations.workload import Request
 
 
@@ -52,6 +66,7 @@ class Seq:
         "cache_hashes",
         "first_token_s",
         "hit_tokens",
+        "is_drafting",
         "num_cached",
         "num_computed",
         "num_output",
@@ -60,6 +75,7 @@ class Seq:
         "num_scheduled",
         "num_tokens",
         "request",
+        "rng",
         "ticket",
     )
 
@@ -78,6 +94,10 @@ class Seq:
         self.hit_tokens: int | None = None
         """Prompt tokens found in the prefix cache at first admission (None until admitted)."""
         self.first_token_s: float | None = None
+        self.is_drafting = False
+        """The step in flight verifies drafts of this sequence."""
+        self.rng: random.Random | None = None
+        """Draws of the drafts this sequence's speculative steps accept (made on its first such step)."""
 
 
 class SimReplica:
@@ -95,6 +115,8 @@ class SimReplica:
         on_reject: Callable[[Seq], None] | None = None,
         on_kv_events: Callable[[str, list[KVEvent]], None] | None = None,
         max_decode_steps_per_event: int = 64,
+        speculation: SpeculationConfig | None = None,
+        seed: int = 0,
     ) -> None:
         self.id = replica_id
         self.engine = engine
@@ -118,6 +140,23 @@ class SimReplica:
         """Incremented whenever a scheduled step end is superseded (a decode run cut short)."""
         self._run: tuple[float, int, int, int] | None = None
         """The decode run in flight: (start_s, steps, sequences, KV tokens at its start); None for a single step."""
+        self.speculation = speculation if speculation is not None and speculation.is_enabled else None
+        """Speculative decoding, None when off (or its acceptance length unknown)."""
+        self._alpha = 0.0
+        """Per-draft acceptance probability solved from the acceptance length, once."""
+        if self.speculation is not None:
+            assert self.speculation.mean_acceptance_length is not None
+            self._alpha = acceptance_rate(
+                self.speculation.num_speculative_tokens, self.speculation.mean_acceptance_length
+            )
+        self._seed = seed
+        self.spec_branches: Counter[str] = Counter()
+        """Steps with decoding sequences, by what they did: `speculated`, or why not (`slower`, `no_budget`,
+        `no_blocks`); empty without speculation."""
+        self.num_spec_seq_steps = 0
+        """Decoding sequences summed over speculative steps."""
+        self.num_spec_tokens = 0
+        """Tokens those emitted (accepted drafts and bonus tokens, capped by the outputs' ends)."""
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_rejected = 0
@@ -160,7 +199,13 @@ class SimReplica:
             self._cut_run()
 
     def _start_step(self) -> None:
-        if not self.waiting and self.running and self.max_decode_steps_per_event > 1 and self._start_run():
+        if (
+            not self.waiting
+            and self.running
+            and self.max_decode_steps_per_event > 1
+            and self.speculation is None
+            and self._start_run()
+        ):
             return
         engine = self.engine
         bs = engine.block_size
@@ -169,7 +214,8 @@ class SimReplica:
         running = self.running
         scheduled = self._scheduled
         prefill_tokens = 0
-        decode_seqs = 0
+        decoding: list[Seq] = []
+        decode_kv = 0
         kv_read = 0
         pairs = 0.0
         is_preempted = False
@@ -198,7 +244,8 @@ class SimReplica:
             budget -= t
             kv_read += computed
             if remaining == 1 and seq.num_output:
-                decode_seqs += 1
+                decoding.append(seq)
+                decode_kv += computed
             else:
                 prefill_tokens += t
                 pairs += t * (computed + (t + 1) / 2)
@@ -239,11 +286,54 @@ class SimReplica:
             self.is_busy = False
             return
         self.is_busy = True
+        decode_seqs = len(decoding)
         duration_s = self.step_model.step_time_s(prefill_tokens, decode_seqs, kv_read, pairs)
+        spec = self.speculation
+        if spec is not None and decoding:
+            spec_s = spec.step_time_s(self.step_model, prefill_tokens, decode_seqs, decode_kv, kv_read, pairs)
+            branch = self._speculation_branch(decoding, budget, duration_s, spec_s)
+            self.spec_branches[branch] += 1
+            if branch == "speculated":
+                duration_s = spec_s
         self.busy_s += duration_s
         self.num_steps += 1
         self._version += 1
         self.sim.at(self.sim.now + duration_s, self._step_ended, self._version)
+
+    def _speculation_branch(self, decoding: list[Seq], budget: int, plain_s: float, spec_s: float) -> str:
+        """Whether the step just scheduled speculates for its decoding sequences (`speculated`: their blocks for
+        k + 1 positions allocated, each marked `is_drafting`), or why not."""
+        spec = self.speculation
+        assert spec is not None
+        k = spec.num_speculative_tokens
+        if spec.adaptive and not spec.is_faster(plain_s, spec_s):
+            return "slower"
+        if budget < k * len(decoding):
+            return "no_budget"
+        bs = self.engine.block_size
+        needs = [-(-(seq.num_computed + 1 + k) // bs) - seq.num_cached - seq.num_private for seq in decoding]
+        total = sum(need for need in needs if need > 0)
+        if total and not self.cache.allocate(total):
+            return "no_blocks"
+        for seq, need in zip(decoding, needs, strict=True):
+            if need > 0:
+                seq.num_private += need
+            seq.is_drafting = True
+        return "speculated"
+
+    def _speculated_tokens(self, seq: Seq) -> int:
+        """Tokens a decoding sequence emits in a speculative step: 1 + the drafts accepted, capped by its output."""
+        spec = self.speculation
+        assert spec is not None
+        if seq.rng is None:
+            seq.rng = random.Random(f"speculation:{self._seed}:{seq.request.id}")
+        emitted = 1 + accepted_drafts(seq.rng.random(), self._alpha, spec.num_speculative_tokens)
+        left = seq.request.output_tokens - seq.num_output
+        if emitted > left:
+            emitted = left
+        self.num_spec_seq_steps += 1
+        self.num_spec_tokens += emitted
+        return emitted
 
     # Decode runs: several decode-only steps as one event -----------------------------------------------------
 
@@ -330,7 +420,12 @@ class SimReplica:
         stored: list[int] | None = [] if emits else None
         is_finished = False
         for seq in self._scheduled:
-            computed = seq.num_computed + seq.num_scheduled
+            # A drafting sequence computes its last token and the drafts it accepts, and emits as many tokens.
+            emitted = 0
+            if seq.is_drafting:
+                seq.is_drafting = False
+                emitted = self._speculated_tokens(seq)
+            computed = seq.num_computed + (emitted or seq.num_scheduled)
             seq.num_computed = computed
             if is_caching:
                 full = computed // bs
@@ -347,9 +442,9 @@ class SimReplica:
                         cache.commit(hashes, seq.num_cached, full)
                     seq.num_private -= full - seq.num_cached
                     seq.num_cached = full
-            if decode_steps:
-                seq.num_output += decode_steps
-                seq.num_tokens += decode_steps
+            if decode_steps or emitted:
+                seq.num_output += decode_steps or emitted
+                seq.num_tokens += decode_steps or emitted
                 if seq.num_output >= seq.request.output_tokens:
                     is_finished = True
             elif computed == seq.num_tokens:

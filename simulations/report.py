@@ -78,6 +78,26 @@ def format_table(results: Sequence[RunResult], floor: dict[str, float] | None = 
     return "\n".join(lines)
 
 
+def format_speculation(results: Sequence[RunResult]) -> str:
+    """One line per run whose fleet speculates: how many decode steps did, why the others did not, and the tokens
+    a decoding sequence emitted per speculative step. Empty when none does."""
+    lines = []
+    for result in results:
+        spec = result.summary.get("speculation")
+        if spec is None:
+            continue
+        plain = spec["plain_decode_steps"]
+        total = spec["spec_steps"] + sum(plain.values())
+        why = ", ".join(f"{reason} {n:,}" for reason, n in plain.items())
+        share = spec["spec_steps"] / total if total else 0.0
+        lines.append(
+            f"speculation, {result.label}: {spec['spec_steps']:,} of {total:,} decode steps ({share:.1%})"
+            f"{f'; plain: {why}' if why else ''}; {spec['spec_tokens_per_step']:.2f} tokens per sequence per "
+            "speculative step"
+        )
+    return "\n".join(lines)
+
+
 def results_document(
     scenario: Scenario, results: Sequence[RunResult], *, command: str, floor: dict[str, float] | None
 ) -> dict[str, Any]:

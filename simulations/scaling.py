@@ -220,7 +220,6 @@ class PolicyFleet:
         self.reasons[static.reason.value] += 1
         return static.target_replicas
 
-
     def _lagged(self, obs: FleetObservation) -> tuple[int, int, int]:
         """(in flight, held, waiting) as of `metric_lag_s` ago: the newest tick at least that old (the oldest
         one while the run is younger than the lag)."""

@@ -4,12 +4,21 @@ A scenario names a workload (`trace`), a fleet (an engine preset, optionally ove
 router's settings, the policies to compare, the SLO and a seed. Every model is frozen and forbids unknown fields,
 so a typo in a scenario is an error, not a silent default. Policies are `router.policy.config` configurations
 (`kind` plus that policy's parameters) with an optional `label`, so one kind can appear with several settings.
+
+Fleet variants (`variants`) compare fleets rather than policies: each is a label and overrides of `fleet`, and
+every policy runs on every variant (`runs`), rows labelled `variant: policy`. It is a list of overrides rather than
+a list of whole fleets so that what a variant changes is all it states; the workload and the floor row come from
+the scenario's own fleet, so a variant may not change the block size or `prefill_only`.
+
+Trace files: a relative `path` is taken from the traces directory that `shoal simulate --traces-dir DIR` or the
+environment variable `SHOAL_TRACES_DIR` names (`resolve_trace_paths`), so scenario files name no machine's paths;
+an absolute path is used as it is.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -21,8 +30,8 @@ from router.policy.session import SessionAffinityConfig
 from simulations.metrics import SLOConfig
 from simulations.routing import IndexMode
 from simulations.scaling import AutoscaleConfig, FixedScalingConfig, ScalingConfig
-from simulations.servegen import ServeGenTraceConfig, ServeGenWorkload
-from simulations.step_model import EngineConfig, StepModel, load_preset
+from simulations.servegen import AzureLengths, ServeGenTraceConfig, ServeGenWorkload
+from simulations.step_model import EngineConfig, SpeculationConfig, StepModel, load_preset
 from simulations.synthetic import (
     AgenticConfig,
     AgenticWorkload,
@@ -36,6 +45,9 @@ from simulations.workload import PrefillOnlyWorkload, Workload
 
 DEFAULT_POLICIES = ("estimated_ttft", "sglang_cache_aware", "dynamo_kv", "least_load", "round_robin")
 """The five policies of the issue's comparison, Shoal's own first."""
+
+TRACES_DIR_ENV = "SHOAL_TRACES_DIR"
+"""The environment variable naming the directory that relative trace paths are taken from (`--traces-dir` wins)."""
 
 
 class _Model(BaseModel):
@@ -68,6 +80,15 @@ TraceConfig = Annotated[
 ]
 
 
+class ResolvedFleet(NamedTuple):
+    """A fleet's engine, step model and speculation, its preset's with the scenario's overrides applied."""
+
+    engine: EngineConfig
+    step_model: StepModel
+    speculation: SpeculationConfig | None
+    """None, or one whose `is_enabled` is False: plain decoding."""
+
+
 class FleetConfig(_Model):
     preset: str = "llama70b_8xa100"
     """Engine preset: a name in simulations/presets/ or a path to a preset file."""
@@ -77,17 +98,59 @@ class FleetConfig(_Model):
     """Overrides of the preset's `engine` fields (say, num_kv_blocks)."""
     step_model: dict[str, Any] = Field(default_factory=dict)
     """Overrides of the preset's `step_model` coefficients."""
+    speculation: dict[str, Any] | None = Field(default_factory=dict)
+    """Overrides of the preset's `speculation` fields (`step_model.SpeculationConfig`), or all of them for a preset
+    without speculation. `null`: no speculation, whatever the preset has. `{}` (the default): the preset's."""
     prefill_only: bool = False
     """Replicas are the prefill instances of a disaggregated deployment (Mooncake, Dynamo, llm-d P/D): each
     computes a prompt and its first token, then hands the request to decode instances, which are not simulated.
     Every request's output is cut to that one token; the prompt's blocks stay in the prefill instance's prefix
     cache. TTFT is then queueing plus prefill, and end-to-end latency equals TTFT."""
 
-    def resolve(self) -> tuple[EngineConfig, StepModel]:
+    def resolve(self) -> ResolvedFleet:
         preset = load_preset(self.preset)
         engine = EngineConfig.model_validate({**preset.engine.model_dump(), **self.engine})
         step_model = StepModel.model_validate({**preset.step_model.model_dump(), **self.step_model})
-        return engine, step_model
+        speculation = preset.speculation
+        if self.speculation is None:
+            speculation = None
+        elif self.speculation:
+            base = speculation.model_dump() if speculation is not None else {}
+            speculation = SpeculationConfig.model_validate({**base, **self.speculation})
+        return ResolvedFleet(engine, step_model, speculation)
+
+
+_MERGED_FLEET_FIELDS = ("engine", "step_model", "speculation")
+"""Fleet fields that are mappings of overrides: a variant's merge into the scenario's."""
+
+
+class FleetVariant(_Model):
+    """One fleet of a comparison of fleets: the scenario's `fleet` with some fields changed."""
+
+    label: str
+    """Names the variant's rows (`label: policy`) in the table and results.json."""
+    fleet: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of the scenario's `fleet`: `engine`, `step_model` and `speculation` mappings merge into the
+    scenario's (`speculation: null` turns it off); any other field (`preset`, `num_replicas`) replaces it.
+    `prefill_only` cannot change, as the variants share one workload."""
+
+    @field_validator("fleet")
+    @classmethod
+    def _same_workload(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if "prefill_only" in value:
+            raise ValueError("a variant cannot change `prefill_only`: every variant replays the same workload")
+        return value
+
+    def apply(self, fleet: FleetConfig) -> FleetConfig:
+        """`fleet` with this variant's overrides."""
+        data = fleet.model_dump()
+        for key, value in self.fleet.items():
+            current = data.get(key)
+            if key in _MERGED_FLEET_FIELDS and isinstance(value, dict) and isinstance(current, dict):
+                data[key] = {**current, **value}
+            else:
+                data[key] = value
+        return FleetConfig.model_validate(data)
 
 
 class RouterConfig(_Model):
@@ -148,6 +211,9 @@ class Scenario(_Model):
     fleet: FleetConfig = Field(default_factory=FleetConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     policies: list[PolicyEntry] = Field(default_factory=lambda: [policy_entry(p) for p in DEFAULT_POLICIES])
+    variants: list[FleetVariant] = Field(default_factory=list)
+    """Fleets to compare, each run with every policy (see the module docstring). Empty (the default): the one
+    `fleet`, and rows labelled by policy alone."""
     slo: SLOConfig = Field(default_factory=SLOConfig)
     scaling: ScalingConfig = Field(default_factory=FixedScalingConfig, discriminator="kind")
     autoscale: AutoscaleConfig | None = None
@@ -159,7 +225,8 @@ class Scenario(_Model):
     decode_steps_per_event: int = Field(default=64, ge=1)
     """Decode-only steps a replica may run as one event while no request waits (a request arriving meanwhile
     cuts it at the step boundary it arrives in). Timings are those of single steps; only the KV blocks for the
-    steps are allocated at its start. 1 simulates every step as its own event."""
+    steps are allocated at its start. 1 simulates every step as its own event; so does a replica that speculates,
+    whose steps emit a random number of tokens."""
     sample_interval_s: float = Field(default=10.0, gt=0.0)
     """Seconds between time-series samples (queue depth, hit ratio, replicas)."""
 
@@ -168,6 +235,27 @@ class Scenario(_Model):
         if self.autoscale is not None and not isinstance(self.scaling, FixedScalingConfig):
             raise ValueError("set either `scaling` or `autoscale`, not both")
         return self
+
+    @model_validator(mode="after")
+    def _variants_apply(self) -> Scenario:
+        labels = [variant.label for variant in self.variants]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"variant labels must differ, got {labels}")
+        for variant in self.variants:
+            variant.apply(self.fleet)  # an override naming no fleet field fails here, not mid-run
+        return self
+
+    def runs(self) -> list[tuple[Scenario, PolicyEntry]]:
+        """Every (scenario, policy) to simulate: each policy on the fleet, or on each variant's fleet in turn with
+        its rows labelled `variant: policy`."""
+        if not self.variants:
+            return [(self, entry) for entry in self.policies]
+        out: list[tuple[Scenario, PolicyEntry]] = []
+        for variant in self.variants:
+            scenario = self.model_copy(update={"fleet": variant.apply(self.fleet), "variants": []})
+            for entry in self.policies:
+                out.append((scenario, entry.model_copy(update={"label": f"{variant.label}: {entry.label}"})))
+        return out
 
     @field_validator("policies", mode="before")
     @classmethod
@@ -190,23 +278,52 @@ def policy_entry(item: str | dict[str, Any]) -> PolicyEntry:
 
 
 def load_scenario(path: str | Path) -> Scenario:
-    """A scenario from YAML; relative trace paths are taken from the working directory."""
+    """A scenario from YAML; relative trace paths stay relative until `resolve_trace_paths`."""
     with Path(path).open() as f:
         return Scenario.model_validate(yaml.safe_load(f))
 
 
-def build_workload(scenario: Scenario) -> Workload:
+def trace_file(path: Path, traces_dir: Path | None) -> Path:
+    """A trace file's path: an absolute one as it is, a relative one under `traces_dir`; a ValueError that names
+    the file and how to set the directory when it is relative with no directory, or missing."""
+    how = f"pass `shoal simulate --traces-dir DIR` or set {TRACES_DIR_ENV}"
+    if path.is_absolute():
+        resolved = path
+    elif traces_dir is None:
+        raise ValueError(f"trace file {str(path)!r} is relative to the traces directory, which is not set: {how}")
+    else:
+        resolved = traces_dir / path
+    if not resolved.is_file():
+        where = "" if path.is_absolute() else f" ({str(path)!r} under the traces directory {str(traces_dir)!r}; {how})"
+        raise ValueError(f"trace file {str(resolved)!r} not found{where}")
+    return resolved
+
+
+def resolve_trace_paths(trace: TraceConfig, traces_dir: Path | None) -> TraceConfig:
+    """`trace` with its file paths (the trace's, and a ServeGen curve's Azure lengths) made usable: see
+    `trace_file`. Synthetic workloads name no file and come back unchanged."""
+    if isinstance(trace, MooncakeTraceConfig | AzureTraceConfig):
+        return trace.model_copy(update={"path": trace_file(trace.path, traces_dir)})
+    if isinstance(trace, ServeGenTraceConfig):
+        update: dict[str, Any] = {"path": trace_file(trace.path, traces_dir)}
+        if isinstance(trace.lengths, AzureLengths):
+            update["lengths"] = trace.lengths.model_copy(update={"path": trace_file(trace.lengths.path, traces_dir)})
+        return trace.model_copy(update=update)
+    return trace
+
+
+def build_workload(scenario: Scenario, *, traces_dir: Path | None = None) -> Workload:
     """The scenario's workload, in blocks of its engine's block size (one output token each for a prefill-only
-    fleet)."""
-    workload = _build_trace_workload(scenario)
+    fleet); relative trace paths are taken from `traces_dir`."""
+    workload = _build_trace_workload(scenario, traces_dir)
     return PrefillOnlyWorkload(workload) if scenario.fleet.prefill_only else workload
 
 
-def _build_trace_workload(scenario: Scenario) -> Workload:
-    trace = scenario.trace
-    if trace is None:
+def _build_trace_workload(scenario: Scenario, traces_dir: Path | None) -> Workload:
+    if scenario.trace is None:
         raise ValueError("the scenario names no trace")
-    block_size = scenario.fleet.resolve()[0].block_size
+    trace = resolve_trace_paths(scenario.trace, traces_dir)
+    block_size = scenario.fleet.resolve().engine.block_size
     if isinstance(trace, MooncakeTraceConfig):
         return MooncakeWorkload(
             trace.path,

@@ -14,7 +14,8 @@ router's 503), so a fleet that never comes back cannot stall the run.
 
 from __future__ import annotations
 
-from collections import deque
+import math
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +68,7 @@ class Simulation:
         if scenario.fleet.prefill_only and not isinstance(workload, PrefillOnlyWorkload):
             workload = PrefillOnlyWorkload(workload)
         self.workload = workload
-        self.engine, self.step_model = scenario.fleet.resolve()
+        self.engine, self.step_model, self.speculation = scenario.fleet.resolve()
         if self.engine.block_size != workload.block_size:
             raise ValueError(
                 f"the engine's block size ({self.engine.block_size}) must equal the workload's ({workload.block_size})"
@@ -128,6 +129,8 @@ class Simulation:
             on_reject=self._reject,
             on_kv_events=self._kv_events if is_exact else None,
             max_decode_steps_per_event=self.scenario.decode_steps_per_event,
+            speculation=self.speculation,
+            seed=self.scenario.seed,
         )
         now = self.sim.now
         member = Member(replica, created_s=now, ready_s=now + startup_s)
@@ -359,7 +362,25 @@ class Simulation:
         summary = self.recorder.summary(self.scenario.slo, replica_seconds=replica_seconds, duration_s=end_s)
         summary["events"] = self.sim.num_events
         summary["index"] = _index_stats(self.router.index)
+        if self.speculation is not None and self.speculation.is_enabled:
+            summary["speculation"] = _speculation_stats([m.replica for m in self._members.values()])
         return RunResult(self.label, summary, self.recorder, self.sim.num_events)
+
+
+def _speculation_stats(replicas: list[SimReplica]) -> dict[str, Any]:
+    """The fleet's speculative steps: `spec_steps` that speculated, `plain_decode_steps` that did not, by reason,
+    and `spec_tokens_per_step`, tokens a decoding sequence emitted per speculative step (tau, less the outputs'
+    ends that cut some short)."""
+    branches: Counter[str] = Counter()
+    for replica in replicas:
+        branches.update(replica.spec_branches)
+    seq_steps = sum(r.num_spec_seq_steps for r in replicas)
+    spec_steps = branches.pop("speculated", 0)
+    return {
+        "spec_steps": spec_steps,
+        "plain_decode_steps": dict(sorted(branches.items())),
+        "spec_tokens_per_step": sum(r.num_spec_tokens for r in replicas) / seq_steps if seq_steps else math.nan,
+    }
 
 
 def _index_stats(index: PrefixIndex) -> dict[str, int]:

@@ -17,10 +17,19 @@ in a single forward pass. Its duration is modelled as
   for long prompts (on the 70B preset it adds ~60% to a 64k-token prefill), so the presets state it and a fitted
   model may set it to 0.
 
+Speculative decoding (`SpeculationConfig`): a drafter proposes k tokens per decoding sequence and the target
+verifies the k + 1 positions in one pass. The k draft positions of a sequence are a prefill chunk of k after its
+context, so a speculative step costs the plain step's terms plus, per decoding sequence, k verified positions
+(`verify_s_per_token`, by default b) and their causal attention pairs (e), plus the drafter's own time
+(`SpeculationConfig.step_time_s`, the one place of that formula). How many tokens a step emits is `speculation.py`'s.
+
 Presets live in `simulations/presets/*.yaml`, each stating where its figures come from; `load_preset` reads one by
 name or path. A `.json` path is a `shoal replica profile` file: real engine steps timed over a grid of batch
 shapes, to which `fit_step_model` fits the coefficients (non-negative least squares on relative error, so 2 ms
-decode steps weigh as much as 200 ms prefill steps), with the engine's own scheduler and cache settings.
+decode steps weigh as much as 200 ms prefill steps), with the engine's own scheduler and cache settings. A
+profile's optional `speculation` section (timed speculative decode steps) fits the speculation costs on top
+(`fit_speculation`); acceptance cannot come from a profile of random prompts, so that preset's speculation stays
+off until a scenario gives `mean_acceptance_length`.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
@@ -95,6 +104,81 @@ class EngineConfig(_Model):
     added while the simulation runs, not to the initial fleet."""
 
 
+class SpeculationConfig(_Model):
+    """Speculative decoding on a replica: what a speculative step costs (`step_time_s`), how many tokens it emits on
+    average, and whether a step speculates only when that is faster."""
+
+    num_speculative_tokens: int = Field(ge=1)
+    """k: draft tokens proposed per decoding sequence in a speculative step; the target verifies k + 1 positions.
+    No default: it is the deployment's choice (vLLM's `num_speculative_tokens`), and the acceptance length is
+    only meaningful for a given k."""
+    mean_acceptance_length: float | None = Field(default=None, ge=1.0)
+    """tau: tokens a decoding sequence emits per speculative step on average, the bonus token included, so in
+    [1, k + 1]; vLLM's metrics give it as 1 + accepted / drafts. None (the default): unknown, and no step
+    speculates. It depends on the traffic and the drafter, so a profile of random prompts cannot measure it: a
+    preset fitted from one leaves it None for a scenario (or `--acceptance-length`) to give."""
+    verify_s_per_token: float | None = Field(default=None, ge=0.0)
+    """Seconds per extra verified position (k per decoding sequence). None (the default): the step model's
+    `prefill_s_per_token`, since the draft positions run through the target like a prefill chunk."""
+    draft_step_s: float = Field(ge=0.0)
+    """Seconds the drafter adds to a speculative step whatever its batch (its weights read once per draft position
+    for an autoregressive drafter, once for a block drafter; launches). No default: it is the drafter's own."""
+    draft_s_per_seq: float = Field(ge=0.0)
+    """Seconds the drafter adds per decoding sequence of a speculative step (the FLOPs and KV of its k drafts). No
+    default, as `draft_step_s`."""
+    adaptive: bool = True
+    """A step speculates only when it is expected to emit tokens faster: D * tau / t_spec > D / t_plain, t_plain
+    being the same step without speculation. On by default: without it, speculation slows the steps where
+    verifying and drafting cost more than acceptance saves, and it is the comparison the bundled replica's
+    speculative decoding (to come) is to make. Off: every step with decoding sequences speculates when its token
+    budget and KV blocks allow."""
+
+    @model_validator(mode="after")
+    def _tau_within_k(self) -> SpeculationConfig:
+        tau, k = self.mean_acceptance_length, self.num_speculative_tokens
+        if tau is not None and tau > k + 1:
+            raise ValueError(f"mean_acceptance_length {tau} exceeds k + 1 = {k + 1}, the most a step can emit")
+        return self
+
+    @property
+    def is_enabled(self) -> bool:
+        """Whether steps may speculate: the acceptance length is known."""
+        return self.mean_acceptance_length is not None
+
+    def step_time_s(
+        self,
+        model: StepModel,
+        prefill_tokens: int,
+        decode_seqs: int,
+        decode_context_tokens: int,
+        kv_tokens_read: int = 0,
+        attention_pairs: float = 0.0,
+    ) -> float:
+        """Duration of a step that speculates for its D = `decode_seqs` decoding sequences, whose computed tokens
+        sum to C = `decode_context_tokens`:
+
+            t = model.step_time_s(prefill_tokens, D, kv_tokens_read, attention_pairs + k (C + D) + D k (k + 1) / 2)
+                + v k D + draft_step_s + draft_s_per_seq D
+
+        A sequence's k drafts are a prefill chunk of k after its context and its last sampled token (c + 1
+        tokens), hence k (c + 1) + k (k + 1) / 2 attention pairs each; their KV reads are the decode position's,
+        already counted. v is `verify_s_per_token`, or the model's `prefill_s_per_token`."""
+        k = self.num_speculative_tokens
+        v = model.prefill_s_per_token if self.verify_s_per_token is None else self.verify_s_per_token
+        draft_pairs = k * (decode_context_tokens + decode_seqs) + decode_seqs * k * (k + 1) / 2
+        return (
+            model.step_time_s(prefill_tokens, decode_seqs, kv_tokens_read, attention_pairs + draft_pairs)
+            + v * k * decode_seqs
+            + self.draft_step_s
+            + self.draft_s_per_seq * decode_seqs
+        )
+
+    def is_faster(self, plain_step_s: float, speculative_step_s: float) -> bool:
+        """The adaptive rule: D * tau / t_spec > D / t_plain, i.e. tau * t_plain > t_spec (D cancels)."""
+        assert self.mean_acceptance_length is not None
+        return self.mean_acceptance_length * plain_step_s > speculative_step_s
+
+
 class Preset(_Model):
     """A named engine: its step model, its KV cache and scheduler, and where the figures come from."""
 
@@ -104,6 +188,9 @@ class Preset(_Model):
     """Where each figure comes from, and which ones are estimates."""
     step_model: StepModel
     engine: EngineConfig
+    speculation: SpeculationConfig | None = None
+    """Speculative decoding, when the engine runs it. None (the default): plain decoding, as the bundled presets
+    describe engines without a drafter; a scenario's `fleet.speculation` sets or overrides it."""
 
 
 def load_preset(name_or_path: str) -> Preset:
@@ -227,6 +314,62 @@ def _nnls(rows: list[list[float]], targets: list[float], *, max_iterations: int 
     return [x[j] / norms[j] for j in range(n)]
 
 
+def fit_speculation(section: dict[str, Any], model: StepModel) -> tuple[SpeculationConfig, FitReport]:
+    """The speculation costs of a profile's `speculation` section: `num_speculative_tokens` k and samples of timed
+    speculative decode steps (`decode_seqs` D sequences of `context_tokens` L each verifying k drafts, drafting
+    included, `kv_tokens_read`, `step_s`). The residual t - t_plain, t_plain being the fitted `model`'s time for
+    the same step with the drafts' attention pairs (`SpeculationConfig.step_time_s` with no other cost), is fitted
+    by non-negative least squares on (k D, 1, D) for `verify_s_per_token`, `draft_step_s` and `draft_s_per_seq`,
+    each row divided by t as in `fit_step_model`.
+
+    k D and D are proportional when every sample has the same k, so the two per-sequence costs separate only if
+    samples time two k or more (a sample's own `num_speculative_tokens`, default the section's). With one k the
+    fit is of (1, D), and the per-sequence cost goes to verification at the prefill rate (`verify_s_per_token`'s
+    default), the rest to the drafter: any split predicts the same steps at that k. The acceptance length stays
+    None: random prompts say nothing of it."""
+    try:
+        k = int(section["num_speculative_tokens"])
+        samples = section["samples"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"the profile's speculation section lacks {exc}") from exc
+    if len(samples) < 3:
+        raise ValueError(f"speculation has 3 coefficients; the profile has only {len(samples)} speculative samples")
+    shapes: list[tuple[SpeculationConfig, int, int, int, float]] = []
+    for i, sample in enumerate(samples):
+        try:
+            k_i = int(sample.get("num_speculative_tokens", k))
+            d, length, kv = (int(sample[name]) for name in ("decode_seqs", "context_tokens", "kv_tokens_read"))
+            t = float(sample["step_s"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"speculative sample {i} lacks a numeric {exc}") from exc
+        if not (t > 0 and math.isfinite(t)):
+            raise ValueError(f"speculative sample {i} has step_s {t}; it must be a positive number of seconds")
+        free = SpeculationConfig(
+            num_speculative_tokens=k_i, verify_s_per_token=0.0, draft_step_s=0.0, draft_s_per_seq=0.0
+        )
+        shapes.append((free, d, length, kv, t))
+    targets = [(t - free.step_time_s(model, 0, d, d * length, kv)) / t for free, d, length, kv, t in shapes]
+    if len({free.num_speculative_tokens for free, *_ in shapes}) > 1:
+        rows = [[free.num_speculative_tokens * d / t, 1.0 / t, d / t] for free, d, _, _, t in shapes]
+        verify, fixed, per_seq = _nnls(rows, targets)
+    else:
+        fixed, both = _nnls([[1.0 / t, d / t] for _, d, _, _, t in shapes], targets)
+        verify = min(model.prefill_s_per_token, both / k)
+        per_seq = max(0.0, both - verify * k)
+    costs = {"verify_s_per_token": verify, "draft_step_s": fixed, "draft_s_per_seq": per_seq}
+    errors = [
+        abs(free.model_copy(update=costs).step_time_s(model, 0, d, d * length, kv) / t - 1.0)
+        for free, d, length, kv, t in shapes
+    ]
+    report = FitReport(
+        num_samples=len(shapes),
+        median_abs_rel_error=statistics.median(errors),
+        max_abs_rel_error=max(errors),
+        by_kind={"speculative": statistics.median(errors)},
+    )
+    return SpeculationConfig(num_speculative_tokens=k, **costs), report
+
+
 def preset_from_profile(path: Path) -> Preset:
     """A preset whose step model is fitted to a `shoal replica profile` file and whose engine is the profiled
     one (its KV blocks, batch limits and block size)."""
@@ -238,15 +381,26 @@ def preset_from_profile(path: Path) -> Preset:
         raise ValueError(f"{path}: not a `shoal replica profile` file (no kind: {PROFILE_KIND})")
     model, report = fit_step_model(document["samples"])
     engine = document["engine"]
+    description = (
+        f"{document.get('model')} on {document.get('device')} ({document.get('dtype')}, "
+        f"{document.get('threads')} threads), fitted to {report.num_samples} timed steps: median error "
+        f"{report.median_abs_rel_error:.1%}, worst {report.max_abs_rel_error:.1%}"
+    )
+    speculation = None
+    if document.get("speculation") is not None:
+        section = document["speculation"]
+        speculation, spec_report = fit_speculation(section, model)
+        description += (
+            f"; speculation (k {speculation.num_speculative_tokens}, {section.get('drafter')} drafter) fitted to "
+            f"{spec_report.num_samples} timed steps: median error {spec_report.median_abs_rel_error:.1%}, off until "
+            "a mean acceptance length is given"
+        )
     return Preset(
         name=f"profile:{path.stem}",
-        description=(
-            f"{document.get('model')} on {document.get('device')} ({document.get('dtype')}, "
-            f"{document.get('threads')} threads), fitted to {report.num_samples} timed steps: median error "
-            f"{report.median_abs_rel_error:.1%}, worst {report.max_abs_rel_error:.1%}"
-        ),
+        description=description,
         sources=[f"{path} (shoal replica profile, {document.get('created')})"],
         step_model=model,
+        speculation=speculation,
         engine=EngineConfig(
             num_kv_blocks=engine["num_blocks"],
             block_size=engine["block_size"],

@@ -263,8 +263,9 @@ class FakeReplica:
     async def _health(self, request: web.Request) -> web.Response:
         self._count(request)
         status = 200 if self.config.is_healthy else 503
-        return web.json_response({"status": "ok" if status == 200 else "unhealthy"}, status=status,
-                                 headers=self._headers())
+        return web.json_response(
+            {"status": "ok" if status == 200 else "unhealthy"}, status=status, headers=self._headers()
+        )
 
     async def _models(self, request: web.Request) -> web.Response:
         self._count(request)
@@ -279,14 +280,22 @@ class FakeReplica:
         waiting = overrides.get("waiting", self.in_flight - self.running)
         kv_usage = overrides.get("kv_usage", len(self.prefix_cache) / max(1, self.prefix_cache.capacity_blocks))
         if self.config.metrics_flavor == "vllm":
-            gauges = {"vllm:num_requests_running": running, "vllm:num_requests_waiting": waiting,
-                      "vllm:kv_cache_usage_perc": kv_usage}
-            counters = {"vllm:prefix_cache_queries_total": self.prefix_query_bytes,
-                        "vllm:prefix_cache_hits_total": self.prefix_hit_bytes}
+            gauges = {
+                "vllm:num_requests_running": running,
+                "vllm:num_requests_waiting": waiting,
+                "vllm:kv_cache_usage_perc": kv_usage,
+            }
+            counters = {
+                "vllm:prefix_cache_queries_total": self.prefix_query_bytes,
+                "vllm:prefix_cache_hits_total": self.prefix_hit_bytes,
+            }
             labels = 'engine="0",model_name="{}"'
         else:
-            gauges = {"sglang:num_running_reqs": running, "sglang:num_queue_reqs": waiting,
-                      "sglang:token_usage": kv_usage}
+            gauges = {
+                "sglang:num_running_reqs": running,
+                "sglang:num_queue_reqs": waiting,
+                "sglang:token_usage": kv_usage,
+            }
             counters = {}
             labels = 'model_name="{}"'
         lines = []
@@ -326,20 +335,32 @@ class FakeReplica:
         if config.fail_next_n > 0 or (config.fail_rate > 0 and self._rng.random() < config.fail_rate):
             config.fail_next_n = max(0, config.fail_next_n - 1)
             self.failed += 1
-            return web.json_response(_error_body("injected failure", config.fail_status), status=config.fail_status,
-                                     headers=self._headers())
+            return web.json_response(
+                _error_body("injected failure", config.fail_status), status=config.fail_status, headers=self._headers()
+            )
         model = body.get("model") or config.models[0]
         if model not in config.models:
-            return web.json_response(_error_body(f"The model `{model}` does not exist.", 404), status=404,
-                                     headers=self._headers())
+            return web.json_response(
+                _error_body(f"The model `{model}` does not exist.", 404), status=404, headers=self._headers()
+            )
         if request.path == "/v1/embeddings":
             data = [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2, 0.3, 0.4]}]
-            return web.json_response({"object": "list", "data": data, "model": model,
-                                      "usage": {"prompt_tokens": 1, "total_tokens": 1}}, headers=self._headers())
+            return web.json_response(
+                {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": 1, "total_tokens": 1}},
+                headers=self._headers(),
+            )
         if request.path not in INFERENCE_PATHS:
-            return web.json_response({"object": "echo", "replica": self.name, "method": request.method,
-                                      "path": request.path, "query": dict(request.query), "body": body or None},
-                                     headers=self._headers())
+            return web.json_response(
+                {
+                    "object": "echo",
+                    "replica": self.name,
+                    "method": request.method,
+                    "path": request.path,
+                    "query": dict(request.query),
+                    "body": body or None,
+                },
+                headers=self._headers(),
+            )
         if config.drop_connection_after_chunks is not None and not body.get("stream"):
             await self._drop(request, state)
 
@@ -361,8 +382,9 @@ class FakeReplica:
         request.transport.abort()
         await asyncio.Event().wait()  # connection_lost cancels this handler
 
-    async def _generate(self, request: web.Request, body: dict[str, Any], model: str,
-                        state: dict[str, bool]) -> web.StreamResponse:
+    async def _generate(
+        self, request: web.Request, body: dict[str, Any], model: str, state: dict[str, bool]
+    ) -> web.StreamResponse:
         config = self.config
         prompt, num_prompt_tokens = _prompt_of(request.path, body)
         num_cached_bytes = self.prefix_cache.lookup_and_insert(prompt)
@@ -375,11 +397,18 @@ class FakeReplica:
         num_tokens = min(config.num_output_tokens, int(max_tokens))
         finish_reason = "length" if num_tokens < config.num_output_tokens else "stop"
         pieces = [f"{self.name}/tok{i} " for i in range(num_tokens)]
-        usage = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_tokens,
-                 "total_tokens": num_prompt_tokens + num_tokens}
+        usage = {
+            "prompt_tokens": num_prompt_tokens,
+            "completion_tokens": num_tokens,
+            "total_tokens": num_prompt_tokens + num_tokens,
+        }
         is_chat = request.path == "/v1/chat/completions"
-        head = {"id": f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": model, "system_fingerprint": f"fake-{self.name}"}
+        head = {
+            "id": f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "created": int(time.time()),
+            "model": model,
+            "system_fingerprint": f"fake-{self.name}",
+        }
         prefill_s = config.first_byte_delay_s + num_uncached_tokens * config.prefill_s_per_token
 
         if not body.get("stream"):
@@ -390,11 +419,19 @@ class FakeReplica:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
-            return web.json_response({**head, "object": "chat.completion" if is_chat else "text_completion",
-                                      "choices": [choice], "usage": usage}, headers=self._headers())
+            return web.json_response(
+                {
+                    **head,
+                    "object": "chat.completion" if is_chat else "text_completion",
+                    "choices": [choice],
+                    "usage": usage,
+                },
+                headers=self._headers(),
+            )
 
-        response = web.StreamResponse(headers={**self._headers(), "Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})
+        response = web.StreamResponse(
+            headers={**self._headers(), "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await response.prepare(request)
         chunk_object = "chat.completion.chunk" if is_chat else "text_completion"
 
@@ -411,8 +448,9 @@ class FakeReplica:
         chunks = [chunk(None, None, role=True)] if is_chat else []
         chunks += [chunk(p, finish_reason if i == num_tokens - 1 else None) for i, p in enumerate(pieces)]
         if (body.get("stream_options") or {}).get("include_usage"):
-            chunks.append(f"data: {json.dumps({**head, 'object': chunk_object, 'choices': [], 'usage': usage})}\n\n"
-                          .encode())
+            chunks.append(
+                f"data: {json.dumps({**head, 'object': chunk_object, 'choices': [], 'usage': usage})}\n\n".encode()
+            )
         chunks.append(b"data: [DONE]\n\n")
         await asyncio.sleep(prefill_s)
         try:
@@ -441,9 +479,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--metrics-flavor", choices=("vllm", "sglang"), default="vllm")
     args = parser.parse_args(argv)
     config = FakeReplicaConfig(
-        name=args.name, models=tuple(args.model or ("shoal-demo",)), first_byte_delay_s=args.first_byte_delay_s,
-        per_token_delay_s=args.per_token_delay_s, prefill_s_per_token=args.prefill_s_per_token,
-        num_output_tokens=args.num_output_tokens, metrics_flavor=args.metrics_flavor,
+        name=args.name,
+        models=tuple(args.model or ("shoal-demo",)),
+        first_byte_delay_s=args.first_byte_delay_s,
+        per_token_delay_s=args.per_token_delay_s,
+        prefill_s_per_token=args.prefill_s_per_token,
+        num_output_tokens=args.num_output_tokens,
+        metrics_flavor=args.metrics_flavor,
     )
 
     async def serve() -> None:

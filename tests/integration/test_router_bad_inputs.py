@@ -22,6 +22,7 @@ def start_router(start_router: StartRouter, request: pytest.FixtureRequest) -> S
     """Each test runs twice: inference requests served by the router's front, and by aiohttp (`front: false`)."""
     return with_front(start_router, request.param)
 
+
 JSON = {"Content-Type": "application/json"}
 
 

@@ -77,8 +77,12 @@ async def test_pipelined_requests_are_answered_in_order_on_one_connection(
             assert headers["x-shoal-replica"] and headers["x-shoal-route-branch"]
             assert json.loads(body)["usage"]["completion_tokens"] == max_tokens
         # A streamed answer on the same connection comes chunked, and the connection is still usable after it.
-        writer.write(post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                                   "stream": True}))
+        writer.write(
+            post(
+                "/v1/chat/completions",
+                {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+            )
+        )
         status, headers, body = await read_answer(reader)
         assert status == 200 and headers["content-type"].startswith("text/event-stream")
         assert body.endswith(b"data: [DONE]\n\n")

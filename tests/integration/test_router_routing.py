@@ -116,9 +116,7 @@ async def test_hot_prefix_spills_when_its_replica_backs_up(start_fakes: StartFak
     assert sum(f.requests_by_path["/v1/completions"] for f in fakes) == 25
 
 
-async def test_a_burst_sees_the_record_of_its_first_request(
-    start_fakes: StartFakes, start_router: StartRouter
-) -> None:
+async def test_a_burst_sees_the_record_of_its_first_request(start_fakes: StartFakes, start_router: StartRouter) -> None:
     # The router records a routed prompt once the request is written (or before it connects), not within the
     # decision, but still before the next decision runs: a burst of one new prefix has a single cache miss.
     fakes = await start_fakes(3, first_byte_delay_s=0.2, num_output_tokens=2)

@@ -19,8 +19,18 @@ def test_shoal_up_serves_the_demo_requests(tiny_checkpoint: Path) -> None:
     router_port = free_ports(2)
     proc = subprocess.run(
         [
-            str(shoal), "up", "--model", str(tiny_checkpoint), "--replicas", "2",
-            "--port", str(router_port), "--replica-base-port", str(base), "--demo-requests", "--exit-after-demo",
+            str(shoal),
+            "up",
+            "--model",
+            str(tiny_checkpoint),
+            "--replicas",
+            "2",
+            "--port",
+            str(router_port),
+            "--replica-base-port",
+            str(base),
+            "--demo-requests",
+            "--exit-after-demo",
         ],
         capture_output=True,
         text=True,

@@ -43,8 +43,16 @@ def test_router_and_replicas_get_sigterm_when_shoal_up_is_killed(tiny_checkpoint
     with log.open("wb") as out:
         parent = subprocess.Popen(
             [
-                str(shoal), "up", "--model", str(tiny_checkpoint), "--replicas", "2",
-                "--port", str(router_port), "--replica-base-port", str(replica_base),
+                str(shoal),
+                "up",
+                "--model",
+                str(tiny_checkpoint),
+                "--replicas",
+                "2",
+                "--port",
+                str(router_port),
+                "--replica-base-port",
+                str(replica_base),
             ],
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -53,8 +53,14 @@ async def test_health_models_metrics_and_echo(replica: FakeReplica) -> None:
         assert 'sglang:num_queue_reqs{model_name="shoal-demo"} 7.0' in text
         async with session.post(f"{replica.url}/v1/rerank?x=1", json={"q": 1}) as resp:
             echo = await resp.json()
-        assert echo == {"object": "echo", "replica": "a", "method": "POST", "path": "/v1/rerank",
-                        "query": {"x": "1"}, "body": {"q": 1}}
+        assert echo == {
+            "object": "echo",
+            "replica": "a",
+            "method": "POST",
+            "path": "/v1/rerank",
+            "query": {"x": "1"},
+            "body": {"q": 1},
+        }
         async with session.post(f"{replica.url}/v1/completions", json={"model": "other", "prompt": "x"}) as resp:
             assert resp.status == 404
 
@@ -72,7 +78,9 @@ async def test_official_client_sync_async_and_streaming(replica: FakeReplica) ->
 
     client = openai.AsyncOpenAI(base_url=replica.url + "/v1", api_key="x", max_retries=0)
     stream = await client.chat.completions.create(
-        model="shoal-demo", messages=[{"role": "user", "content": "hi"}], stream=True,
+        model="shoal-demo",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
         stream_options={"include_usage": True},
     )
     pieces, usage = [], None

@@ -27,8 +27,7 @@ def test_importing_replica_does_not_import_torch() -> None:
 
 def test_shoal_router_help_does_not_import_torch() -> None:
     loaded = _modules_after(
-        "from router.cli import main\n"
-        "try:\n    main(['router', '--help'])\nexcept SystemExit:\n    pass"
+        "from router.cli import main\ntry:\n    main(['router', '--help'])\nexcept SystemExit:\n    pass"
     )
     assert "torch" not in loaded
     assert "aiohttp" in loaded or "pydantic_settings" in loaded  # the router's own settings were loaded

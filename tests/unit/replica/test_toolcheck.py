@@ -27,7 +27,7 @@ def test_each_completion_reaches_the_level_it_earns() -> None:
         '<tool_call>\n{"name": "get_order_status", "arguments": {"order_id": "ORD-1"}}\n</tool_call>': "json",
         '<tool_call>\n{"name": "check_inventory", "arguments": {"item": "x"}}\n</tool_call>': "name",
         '<tool_call>\n{"name": "check_inventory", "arguments": {"product": "x", "quantity": "5"}}': "name",
-        f'<tool_call>\n{json.dumps({"name": prompt.name, "arguments": other_value})}\n</tool_call>': "schema",
+        f"<tool_call>\n{json.dumps({'name': prompt.name, 'arguments': other_value})}\n</tool_call>": "schema",
         f"Let me check.\n<tool_call>\n{exact}\n</tool_call>": "exact",
     }
     levels = [score(text, prompt) for text in cases]

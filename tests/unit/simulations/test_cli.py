@@ -82,7 +82,8 @@ def test_bundled_scenarios_parse(tmp_path: Path) -> None:
     for path in files:
         scenario = load_scenario(path)
         assert scenario.description, path.name
-        scenario.fleet.resolve()
+        for run_scenario, _ in scenario.runs():
+            run_scenario.fleet.resolve()
 
 
 def test_bad_flags_are_refused(small_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -90,3 +91,15 @@ def test_bad_flags_are_refused(small_trace: Path, tmp_path: Path, capsys: pytest
     assert "nope" in capsys.readouterr().err
     scenario = SCENARIOS / "05_synthetic_sessions.yaml"
     assert simulate(["--scenario", str(scenario), "--speed", "2", "--out", str(tmp_path)]) == 2
+
+
+def test_the_speculative_decoding_scenario_compares_fleets_on_a_relative_trace() -> None:
+    from simulations.scenario import AzureTraceConfig, load_scenario
+
+    scenario = load_scenario(SCENARIOS / "15_speculative_decoding.yaml")
+    assert isinstance(scenario.trace, AzureTraceConfig) and not scenario.trace.path.is_absolute()
+    fleets = {entry.label.split(": ")[0]: run.fleet.resolve() for run, entry in scenario.runs()}
+    assert fleets["plain"].speculation is None
+    tau3 = fleets["k4 tau3"].speculation
+    assert tau3 is not None and tau3.is_enabled and tau3.num_speculative_tokens == 4
+    assert tau3.mean_acceptance_length == 3.0

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from simulations.scenario import policy_entry
+from simulations.scenario import FleetConfig, policy_entry
 from simulations.simulation import Simulation
-from simulations.step_model import StepModel, fit_step_model, load_preset
+from simulations.step_model import SpeculationConfig, StepModel, fit_speculation, fit_step_model, load_preset
 
 from .conftest import request, scenario, workload
 
@@ -98,6 +98,66 @@ def test_a_profile_file_is_a_preset_with_the_profiled_engine(tmp_path: Path) -> 
     assert preset.engine.max_num_batched_tokens == 384
     assert preset.step_model.step_s == pytest.approx(TRUE.step_s, rel=1e-6)
     assert "fitted to 40 timed steps" in preset.description
+
+
+SPEC_TRUE = SpeculationConfig(
+    num_speculative_tokens=3, verify_s_per_token=6e-5, draft_step_s=0.0015, draft_s_per_seq=4e-5
+)
+
+
+def speculative_samples(model: StepModel, spec: SpeculationConfig, ks: tuple[int, ...] = (3,)) -> list[dict[str, Any]]:
+    """Timed speculative decode steps as `shoal replica profile` writes them, made by the formula from known costs:
+    D sequences of context L each, verifying k drafts (named in a sample when the profile times several k)."""
+    out = []
+    for k in ks:
+        timed = spec.model_copy(update={"num_speculative_tokens": k})
+        for d in (1, 2, 4, 8, 16, 32):
+            for length in (64, 512, 1024):
+                t = timed.step_time_s(model, 0, d, d * length, d * length)
+                sample = {"decode_seqs": d, "context_tokens": length, "kv_tokens_read": d * length, "step_s": t}
+                out.append(sample if len(ks) == 1 else {**sample, "num_speculative_tokens": k})
+    return out
+
+
+def test_speculative_steps_at_two_k_give_all_three_costs() -> None:
+    section = {"num_speculative_tokens": 3, "samples": speculative_samples(TRUE, SPEC_TRUE, ks=(2, 4))}
+    fitted, report = fit_speculation(section, TRUE)
+    assert fitted.num_speculative_tokens == 3
+    for name in ("verify_s_per_token", "draft_step_s", "draft_s_per_seq"):
+        assert getattr(fitted, name) == pytest.approx(getattr(SPEC_TRUE, name), rel=1e-6), name
+    assert report.max_abs_rel_error < 1e-6
+
+
+def test_at_one_k_verification_is_taken_at_the_prefill_rate(tmp_path: Path) -> None:
+    # k D and D are proportional at one k; costs generated with verification at the prefill rate come back exactly.
+    true = SPEC_TRUE.model_copy(update={"verify_s_per_token": None})
+    section = {"num_speculative_tokens": 3, "drafter": "block", "samples": speculative_samples(TRUE, true)}
+    fitted, report = fit_speculation(section, TRUE)
+    assert fitted.verify_s_per_token == pytest.approx(TRUE.prefill_s_per_token, rel=1e-6)
+    assert fitted.draft_step_s == pytest.approx(true.draft_step_s, rel=1e-6)
+    assert fitted.draft_s_per_seq == pytest.approx(true.draft_s_per_seq, rel=1e-6)
+    assert report.max_abs_rel_error < 1e-6
+    # Through a profile file: the preset carries the costs, with speculation off until tau is given.
+    path = tmp_path / "profile.json"
+    engine = {"block_size": 16, "num_blocks": 700, "max_num_seqs": 12, "max_num_batched_tokens": 384}
+    doc = {"kind": "shoal-replica-profile", "engine": engine, "samples": samples(TRUE), "speculation": section}
+    path.write_text(json.dumps(doc))
+    preset = load_preset(str(path))
+    assert preset.speculation is not None and not preset.speculation.is_enabled
+    assert preset.speculation.draft_step_s == pytest.approx(true.draft_step_s, rel=1e-6)
+    assert "block drafter" in preset.description
+    resolved = FleetConfig(preset=str(path), speculation={"mean_acceptance_length": 2.5}).resolve().speculation
+    assert resolved is not None and resolved.is_enabled
+    assert resolved.draft_s_per_seq == pytest.approx(true.draft_s_per_seq, rel=1e-6)
+
+
+def test_a_speculation_section_with_too_few_or_bad_samples_is_refused() -> None:
+    rows = speculative_samples(TRUE, SPEC_TRUE)
+    with pytest.raises(ValueError, match="only 2 speculative samples"):
+        fit_speculation({"num_speculative_tokens": 3, "samples": rows[:2]}, TRUE)
+    rows[4] = {**rows[4], "step_s": -1.0}
+    with pytest.raises(ValueError, match="speculative sample 4"):
+        fit_speculation({"num_speculative_tokens": 3, "samples": rows}, TRUE)
 
 
 def test_a_json_file_that_is_not_a_profile_is_refused(tmp_path: Path) -> None:
