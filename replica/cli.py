@@ -23,6 +23,23 @@ _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--num-blocks", {"type": int, "help": "KV cache blocks"}),
     ("--max-num-seqs", {"type": int}),
     ("--threads", {"type": int, "help": "torch CPU threads (default: torch's choice)"}),
+    (
+        "--drafter",
+        {"help": "speculative drafter folder, `none`, or `auto` (default: the checkpoint's drafter/ if it has one)"},
+    ),
+    (
+        "--num-speculative-tokens",
+        {"type": int, "metavar": "K", "help": "tokens drafted per sequence per step, at most (default 4; 0: off)"},
+    ),
+    (
+        "--no-adaptive-speculation",
+        {
+            "dest": "adaptive_speculation",
+            "action": "store_const",
+            "const": False,
+            "help": "always draft K tokens (default: K shrinks with acceptance, and off where it does not pay)",
+        },
+    ),
 )
 """The model and engine flags of `shoal replica`, which `shoal replica profile` also takes: a profile must time the
 engine as it will serve."""
@@ -100,6 +117,27 @@ def add_replica_command(subparsers: Any) -> None:
     )
     prof.set_defaults(run=_run_profile)
 
+    train = actions.add_parser(
+        "train-drafter",
+        help="train a speculative drafter on captured token ids (shoal replica --capture-dir)",
+        description="Distil a drafter from the target model on the prompt and output ids a replica captured: the "
+        "target runs over each captured request and the drafter learns its distribution at every output position. "
+        "Prints the held-out loss, agreement by draft position and the acceptance length of speculative decoding "
+        "on held-out prompts. Serve the result with `shoal replica --drafter OUT`.",
+    )
+    train.add_argument("--traces", type=Path, required=True, help="capture directory (capture-*.jsonl files)")
+    train.add_argument("--kind", choices=["block", "dense"], default="block", help="drafter kind (default block)")
+    train.add_argument("--out", type=Path, required=True, help="folder to write the drafter to")
+    train.add_argument("--model", default="demo", help="the target: checkpoint folder, or `demo` (default)")
+    train.add_argument("--max-steps", type=int, help="training steps (default 600)")
+    train.add_argument("--max-seconds", type=float, help="training time budget in seconds (default 1200)")
+    train.add_argument("--block-size", type=int, help="block drafter: drafts per pass (default 8)")
+    train.add_argument(
+        "--eval-prompts", type=int, help="held-out prompts run through the engine for the acceptance length (48)"
+    )
+    train.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    train.set_defaults(run=_run_train_drafter)
+
 
 def sleeping_omp_threads() -> None:
     """Idle OpenMP threads sleep instead of spinning (`OMP_WAIT_POLICY=PASSIVE`), unless the environment already says.
@@ -146,6 +184,9 @@ def _settings_from_args(args: argparse.Namespace) -> Any:
         "log_level",
         "capture_dir",
         "capture_text",
+        "drafter",
+        "num_speculative_tokens",
+        "adaptive_speculation",
     ):
         value = getattr(args, flag, None)
         if value is not None:
@@ -226,6 +267,32 @@ def _run_profile(args: argparse.Namespace) -> int:
         )
     document = run_profile(settings, out=args.out, grid=grid, threads=args.threads, seed=args.seed)
     print(f"wrote {len(document['samples'])} step samples to {args.out} in {document['profile_s']} s")
+    return 0
+
+
+def _run_train_drafter(args: argparse.Namespace) -> int:
+    sleeping_omp_threads()
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    from dataclasses import replace
+
+    from replica.spec.build import TrainDrafterError, train_drafter_command
+    from replica.spec.train import DrafterRecipe
+
+    recipe = DrafterRecipe(kind=args.kind)
+    for name in ("max_steps", "max_seconds", "block_size", "eval_prompts"):
+        if getattr(args, name) is not None:
+            recipe = replace(recipe, **{name: getattr(args, name)})
+    try:
+        train_drafter_command(
+            model=args.model,
+            traces=args.traces,
+            out=args.out,
+            recipe=recipe,
+            threads=args.threads,
+        )
+    except TrainDrafterError as exc:
+        print(f"shoal replica train-drafter: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

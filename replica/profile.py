@@ -10,6 +10,12 @@ features the simulator computes for a step:
 - decode: `B` sequences of context `L` decoding one token each: `kv_tokens_read` = the sum of their computed tokens;
 - mixed: `B` decoding sequences plus one prefill chunk in the same step, to check that the costs add.
 Each point is repeated and the median kept (the spread is written too), after warm-up steps that are not kept.
+
+With a drafter (the settings' `drafter`, as `shoal replica` would load it), the decode points are timed again as
+speculative steps, at k = the configured `num_speculative_tokens` and half of it, drafts verified and the next
+ones proposed in each timed step: the file's `speculation` section, to which the simulator fits the cost of
+verifying and drafting (two values of k separate the per-token from the per-sequence cost). Random prompts say
+nothing about acceptance, so the section has no acceptance length.
 """
 
 from __future__ import annotations
@@ -140,7 +146,8 @@ class Profiler:
 
     def decode(self, num_seqs: int, context: int, repeats: int, warmup: int) -> StepSample:
         startup = self._startup_steps(num_seqs, context)
-        self._start_decoders(num_seqs, context, max_tokens=startup + warmup + repeats + 2)
+        per_step = 1 + self.engine.config.num_speculative_tokens  # a speculative step emits up to k + 1 tokens
+        self._start_decoders(num_seqs, context, max_tokens=(startup + warmup + repeats + 2) * per_step)
         for _ in range(warmup):
             self.engine.step()
         kv_reads, times = [], []
@@ -170,10 +177,35 @@ class Profiler:
             self.engine.abort(seq.seq_id)
         self._drain()
 
+    def speculative_decode(self, num_seqs: int, context: int, repeats: int, warmup: int) -> dict[str, Any]:
+        """Steps of `num_seqs` decoding sequences that each verify k drafts and propose k more (the engine's k,
+        adaptive speculation off so every step drafts k)."""
+        sample = self.decode(num_seqs, context, repeats, warmup)
+        return {
+            "num_speculative_tokens": self.engine.config.num_speculative_tokens,
+            "decode_seqs": num_seqs,
+            "context_tokens": context,
+            "kv_tokens_read": sample.kv_tokens_read,
+            "step_s": sample.step_s,
+            "step_s_all": sample.step_s_all,
+        }
+
+    def decode_points(self, grid: ProfileGrid) -> list[tuple[int, int]]:
+        """(sequences, context) of the grid's decode points that fit this engine."""
+        cfg = self.engine.config
+        steps = grid.warmup_steps + 2 * grid.repeats + 4
+        points = []
+        for context in grid.decode_context_tokens:
+            for seqs in grid.decode_seqs:
+                tokens = context + (steps + self._startup_steps(seqs, context)) * (1 + cfg.num_speculative_tokens)
+                blocks = seqs * (-(-tokens // cfg.block_size) + 1)
+                if seqs <= cfg.max_num_seqs and tokens < self.engine.max_model_len and blocks <= cfg.num_blocks - 1:
+                    points.append((seqs, context))
+        return points
+
     def run(self, grid: ProfileGrid) -> list[StepSample]:
         cfg = self.engine.config
         max_len = self.engine.max_model_len
-        blocks_free = cfg.num_blocks - 1
         points: list[tuple[str, Callable[[], StepSample]]] = []
         for prefix in grid.prefix_tokens:
             for chunk in grid.prefill_tokens:
@@ -181,18 +213,10 @@ class Profiler:
                     points.append(
                         (f"prefill {chunk} after {prefix}", partial(self.prefill, chunk, prefix, grid.repeats))
                     )
-        steps = grid.warmup_steps + 2 * grid.repeats + 4
-        for context in grid.decode_context_tokens:
-            for seqs in grid.decode_seqs:
-                tokens = context + steps + self._startup_steps(seqs, context)
-                blocks = seqs * -(-tokens // cfg.block_size)
-                if seqs <= cfg.max_num_seqs and tokens < max_len and blocks <= blocks_free:
-                    points.append(
-                        (
-                            f"decode {seqs} x {context}",
-                            partial(self.decode, seqs, context, grid.repeats, grid.warmup_steps),
-                        )
-                    )
+        for seqs, context in self.decode_points(grid):
+            points.append(
+                (f"decode {seqs} x {context}", partial(self.decode, seqs, context, grid.repeats, grid.warmup_steps))
+            )
         for seqs, chunk in grid.mixed:
             context = grid.mixed_context_tokens
             if seqs < cfg.max_num_seqs and chunk + seqs <= cfg.max_num_batched_tokens:
@@ -257,13 +281,41 @@ def run_profile(settings: Any, *, out: Path, grid: ProfileGrid, threads: int | N
         torch.set_num_threads(threads)
     model, _tokenizer = load_for_serving(settings)
     from replica.model.model import MoEForCausalLM
+    from replica.server.serve import checkpoint_dir, load_drafter_for_serving
+    from replica.spec.checkpoint import drafter_runtime
 
     assert isinstance(model, MoEForCausalLM)
+    drafter = load_drafter_for_serving(settings, model, checkpoint_dir(settings))
     # Prefix caching on whatever the settings say: the grid times steps after cached prefixes.
-    config = dataclasses.replace(settings.engine_config(), enable_prefix_caching=True)
+    config = dataclasses.replace(settings.engine_config(), enable_prefix_caching=True, num_speculative_tokens=0)
     engine = LLMEngine(model, config)
     started = time.perf_counter()
-    samples = Profiler(engine, seed=seed, progress=lambda line: print(line, file=sys.stderr, flush=True)).run(grid)
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    samples = Profiler(engine, seed=seed, progress=progress).run(grid)
+    speculation = None
+    if drafter is not None:
+        k_max = settings.num_speculative_tokens
+        spec_samples = []
+        for k in sorted({max(1, k_max // 2), k_max}):
+            spec_config = dataclasses.replace(config, num_speculative_tokens=k, adaptive_speculation=False)
+            runtime = drafter_runtime(
+                drafter,
+                num_blocks=config.num_blocks,
+                block_size=config.block_size,
+                max_tokens=k,
+            )
+            profiler = Profiler(LLMEngine(model, spec_config, drafter=runtime), seed=seed, progress=progress)
+            for seqs, context in profiler.decode_points(grid):
+                spec_samples.append(profiler.speculative_decode(seqs, context, grid.repeats, grid.warmup_steps))
+                progress(f"speculative decode k={k} {seqs} x {context}: {spec_samples[-1]['step_s'] * 1e3:.2f} ms")
+        speculation = {
+            "num_speculative_tokens": k_max,
+            "drafter": "block" if drafter.__class__.__name__.startswith("Block") else "dense",
+            "samples": spec_samples,
+        }
     meta = {
         "model": settings.model_name,
         "device": settings.device,
@@ -273,6 +325,8 @@ def run_profile(settings: Any, *, out: Path, grid: ProfileGrid, threads: int | N
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     document = profile_document(engine, samples, meta=meta)
+    if speculation is not None:
+        document["speculation"] = speculation
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
     tmp.write_text(json.dumps(document, indent=1) + "\n")

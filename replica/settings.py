@@ -69,6 +69,15 @@ class ReplicaSettings(BaseSettings):
     """Name in KV events; default host:port."""
     seed: int = 0
     """Seed for requests without a seed of their own."""
+    drafter: str = "auto"
+    """Speculative decoding's drafter: a folder written by `shoal replica train-drafter`, `none`, or `auto` (the
+    default): the `drafter/` folder inside the model's checkpoint if it has one (the demo model does), else none."""
+    num_speculative_tokens: int = Field(4, ge=0)
+    """k: tokens the drafter proposes per sequence per step, at most (a block drafter serves up to its block size);
+    0 turns speculation off. 4 by default: past it, each draft is accepted less often and verification grows."""
+    adaptive_speculation: bool = True
+    """Shrink k for sequences whose drafts are rarely accepted, and skip speculation for batch sizes where it is
+    measured not to pay, so that speculation never makes a busy replica slower. Off: always k drafts."""
     capture_dir: Path | None = None
     """Record every request's prompt and output token ids here, as JSONL (`replica.capture`), for training a
     speculative drafter on the model's own ids. Off by default: capture is opt-in."""
@@ -137,4 +146,6 @@ class ReplicaSettings(BaseSettings):
             enable_prefix_caching=self.enable_prefix_caching,
             hash_seed=namespace_seed(self.model_name),
             seed=self.seed,
+            num_speculative_tokens=self.num_speculative_tokens,
+            adaptive_speculation=self.adaptive_speculation,
         )

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 DEMO_VERSION = "v2"
 
@@ -57,6 +58,11 @@ class DemoRecipe:
     learning_rate: float = 3e-3
     aux_loss_weight: float = 0.01
     seed: int = 0
+    drafter_requests: int = 4000
+    """Demo chat requests the trained model answers (half greedy, half sampled) to make the drafter's training
+    traffic (`replica.demo.traffic`); 0 builds no drafter."""
+    drafter_steps: int = 600
+    """Training steps of the demo's block drafter (`replica.spec.train`)."""
 
 
 def cache_dir() -> Path:
@@ -203,6 +209,8 @@ def build_demo(
     try:
         save_checkpoint(model, tmp)
         tokenizer.save(tmp / "tokenizer.json")
+        if recipe.drafter_requests:
+            _build_drafter(tokenizer, tmp, recipe, progress)
         (tmp / "heldout.json").write_text(json.dumps(heldout, ensure_ascii=False), encoding="utf-8")
         meta = {
             "recipe": asdict(recipe),
@@ -220,6 +228,43 @@ def build_demo(
             shutil.rmtree(tmp, ignore_errors=True)
     progress(f"demo model written to {out}")
     return out
+
+
+def _build_drafter(tokenizer: Any, folder: Path, recipe: DemoRecipe, progress: Callable[[str], None]) -> None:
+    """The demo's block drafter, trained on the demo model's own answers, into `folder/drafter`. The model is
+    loaded back from `folder` as `shoal replica` loads it, so the drafter learns the model as it is served."""
+    from replica.capture import CaptureSource, fingerprint_model, fingerprint_tokenizer
+    from replica.demo.traffic import generate_traffic
+    from replica.model.loader import load_model
+    from replica.spec.build import build_drafter
+    from replica.spec.checkpoint import target_fingerprint
+    from replica.spec.train import DrafterRecipe, load_capture_examples
+
+    traffic = folder / "traffic"
+    source = CaptureSource(
+        model="shoal-demo",
+        model_hash=fingerprint_model(folder),
+        tokenizer_hash=fingerprint_tokenizer(folder / "tokenizer.json"),
+        keep_text=False,
+    )
+    model = load_model(folder)
+    generate_traffic(model, tokenizer, traffic, num_requests=recipe.drafter_requests, source=source, progress=progress)
+    drafter_recipe = DrafterRecipe(kind="block", max_steps=recipe.drafter_steps, seed=recipe.seed)
+    train, heldout = load_capture_examples(
+        traffic, max_len=model.config.max_position_embeddings, heldout_fraction=drafter_recipe.heldout_fraction
+    )
+    build_drafter(
+        model,
+        tokenizer,
+        train,
+        heldout,
+        drafter_recipe,
+        out=folder / "drafter",
+        target_hash=target_fingerprint(folder),
+        progress=progress,
+        show_bar=False,
+    )
+    shutil.rmtree(traffic)
 
 
 def _heldout_loss(model: object, tokenizer: object, texts: list[str]) -> float:

@@ -67,7 +67,8 @@ def decide(
     sampling = SamplingTensors.build([s.params for s in seqs], device)
     probs = probabilities(out.logits, sampling.repeat(out.num_rows))  # [R, V]
     # Each sequence's rows, padded to k + 1 by repeating its last one (verify never reads past a row's drafts).
-    index, first = [], 0
+    index: list[int] = []
+    first = 0
     for rows in out.num_rows:
         index.extend(first + min(j, rows - 1) for j in range(k + 1))
         first += rows
@@ -95,18 +96,18 @@ def decide(
     probs_next = None
     if proposing:
         assert drafter is not None
-        rows = torch.tensor(proposing, dtype=torch.long, device=device)
+        picked = torch.tensor(proposing, dtype=torch.long, device=device)
         last = tokens.gather(1, (num_emitted - 1).unsqueeze(-1)).squeeze(-1)  # [S] the token drafts follow
         tables = [seqs[row].block_table for row in proposing]
         width = max(len(t) for t in tables)
         proposal = drafter.propose(
             ProposeRequest(
                 num_tokens=k_next,
-                anchor_tokens=last[rows],
-                anchor_positions=torch.tensor(out.first_positions, device=device)[rows] + num_emitted[rows],
+                anchor_tokens=last[picked],
+                anchor_positions=torch.tensor(out.first_positions, device=device)[picked] + num_emitted[picked],
                 block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device),
-                sampling=sampling.select(rows),
-                uniforms=uniforms[rows, k + 1 :],
+                sampling=sampling.select(picked),
+                uniforms=uniforms[picked, k + 1 :],
             )
         )
         parts.append(proposal.tokens.flatten())

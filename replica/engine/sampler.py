@@ -107,14 +107,21 @@ def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.minimum(tokens, last_with_mass)
 
 
+def draw(scores: torch.Tensor, params: SamplingTensors, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [R, V], uniforms [R] -> (tokens [R], the distributions [R, V] they were drawn from). A batch of
+    greedy rows takes the argmax without the inverse-CDF walk: the same token, since its distribution is one-hot."""
+    probs = probabilities(scores, params)
+    if params.is_all_greedy:
+        return scores.argmax(-1), probs
+    return sample(probs, uniforms), probs
+
+
 def draw_uniforms(
     generators: list[torch.Generator | None], count: int, default: torch.Generator, device: torch.device
 ) -> torch.Tensor:
     """[R, count] uniforms in [0, 1): a row with a generator of its own (a seeded request) draws from it, the
     others from `default`, in row order."""
-    rows = [
-        torch.rand(count, generator=g if g is not None else default, dtype=torch.float64) for g in generators
-    ]
+    rows = [torch.rand(count, generator=g if g is not None else default, dtype=torch.float64) for g in generators]
     if not rows:
         return torch.empty(0, count, dtype=torch.float64, device=device)
     return torch.stack(rows).to(device)

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from replica.engine.engine import LLMEngine, RequestError, RequestOutput, StepRe
 from replica.model.model import MoEForCausalLM
 from replica.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from replica.server.kv_events import KVEventHub
-from replica.server.metrics import ReplicaMetrics
+from replica.server.metrics import ReplicaMetrics, SpeculationSummary
 from replica.server.protocol import (
     ParsedRequest,
     ProtocolError,
@@ -42,10 +42,13 @@ from replica.server.protocol import (
     usage,
 )
 from replica.settings import ReplicaSettings
+from replica.spec.checkpoint import DrafterModel, drafter_runtime
 from replica.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 log = logging.getLogger(__name__)
 
+SUMMARY_INTERVAL_S = 10.0
+"""Seconds between two speculative-decoding summary lines in the log, while drafts are being verified."""
 _CAPTURE_CLOSE_TIMEOUT_S = 5.0
 """Shutdown waits at most this long for queued capture records to be written: a stuck disk must not hold the exit."""
 
@@ -64,6 +67,8 @@ class ReplicaState:
     _last_queries: int = 0
     _last_hits: int = 0
     _last_preemptions: int = 0
+    speculation: SpeculationSummary = field(default_factory=SpeculationSummary)
+    _last_summary_s: float = field(default_factory=time.monotonic)
 
     def on_step(self, result: StepResult) -> None:
         core = self.engine.engine
@@ -77,7 +82,24 @@ class ReplicaState:
         m.preemptions.labels(name).inc(core.num_preemptions - self._last_preemptions)
         self._last_queries, self._last_hits = bm.prefix_queried_tokens, bm.prefix_hit_tokens
         self._last_preemptions = core.num_preemptions
+        spec = result.speculation
+        if spec.num_drafts:
+            m.spec_drafts.labels(name).inc(spec.num_drafts)
+            m.spec_draft_tokens.labels(name).inc(spec.num_draft_tokens)
+            m.spec_accepted_tokens.labels(name).inc(spec.num_accepted_tokens)
+            for position, n in enumerate(spec.accepted_per_position):
+                m.spec_accepted_per_pos.labels(name, str(position)).inc(n)
+            self.speculation.add(spec.num_drafts, spec.num_accepted_tokens, spec.accepted_per_position)
+            now = time.monotonic()
+            if now - self._last_summary_s >= SUMMARY_INTERVAL_S:
+                self._last_summary_s = now
+                self.log_speculation()
         self.events.publish(result.events)
+
+    def log_speculation(self) -> None:
+        line = self.speculation.line()
+        if line is not None:
+            log.info("%s", line)
 
 
 STATE = web.AppKey("state", ReplicaState)
@@ -381,13 +403,29 @@ async def kv_events(request: web.Request) -> web.StreamResponse:
 
 
 def create_app(
-    settings: ReplicaSettings, model: MoEForCausalLM, tokenizer: Tokenizer, *, checkpoint_dir: Path | None = None
+    settings: ReplicaSettings,
+    model: MoEForCausalLM,
+    tokenizer: Tokenizer,
+    *,
+    checkpoint_dir: Path | None = None,
+    drafter: DrafterModel | None = None,
 ) -> web.Application:
     """`checkpoint_dir` (config.json, *.safetensors, tokenizer.json) is fingerprinted for capture records; it is
-    needed, and read, only when `settings.capture_dir` is set."""
+    needed, and read, only when `settings.capture_dir` is set. With a `drafter` (and `num_speculative_tokens` > 0)
+    the engine speculates."""
     model_name = settings.model_name
     config = settings.engine_config()
-    engine = LLMEngine(model, config, eos_token_ids=tokenizer.eos_token_ids)
+    runtime = None
+    if drafter is not None and config.num_speculative_tokens:
+        runtime = drafter_runtime(
+            drafter,
+            num_blocks=config.num_blocks,
+            block_size=config.block_size,
+            max_tokens=config.num_speculative_tokens,
+        )
+    else:
+        config = replace(config, num_speculative_tokens=0)
+    engine = LLMEngine(model, config, eos_token_ids=tokenizer.eos_token_ids, drafter=runtime)
     metrics_ = ReplicaMetrics(model_name)
     metrics_.cache_config.labels(model_name, str(settings.block_size), str(settings.num_blocks)).set(1)
     hub = KVEventHub(settings.replica_id or f"{settings.host}:{settings.port}")
@@ -427,6 +465,7 @@ def create_app(
         yield
         await hub.close()
         await async_engine.stop()
+        state.log_speculation()
         if capture is not None and not await asyncio.to_thread(capture.close, _CAPTURE_CLOSE_TIMEOUT_S):
             log.warning(
                 "capture: the writer did not finish in %.0f s; records still queued are lost", _CAPTURE_CLOSE_TIMEOUT_S

@@ -52,6 +52,22 @@ class ReplicaMetrics:
         self.cache_config = Gauge(
             "vllm:cache_config_info", "KV cache configuration", [*labels, "block_size", "num_gpu_blocks"], registry=r
         )
+        self.spec_drafts = Counter(
+            "vllm:spec_decode_num_drafts", "Speculative verifications: one sequence's drafts in one step", labels,
+            registry=r,
+        )  # fmt: skip
+        self.spec_draft_tokens = Counter(
+            "vllm:spec_decode_num_draft_tokens", "Draft tokens verified", labels, registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", labels, registry=r
+        )
+        self.spec_accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0 = first)",
+            [*labels, "position"],
+            registry=r,
+        )
         self.model_name = model_name
 
     def add_capture(self, stats: Callable[[], CaptureStats]) -> None:
@@ -80,3 +96,37 @@ class _CaptureCollector(Collector):
         for reason in DROP_REASONS:
             dropped.add_metric([reason], s.num_dropped[reason])
         yield dropped
+
+
+class SpeculationSummary:
+    """Totals of verified drafts since the last summary line, for the log: vLLM's mean acceptance length (tokens a
+    verifying step emits per sequence, 1 + accepted / drafts) and the acceptance rate of each draft position."""
+
+    def __init__(self) -> None:
+        self.num_drafts = 0
+        self.num_accepted = 0
+        self.accepted_per_position: list[int] = []
+
+    def _reset(self) -> None:
+        self.num_drafts = self.num_accepted = 0
+        self.accepted_per_position = []
+
+    def add(self, num_drafts: int, num_accepted: int, accepted_per_position: list[int]) -> None:
+        self.num_drafts += num_drafts
+        self.num_accepted += num_accepted
+        if len(self.accepted_per_position) < len(accepted_per_position):
+            self.accepted_per_position += [0] * (len(accepted_per_position) - len(self.accepted_per_position))
+        for j, n in enumerate(accepted_per_position):
+            self.accepted_per_position[j] += n
+
+    def line(self) -> str | None:
+        """The summary since the last call, or None if nothing was verified."""
+        if not self.num_drafts:
+            return None
+        rates = " ".join(f"{n / self.num_drafts:.2f}" for n in self.accepted_per_position)
+        text = (
+            f"speculative decoding: mean acceptance length {1 + self.num_accepted / self.num_drafts:.2f} over "
+            f"{self.num_drafts} verifications; acceptance by draft position {rates}"
+        )
+        self._reset()
+        return text

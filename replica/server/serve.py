@@ -6,9 +6,12 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from replica.settings import ReplicaSettings
+
+if TYPE_CHECKING:
+    from replica.spec.checkpoint import DrafterModel
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,39 @@ def load_for_serving(settings: ReplicaSettings) -> tuple[object, object]:
     return model, tokenizer
 
 
+def drafter_dir(settings: ReplicaSettings, checkpoint: Path) -> Path | None:
+    """The drafter folder the settings name: `auto` is the checkpoint's own `drafter/` if there is one."""
+    if settings.drafter == "none" or settings.num_speculative_tokens == 0:
+        return None
+    if settings.drafter == "auto":
+        own = checkpoint / "drafter"
+        return own if (own / "drafter.json").is_file() else None
+    return Path(settings.drafter)
+
+
+def load_drafter_for_serving(settings: ReplicaSettings, model: object, checkpoint: Path) -> DrafterModel | None:
+    """The drafter model to speculate with, or None; logs what was loaded and how it was measured."""
+    from replica.model.model import MoEForCausalLM
+    from replica.spec.checkpoint import load_drafter, read_drafter_meta, target_fingerprint
+
+    folder = drafter_dir(settings, checkpoint)
+    if folder is None:
+        return None
+    assert isinstance(model, MoEForCausalLM)
+    drafter = load_drafter(folder, model, target_hash=target_fingerprint(checkpoint))
+    meta = read_drafter_meta(folder)
+    measured = meta.get("training", {}).get("acceptance_length", {})
+    log.info(
+        "speculative decoding: %s drafter from %s, up to %d tokens per step%s; held-out acceptance length %s",
+        meta["kind"],
+        folder,
+        settings.num_speculative_tokens,
+        " (adaptive)" if settings.adaptive_speculation else "",
+        ", ".join(f"{k} {v:.2f}" for k, v in measured.items()) or "not measured",
+    )
+    return drafter
+
+
 def serve(settings: ReplicaSettings, *, threads: int | None = None) -> int:
     import torch
     from aiohttp import web
@@ -59,8 +95,14 @@ def serve(settings: ReplicaSettings, *, threads: int | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"shoal replica: cannot load the model: {exc}", file=sys.stderr)
         return 1
+    checkpoint = checkpoint_dir(settings)
+    try:
+        drafter = load_drafter_for_serving(settings, model, checkpoint)
+    except (OSError, ValueError) as exc:
+        print(f"shoal replica: cannot load the drafter: {exc}", file=sys.stderr)
+        return 1
     assert isinstance(model, MoEForCausalLM) and isinstance(tokenizer, Tokenizer)
-    app = create_app(settings, model, tokenizer, checkpoint_dir=checkpoint_dir(settings))
+    app = create_app(settings, model, tokenizer, checkpoint_dir=checkpoint, drafter=drafter)
     ready = {"event": "ready", "model": settings.model_name, "url": f"http://{settings.host}:{settings.port}"}
     web.run_app(
         app,

@@ -39,7 +39,7 @@ from torch import nn
 
 from replica.engine.drafting import Proposal, ProposeRequest
 from replica.engine.runner import StepInputs, allocate_kv_caches
-from replica.engine.sampler import SamplingTensors, probabilities, sample
+from replica.engine.sampler import SamplingTensors, draw
 from replica.model.attention import Attention, KVCache, gather_slots
 from replica.model.config import ModelConfig
 from replica.model.layers import RMSNorm, RotaryEmbedding
@@ -148,7 +148,7 @@ class PathHead(nn.Module):
 
     def scores(self, unary: torch.Tensor, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         """unary [..., V], hidden [..., H], previous [...] int64 -> [..., V] float32."""
-        pair = (self.previous(previous) * self.proj(hidden)) @ self.candidate.weight.t()
+        pair: torch.Tensor = (self.previous(previous) * self.proj(hidden)) @ self.candidate.weight.t()
         return unary + pair.float()
 
 
@@ -170,13 +170,17 @@ class BlockDrafterModel(nn.Module):
                 f"fit a target with {target.config.hidden_size} and {target.config.vocab_size}"
             )
         if max(config.feature_layers) >= target.config.num_hidden_layers:
-            raise ValueError(f"feature layers {config.feature_layers} past the target's {target.config.num_hidden_layers}")
+            raise ValueError(
+                f"feature layers {config.feature_layers} past the target's {target.config.num_hidden_layers}"
+            )
         self.config = config
         h = config.hidden_size
         self.fc = nn.Linear(len(config.feature_layers) * h, h, bias=False, dtype=dtype, device=device)
         self.feature_norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, device=device)
         self.mask_embedding = nn.Parameter(torch.zeros(h, dtype=dtype, device=device))
-        self.layers = nn.ModuleList(BlockLayer(config, dtype=dtype, device=device) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            BlockLayer(config, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, device=device)
         self.path = PathHead(config.vocab_size, h, config.path_rank, dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, device=device)
@@ -206,15 +210,17 @@ class BlockDrafterModel(nn.Module):
         positions: torch.Tensor,
         context_kv: list[tuple[torch.Tensor, torch.Tensor]],
         context_mask: torch.Tensor,
+        num_tokens: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafting pass. anchors [N] at positions [N]; context_kv per layer ([N, L, Hkv, D] twice); mask
-        broadcasting to [N, 1, Q, L] -> (hidden [N, K, H] at the mask positions, unary scores [N, K, V])."""
+        broadcasting to [N, 1, Q, L] -> (hidden [N, k, H] at the first k = `num_tokens` (default K) mask positions,
+        unary scores [N, k, V])."""
         block_positions = positions.unsqueeze(-1) + torch.arange(self.config.block_size + 1, device=positions.device)
         cos, sin = self.rotary(block_positions)  # [N, Q, 1, D]
         h = self.block_inputs(anchors)
         for layer, (k, v) in zip(self.block_layers, context_kv, strict=True):
             h = layer(h, cos, sin, k, v, context_mask)
-        hidden = self.norm(h[:, 1:])  # [N, K, H]
+        hidden = self.norm(h[:, 1 : 1 + (num_tokens or self.config.block_size)])  # [N, k, H]
         return hidden, self.target.compute_logits(hidden)
 
     def draft(
@@ -226,12 +232,12 @@ class BlockDrafterModel(nn.Module):
         sampling: SamplingTensors,
         uniforms: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Walk the path head over the first `num_tokens` positions -> (drafts [N, k], their distributions [N, k, V])."""
+        """Walk the path head over the first `num_tokens` positions -> (drafts [N, k], their distributions
+        [N, k, V])."""
         previous = anchors
         drafts, probs = [], []
         for j in range(num_tokens):
-            q = probabilities(self.path.scores(unary[:, j], hidden[:, j], previous), sampling)  # [N, V]
-            previous = sample(q, uniforms[:, j])
+            previous, q = draw(self.path.scores(unary[:, j], hidden[:, j], previous), sampling, uniforms[:, j])
             drafts.append(previous)
             probs.append(q)
         return torch.stack(drafts, dim=1), torch.stack(probs, dim=1)
@@ -246,7 +252,8 @@ class BlockDrafter:
     def __init__(self, model: BlockDrafterModel, *, num_blocks: int, block_size: int, max_tokens: int) -> None:
         if max_tokens > model.config.block_size:
             raise ValueError(
-                f"num_speculative_tokens={max_tokens} is more than this block drafter drafts ({model.config.block_size})"
+                f"num_speculative_tokens={max_tokens} is more than this block drafter drafts "
+                f"({model.config.block_size} per pass)"
             )
         c = model.config
         weight = model.fc.weight
@@ -282,7 +289,9 @@ class BlockDrafter:
         mask = torch.zeros(visible.shape, dtype=self.kv_caches[0][0].dtype, device=tables.device)
         mask = mask.masked_fill_(~visible, -torch.inf)[:, None, None, :]  # [S, 1, 1, L]
         context_kv = [(gather_slots(k, slots), gather_slots(v, slots)) for k, v in self.kv_caches]
-        hidden, unary = self.model.block_forward(request.anchor_tokens, request.anchor_positions, context_kv, mask)
+        hidden, unary = self.model.block_forward(
+            request.anchor_tokens, request.anchor_positions, context_kv, mask, request.num_tokens
+        )
         tokens, probs = self.model.draft(
             hidden, unary, request.anchor_tokens, request.num_tokens, request.sampling, request.uniforms
         )

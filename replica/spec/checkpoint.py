@@ -9,12 +9,11 @@ a loaded model for an engine's cache layout.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from replica.engine.drafting import Drafter
 from replica.model.model import MoEForCausalLM
@@ -28,6 +27,17 @@ DrafterModel = DenseDrafterModel | BlockDrafterModel
 
 class DrafterError(ValueError):
     """A drafter folder that cannot serve this target."""
+
+
+def target_fingerprint(checkpoint: Path) -> str:
+    """What a drafter records of its target: sha256 of the target's config.json and tokenizer.json (cheap, where
+    hashing the weights of a large model is not; a fine-tuned target with the same shape is not told apart)."""
+    digest = hashlib.sha256()
+    for name in ("config.json", "tokenizer.json"):
+        path = checkpoint / name
+        if path.is_file():
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def save_drafter(model: DrafterModel, path: str | Path, *, target_hash: str | None, training: dict[str, Any]) -> None:
@@ -76,9 +86,10 @@ def load_drafter(path: str | Path, target: MoEForCausalLM, *, target_hash: str |
         )
     state = load_file(str(folder / "drafter.safetensors"), device=str(device))
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
-    missing = [m for m in missing if not m.endswith("rotary.cos") and not m.endswith("rotary.sin")]
     if missing or unexpected:
-        raise DrafterError(f"{folder}: drafter.safetensors does not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise DrafterError(
+            f"{folder}: drafter.safetensors does not fit: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     trained_for = meta.get("target_hash")
     if target_hash and trained_for and trained_for != target_hash:
         log.warning("the drafter in %s was trained for another target model; expect fewer accepted drafts", folder)

@@ -24,7 +24,7 @@ from torch import nn
 
 from replica.engine.drafting import Proposal, ProposeRequest, slots_at
 from replica.engine.runner import StepInputs, allocate_kv_caches
-from replica.engine.sampler import probabilities, sample
+from replica.engine.sampler import draw
 from replica.model.attention import Attention, AttentionBatch, BatchedQueries, KVCache, dense_causal_attention
 from replica.model.config import ModelConfig
 from replica.model.layers import RMSNorm, RotaryEmbedding
@@ -78,12 +78,18 @@ class DenseLayer(nn.Module):
 
 class DenseDrafterModel(nn.Module):
     def __init__(
-        self, config: DenseDrafterConfig, *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+        self,
+        config: DenseDrafterConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DenseLayer(config, dtype=dtype, device=device) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DenseLayer(config, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, device=device)
@@ -195,8 +201,7 @@ class ModelDrafter:
                 ),
             )
             hidden = self.model(tokens, positions, self.kv_caches, batch)
-            q = probabilities(self.model.compute_logits(hidden), request.sampling)  # [S, V]
-            tokens = sample(q, request.uniforms[:, j])
+            tokens, q = draw(self.model.compute_logits(hidden), request.sampling, request.uniforms[:, j])
             drafts.append(tokens)
             probs.append(q)
             positions = positions + 1

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from replica.capture import CaptureRecord, iter_captures
 from replica.model.model import MoEForCausalLM
@@ -97,7 +96,8 @@ def load_examples(
     records: Iterable[CaptureRecord], *, max_len: int, heldout_fraction: float
 ) -> tuple[list[Example], list[Example]]:
     """-> (training, held-out) examples of the records that have output, truncated to `max_len` ids."""
-    train, heldout = [], []
+    train: list[Example] = []
+    heldout: list[Example] = []
     for r in records:
         if not r.output_token_ids or len(r.prompt_token_ids) >= max_len - 1:
             continue
@@ -318,10 +318,12 @@ def train_drafter(
     gen = torch.Generator().manual_seed(recipe.seed)
     drafter = new_drafter(target, recipe)
     target.eval()
+    target.requires_grad_(False)  # it lends its embeddings and LM head; only the drafter learns
     drafter.train()
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=recipe.learning_rate, weight_decay=0.0, betas=(0.9, 0.95))
     report = TrainReport(num_train=len(train), num_heldout=len(heldout))
+    by_length = sorted(train, key=lambda e: len(e.ids))
     bar = _bar(recipe.max_steps, show_bar)
     started = time.monotonic()
     smoothed = math.nan
@@ -331,14 +333,15 @@ def train_drafter(
         lr = recipe.learning_rate * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        picks = torch.randint(0, len(train), (recipe.batch_size,), generator=gen).tolist()
-        losses = _losses(drafter, target, [train[i] for i in picks], recipe, gen)
+        # Records of similar lengths in one batch: less padding in the target's pass.
+        first = int(torch.randint(0, max(1, len(by_length) - recipe.batch_size + 1), (), generator=gen))
+        losses = _losses(drafter, target, by_length[first : first + recipe.batch_size], recipe, gen)
         losses.loss.backward()  # type: ignore[no-untyped-call]
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        value = float(losses.loss)
+        value = float(losses.loss.detach())
         smoothed = value if math.isnan(smoothed) else 0.95 * smoothed + 0.05 * value
         bar(step, f"loss {smoothed:.3f}")
     bar(None, "")
@@ -415,7 +418,7 @@ def measure_acceptance(
 def _bar(total: int, enabled: bool) -> Callable[[int | None, str], None]:
     """A tqdm bar when tqdm is installed and `enabled`, else a line every 10 %."""
     try:
-        from tqdm import tqdm
+        from tqdm import tqdm  # type: ignore[import-untyped]
     except ImportError:  # pragma: no cover - tqdm is a dependency of the replica extra
         tqdm = None
     if enabled and tqdm is not None:

@@ -38,7 +38,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 async def start_replica(tiny_checkpoint: Path) -> AsyncIterator[StartReplica]:
     from replica.server.app import create_app
-    from replica.server.serve import load_for_serving
+    from replica.server.serve import load_drafter_for_serving, load_for_serving
     from replica.settings import ReplicaSettings
 
     handles: list[ReplicaHandle] = []
@@ -48,7 +48,15 @@ async def start_replica(tiny_checkpoint: Path) -> AsyncIterator[StartReplica]:
         values.update(overrides)
         settings = ReplicaSettings(**values)
         model, tokenizer = load_for_serving(settings)
-        app = create_app(settings, model, tokenizer, checkpoint_dir=tiny_checkpoint)  # type: ignore[arg-type]
+        checkpoint = Path(settings.model)
+        drafter = load_drafter_for_serving(settings, model, checkpoint)
+        app = create_app(
+            settings,
+            model,  # type: ignore[arg-type]
+            tokenizer,  # type: ignore[arg-type]
+            checkpoint_dir=checkpoint,
+            drafter=drafter,
+        )
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -98,11 +98,12 @@ def drive(
             engine.check_invariants()
             run.num_steps += 1
             run.steps.append(result)
-            rows = calls[num_calls] if len(calls) > num_calls else torch.empty(0, engine.model.config.vocab_size)
-            sampled = [o for o in result.outputs if o.new_token_ids]
-            assert len(sampled) == rows.shape[0]
-            for out, row in zip(sampled, rows, strict=True):
-                run.logits.setdefault(out.seq_id, []).append(row)
+            if engine.drafter is None:  # one sampled row per output (with drafts, one per verified position)
+                rows = calls[num_calls] if len(calls) > num_calls else torch.empty(0, engine.model.config.vocab_size)
+                sampled = [o for o in result.outputs if o.new_token_ids]
+                assert len(sampled) == rows.shape[0]
+                for out, row in zip(sampled, rows, strict=True):
+                    run.logits.setdefault(out.seq_id, []).append(row)
             for out in result.outputs:
                 assert out.seq_id not in run.finals, f"request {out.seq_id} produced output after finishing"
                 run.outputs.setdefault(out.seq_id, []).append(out)

@@ -1,0 +1,314 @@
+"""Speculative decoding on the demo model: tokens/s with it against without, drafters compared, where time goes.
+
+Every run answers held-out demo chat requests (the demo model's own answers, stopping at its end of turn) with the
+engine in-process, in waves of `batch` requests, so a wave's steps after its first decode only. Reported per cell:
+decode tokens/s (output tokens over the time of steps that ran no prompt token) with speculation off and on, and
+their ratio; the mean acceptance length (1 + accepted / drafts). Cells are interleaved round by round (off, on,
+off, on, ...) and the median round is printed, since the machines these numbers come from drift by 10-30% over
+minutes.
+
+    .venv/bin/python benchmarks/bench_speculative.py              # the grid: threads x temperature x batch x experts
+    .venv/bin/python benchmarks/bench_speculative.py --drafters --dense DIR --k 2,4,8   # block against dense
+    .venv/bin/python benchmarks/bench_speculative.py --breakdown  # per-step time by part, batch 1 and 16
+    .venv/bin/python benchmarks/bench_speculative.py --adaptive --batches 1,4,16,32   # adaptive k, fixed k, off
+
+The grid's `on` is what `shoal replica` serves by default: the demo model's block drafter, k = 4, adaptive.
+`--dense PATH` names a dense drafter (made by `shoal replica train-drafter --kind dense`) for `--drafters`.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `shoal replica` serves: replica.cli.sleeping_omp_threads
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import replica.engine.engine as engine_module
+from replica.demo.build import ensure_demo_model
+from replica.demo.corpus import chat_requests
+from replica.engine.engine import EngineConfig, LLMEngine
+from replica.engine.sampling import SamplingParams
+from replica.model.loader import load_model
+from replica.model.model import MoEForCausalLM
+from replica.quant.experts import quantize_model_experts
+from replica.spec.block import BlockDrafterModel
+from replica.spec.checkpoint import DrafterModel, drafter_runtime, load_drafter
+from replica.tokenizer import Tokenizer
+
+BENCH_SEED = 777
+"""Requests drawn from the corpus generator with a seed of their own: neither training nor drafter traffic."""
+
+
+@dataclass
+class Measured:
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    drafts: int = 0
+    accepted: int = 0
+    parts_s: dict[str, float] = field(default_factory=dict)
+    steps: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        return 1 + self.accepted / self.drafts if self.drafts else 1.0
+
+
+def prompts_for(tokenizer: Tokenizer, n: int) -> list[list[int]]:
+    bodies = chat_requests(n, seed=BENCH_SEED)
+    return [tokenizer.encode(tokenizer.apply_chat_template(b["messages"], tools=b.get("tools"))) for b in bodies]
+
+
+def run_waves(
+    model: MoEForCausalLM,
+    tokenizer: Tokenizer,
+    prompts: list[list[int]],
+    *,
+    batch: int,
+    temperature: float,
+    drafter: DrafterModel | None,
+    k: int,
+    adaptive: bool = True,
+    max_tokens: int = 256,
+    breakdown: bool = False,
+) -> Measured:
+    num_blocks = batch * ((max(len(p) for p in prompts) + max_tokens) // 16 + 3) + 16
+    config = EngineConfig(
+        num_blocks=num_blocks,
+        max_num_seqs=batch,
+        max_num_batched_tokens=4096,
+        num_speculative_tokens=k if drafter is not None else 0,
+        adaptive_speculation=adaptive,
+    )
+    runtime = drafter_runtime(drafter, num_blocks=num_blocks, block_size=16, max_tokens=k) if drafter else None
+    engine = LLMEngine(model, config, eos_token_ids=tokenizer.eos_token_ids, drafter=runtime)
+    measured = Measured()
+    step_parts: dict[str, float] = {}
+    with timed_parts(engine, step_parts, enabled=breakdown):
+        for start in range(0, len(prompts), batch):
+            for i, prompt in enumerate(prompts[start : start + batch]):
+                engine.add_request(
+                    prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=start + i)
+                )
+            while engine.has_work:
+                step_parts.clear()
+                began = time.perf_counter()
+                result = engine.step()
+                elapsed = time.perf_counter() - began
+                # Decode steps: every scheduled sequence ran its last token (and drafts), no prompt token.
+                if (
+                    result.num_batched_tokens
+                    and all(o.num_output_tokens > len(o.new_token_ids) for o in result.outputs)
+                    and result.outputs
+                ):
+                    measured.decode_tokens += sum(len(o.new_token_ids) for o in result.outputs)
+                    measured.decode_s += elapsed
+                    measured.steps += 1
+                    for name, seconds in step_parts.items():
+                        measured.parts_s[name] = measured.parts_s.get(name, 0.0) + seconds
+                measured.drafts += result.speculation.num_drafts
+                measured.accepted += result.speculation.num_accepted_tokens
+    return measured
+
+
+@contextmanager
+def timed_parts(engine: LLMEngine, parts: dict[str, float], *, enabled: bool) -> Iterator[None]:
+    """Time the target's forward pass, the drafter's ingest and propose, and token decisions, per step."""
+    if not enabled:
+        yield
+        return
+    patches: list[tuple[Any, str, Any]] = []
+
+    def wrap(owner: Any, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                parts[label] = parts.get(label, 0.0) + time.perf_counter() - began
+
+        patches.append((owner, name, original))
+        setattr(owner, name, timed)
+
+    wrap(engine.runner, "run", "target forward")
+    wrap(engine, "step", "whole step")
+    wrap(engine_module, "decide", "decide (verify + propose + transfer)")
+    if engine.drafter is not None:
+        wrap(engine.drafter, "ingest", "drafter ingest")
+        wrap(engine.drafter, "propose", "drafter propose")
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(patches):
+            setattr(owner, name, original)
+
+
+def interleaved(rounds: int, cells: list[tuple[str, Callable[[], Measured]]]) -> dict[str, list[Measured]]:
+    out: dict[str, list[Measured]] = {name: [] for name, _ in cells}
+    for r in range(rounds):
+        order = cells if r % 2 == 0 else list(reversed(cells))
+        for name, fn in order:
+            out[name].append(fn())
+    return out
+
+
+def median_rate(runs: list[Measured]) -> Measured:
+    return sorted(runs, key=lambda m: m.tokens_per_s)[len(runs) // 2]
+
+
+def grid(args: argparse.Namespace, path: Path, tokenizer: Tokenizer, drafter_path: Path) -> None:
+    print(f"\n## Tokens/s, speculation off against on (block drafter, k = {args.k_default}, adaptive)")
+    print(f"{'threads':>7} {'experts':>7} {'temp':>5} {'batch':>5} {'off tok/s':>10} {'on tok/s':>9} "
+          f"{'x':>6} {'accept len':>10}")  # fmt: skip
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for experts in args.experts:
+            model = load_model(path)
+            if experts == "nvfp4":
+                quantize_model_experts(model, mode="w4a16")
+            drafter = load_drafter(drafter_path, model)
+            for temperature in (0.0, 0.7):
+                for batch in args.batches:
+                    prompts = prompts_for(tokenizer, max(args.prompts, batch * args.waves))
+                    run = partial(run_waves, model, tokenizer, prompts, batch=batch, temperature=temperature)
+                    runs = interleaved(
+                        args.rounds,
+                        [
+                            ("off", partial(run, drafter=None, k=0)),
+                            ("on", partial(run, drafter=drafter, k=args.k_default)),
+                        ],
+                    )
+                    off, on = median_rate(runs["off"]), median_rate(runs["on"])
+                    ratios = [b.tokens_per_s / a.tokens_per_s for a, b in zip(runs["off"], runs["on"], strict=True)]
+                    print(
+                        f"{threads:>7} {experts:>7} {temperature:>5} {batch:>5} {off.tokens_per_s:>10.0f} "
+                        f"{on.tokens_per_s:>9.0f} {statistics.median(ratios):>5.2f}x {on.acceptance_length:>10.2f}",
+                        flush=True,
+                    )
+
+
+def drafters(args: argparse.Namespace, path: Path, tokenizer: Tokenizer, drafter_path: Path) -> None:
+    torch.set_num_threads(args.threads[0])
+    model = load_model(path)
+    available = {"block": load_drafter(drafter_path, model)}
+    if args.dense:
+        available["dense"] = load_drafter(args.dense, model)
+    print(f"\n## Drafters on the demo model: mean acceptance length and tokens/s, batch 1, "
+          f"{args.threads[0]} thread(s), fixed k (not adaptive)")  # fmt: skip
+    print(f"{'drafter':>8} {'k':>3} {'temp':>5} {'accept len':>10} {'tok/s':>8} {'off tok/s':>10} {'x':>6}")
+    prompts = prompts_for(tokenizer, args.prompts)
+    for k in args.k:
+        for temperature in (0.0, 0.7):
+            run = partial(run_waves, model, tokenizer, prompts, batch=1, temperature=temperature)
+            cells: list[tuple[str, Callable[[], Measured]]] = [("off", partial(run, drafter=None, k=0))]
+            for name, d in available.items():
+                if not isinstance(d, BlockDrafterModel) or k <= d.config.block_size:
+                    cells.append((name, partial(run, drafter=d, k=k, adaptive=False)))
+            runs = interleaved(args.rounds, cells)
+            off = median_rate(runs["off"])
+            for name in available:
+                if name in runs:
+                    m = median_rate(runs[name])
+                    print(
+                        f"{name:>8} {k:>3} {temperature:>5} {m.acceptance_length:>10.2f} {m.tokens_per_s:>8.0f} "
+                        f"{off.tokens_per_s:>10.0f} {m.tokens_per_s / off.tokens_per_s:>5.2f}x",
+                        flush=True,
+                    )
+
+
+def breakdown(args: argparse.Namespace, path: Path, tokenizer: Tokenizer, drafter_path: Path) -> None:
+    torch.set_num_threads(args.threads[0])
+    model = load_model(path)
+    drafter = load_drafter(drafter_path, model)
+    print(f"\n## Where a decode step's time goes (ms per decode step, greedy, {args.threads[0]} thread(s))")
+    for batch in (1, 16):
+        prompts = prompts_for(tokenizer, max(args.prompts, batch * args.waves))
+        for label, d, k in (("off", None, 0), (f"block k={args.k_default}", drafter, args.k_default)):
+            m = run_waves(
+                model, tokenizer, prompts, batch=batch, temperature=0.0, drafter=d, k=k, adaptive=False, breakdown=True
+            )
+            steps = max(1, m.steps)
+            total = m.parts_s.get("whole step", 0.0)
+            parts = {name: s for name, s in m.parts_s.items() if name != "whole step"}
+            if "decide (verify + propose + transfer)" in parts:
+                parts["decide (verify + propose + transfer)"] -= parts.get("drafter propose", 0.0)
+            parts["scheduler and bookkeeping"] = total - sum(parts.values())
+            print(f"batch {batch}, {label}: {total / steps * 1000:.2f} ms per step, {m.tokens_per_s:.0f} tokens/s, "
+                  f"{m.acceptance_length:.2f} tokens per sequence per step")  # fmt: skip
+            for name, seconds in parts.items():
+                print(f"    {name:<40} {seconds / steps * 1000:>7.2f} ms  {seconds / total:>5.0%}")
+
+
+def adaptive_sweep(args: argparse.Namespace, path: Path, tokenizer: Tokenizer, drafter_path: Path) -> None:
+    torch.set_num_threads(args.threads[0])
+    model = load_model(path)
+    drafter = load_drafter(drafter_path, model)
+    print(f"\n## Adaptive k against off and fixed k = {args.k_default} (tokens/s, greedy, {args.threads[0]} thread(s))")
+    print(f"{'batch':>5} {'off':>8} {'fixed':>8} {'adaptive':>9} {'fixed x':>8} {'adaptive x':>10}")
+    for batch in args.batches:
+        prompts = prompts_for(tokenizer, max(args.prompts, batch * args.waves))
+        run = partial(run_waves, model, tokenizer, prompts, batch=batch, temperature=0.0)
+        cells: list[tuple[str, Callable[[], Measured]]] = [
+            ("off", partial(run, drafter=None, k=0)),
+            ("fixed", partial(run, drafter=drafter, k=args.k_default, adaptive=False)),
+            ("adaptive", partial(run, drafter=drafter, k=args.k_default, adaptive=True)),
+        ]
+        runs = interleaved(args.rounds, cells)
+        off, fixed, adaptive = (median_rate(runs[n]).tokens_per_s for n in ("off", "fixed", "adaptive"))
+        print(
+            f"{batch:>5} {off:>8.0f} {fixed:>8.0f} {adaptive:>9.0f} {fixed / off:>7.2f}x {adaptive / off:>9.2f}x",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, help="checkpoint folder (default: the demo model)")
+    parser.add_argument("--drafter", type=Path, help="block drafter folder (default: the checkpoint's drafter/)")
+    parser.add_argument("--dense", type=Path, help="a dense drafter folder, for --drafters")
+    parser.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
+    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
+    parser.add_argument("--experts", type=lambda s: s.split(","), default=["fp32", "nvfp4"])
+    parser.add_argument("--k", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8])
+    parser.add_argument("--k-default", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=24, help="requests per run, at least (default 24)")
+    parser.add_argument("--waves", type=int, default=2, help="waves of `batch` requests per run, at least (2)")
+    parser.add_argument("--rounds", type=int, default=3)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--drafters", action="store_true", help="compare drafters at each --k")
+    mode.add_argument("--breakdown", action="store_true", help="time the parts of a step")
+    mode.add_argument("--adaptive", action="store_true", help="adaptive k against fixed k and off, by batch")
+    args = parser.parse_args()
+    path = args.model or ensure_demo_model()
+    drafter_path = args.drafter or path / "drafter"
+    tokenizer = Tokenizer.from_file(path / "tokenizer.json")
+    print(f"model {path}, drafter {drafter_path}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
+          f"{os.cpu_count()} CPUs")  # fmt: skip
+    if args.drafters:
+        drafters(args, path, tokenizer, drafter_path)
+    elif args.breakdown:
+        breakdown(args, path, tokenizer, drafter_path)
+    elif args.adaptive:
+        adaptive_sweep(args, path, tokenizer, drafter_path)
+    else:
+        grid(args, path, tokenizer, drafter_path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""The adaptive k: per sequence from its acceptance, per batch size from measured tokens per second."""
+
+from __future__ import annotations
+
+import pytest
+
+from replica.engine.sampling import SamplingParams
+from replica.engine.sequence import Sequence
+from replica.engine.speculation import SpeculationConfig, SpeculationPolicy
+
+
+def seq(acceptance: float | None) -> Sequence:
+    s = Sequence(0, [1, 2, 3], SamplingParams(), 0.0)
+    s.acceptance_rate = acceptance
+    return s
+
+
+@pytest.mark.parametrize(
+    ("acceptance", "expected"),
+    [(1.0, 8), (0.9, 8), (0.7, 6), (0.5, 3), (0.3, 1), (0.05, 1)],
+)
+def test_a_sequence_drafts_while_its_next_draft_is_likely_enough(acceptance: float, expected: int) -> None:
+    """alpha^k >= 0.1: 0.7^6 = 0.118 but 0.7^7 = 0.082; 0.5^3 = 0.125; never fewer than one draft."""
+    policy = SpeculationPolicy(SpeculationConfig(max_tokens=8))
+    assert policy.num_drafts(seq(acceptance)) == expected
+    fixed = SpeculationPolicy(SpeculationConfig(max_tokens=8, adaptive=False))
+    assert fixed.num_drafts(seq(acceptance)) == 8
+
+
+def test_acceptance_estimates_follow_verifications() -> None:
+    policy = SpeculationPolicy(SpeculationConfig(max_tokens=4))
+    s = seq(None)
+    for _ in range(20):
+        policy.observe_verification(s, num_drafts=4, num_accepted=4)  # every draft kept: alpha -> 1
+    assert s.acceptance_rate is not None and s.acceptance_rate > 0.99
+    assert policy.num_drafts(s) == 4
+    for _ in range(20):
+        policy.observe_verification(s, num_drafts=4, num_accepted=0)  # the first draft rejected each time
+    assert s.acceptance_rate < 0.01
+    assert policy.num_drafts(s) == 1
+    # A round of 4 drafts with 2 accepted saw 3 trials: 2 successes and the rejection.
+    t = seq(0.5)
+    SpeculationPolicy(SpeculationConfig(max_tokens=4, smoothing=1.0)).observe_verification(t, 4, 2)
+    assert t.acceptance_rate == pytest.approx(2 / 3)
+
+
+def fraction_speculating(spec_tokens_per_s: float, plain_tokens_per_s: float, steps: int = 400) -> float:
+    """Drive the policy with steps whose measured rates are given; -> share of steps that speculated."""
+    policy = SpeculationPolicy(SpeculationConfig(max_tokens=4, explore_interval=32, explore_steps=3))
+    batch = 16
+    speculated = 0
+    for _ in range(steps):
+        mode = policy.should_speculate(batch)
+        speculated += mode
+        tokens = 3 * batch if mode else batch
+        rate = spec_tokens_per_s if mode else plain_tokens_per_s
+        policy.observe_step(batch, tokens, tokens / rate, speculative=mode)
+    return speculated / steps
+
+
+def test_a_batch_size_where_speculation_costs_more_than_it_saves_stops_speculating() -> None:
+    assert fraction_speculating(spec_tokens_per_s=800, plain_tokens_per_s=1000) < 0.15  # trials only
+    assert fraction_speculating(spec_tokens_per_s=1500, plain_tokens_per_s=1000) > 0.85
+
+
+def test_buckets_are_measured_apart() -> None:
+    policy = SpeculationPolicy(SpeculationConfig(max_tokens=4))
+    for _ in range(5):
+        policy.observe_step(1, 40, 0.01, speculative=True)  # batch 1: speculation fast
+        policy.observe_step(1, 10, 0.01, speculative=False)
+        policy.observe_step(32, 320, 0.1, speculative=True)  # batch 32: slow
+        policy.observe_step(32, 320, 0.05, speculative=False)
+    rates = policy.rates()
+    assert rates[policy.bucket(1)][0] > rates[policy.bucket(1)][1]
+    assert rates[policy.bucket(32)][0] < rates[policy.bucket(32)][1]
+    assert policy.should_speculate(1) and not policy.should_speculate(33)
+    assert policy.bucket(16) == policy.bucket(31) != policy.bucket(32)
+
+
+def test_no_speculation_without_tokens_to_draft() -> None:
+    assert not SpeculationPolicy(SpeculationConfig(max_tokens=0)).should_speculate(1)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculationConfig(max_tokens=-1)
