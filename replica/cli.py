@@ -29,7 +29,11 @@ _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ),
     (
         "--num-speculative-tokens",
-        {"type": int, "metavar": "K", "help": "tokens drafted per sequence per step, at most (default 4; 0: off)"},
+        {
+            "type": int,
+            "metavar": "K",
+            "help": "tokens drafted per sequence per step, at most (default: the drafter's own; 0: off)",
+        },
     ),
     (
         "--no-adaptive-speculation",
@@ -129,8 +133,8 @@ def add_replica_command(subparsers: Any) -> None:
     train.add_argument("--kind", choices=["block", "dense"], default="block", help="drafter kind (default block)")
     train.add_argument("--out", type=Path, required=True, help="folder to write the drafter to")
     train.add_argument("--model", default="demo", help="the target: checkpoint folder, or `demo` (default)")
-    train.add_argument("--max-steps", type=int, help="training steps (default 600)")
-    train.add_argument("--max-seconds", type=float, help="training time budget in seconds (default 1200)")
+    train.add_argument("--max-steps", type=int, help="training steps (default 1200)")
+    train.add_argument("--max-seconds", type=float, help="training time budget in seconds (default 1800)")
     train.add_argument("--block-size", type=int, help="block drafter: drafts per pass (default 8)")
     train.add_argument(
         "--eval-prompts", type=int, help="held-out prompts run through the engine for the acceptance length (48)"

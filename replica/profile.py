@@ -282,12 +282,12 @@ def run_profile(settings: Any, *, out: Path, grid: ProfileGrid, threads: int | N
     model, _tokenizer = load_for_serving(settings)
     from replica.model.model import MoEForCausalLM
     from replica.server.serve import checkpoint_dir, load_drafter_for_serving
-    from replica.spec.checkpoint import drafter_runtime
+    from replica.spec.checkpoint import default_num_speculative_tokens, drafter_runtime
 
     assert isinstance(model, MoEForCausalLM)
     drafter = load_drafter_for_serving(settings, model, checkpoint_dir(settings))
     # Prefix caching on whatever the settings say: the grid times steps after cached prefixes.
-    config = dataclasses.replace(settings.engine_config(), enable_prefix_caching=True, num_speculative_tokens=0)
+    config = dataclasses.replace(settings.engine_config(), enable_prefix_caching=True)
     engine = LLMEngine(model, config)
     started = time.perf_counter()
 
@@ -297,7 +297,7 @@ def run_profile(settings: Any, *, out: Path, grid: ProfileGrid, threads: int | N
     samples = Profiler(engine, seed=seed, progress=progress).run(grid)
     speculation = None
     if drafter is not None:
-        k_max = settings.num_speculative_tokens
+        k_max = settings.speculative_tokens(default_num_speculative_tokens(drafter))
         spec_samples = []
         for k in sorted({max(1, k_max // 2), k_max}):
             spec_config = dataclasses.replace(config, num_speculative_tokens=k, adaptive_speculation=False)

@@ -72,9 +72,10 @@ class ReplicaSettings(BaseSettings):
     drafter: str = "auto"
     """Speculative decoding's drafter: a folder written by `shoal replica train-drafter`, `none`, or `auto` (the
     default): the `drafter/` folder inside the model's checkpoint if it has one (the demo model does), else none."""
-    num_speculative_tokens: int = Field(4, ge=0)
-    """k: tokens the drafter proposes per sequence per step, at most (a block drafter serves up to its block size);
-    0 turns speculation off. 4 by default: past it, each draft is accepted less often and verification grows."""
+    num_speculative_tokens: int | None = Field(None, ge=0)
+    """k: tokens the drafter proposes per sequence per step, at most; 0 turns speculation off. Default: the
+    drafter's own: a block drafter's block size (one pass drafts that many anyway, and the adaptive k shrinks it
+    where drafts are rejected), 4 for a dense drafter (each draft costs it a pass)."""
     adaptive_speculation: bool = True
     """Shrink k for sequences whose drafts are rarely accepted, and skip speculation for batch sizes where it is
     measured not to pay, so that speculation never makes a busy replica slower. Off: always k drafts."""
@@ -126,14 +127,19 @@ class ReplicaSettings(BaseSettings):
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
         return tuple(sources)
 
+    def speculative_tokens(self, drafter_default: int) -> int:
+        """k for a drafter whose own default is `drafter_default`."""
+        return drafter_default if self.num_speculative_tokens is None else self.num_speculative_tokens
+
     @property
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
         return "shoal-demo" if self.model == "demo" else Path(self.model).resolve().name
 
-    def engine_config(self) -> EngineConfig:
-        """The engine these settings describe (imported here: the settings load without torch)."""
+    def engine_config(self, num_speculative_tokens: int = 0) -> EngineConfig:
+        """The engine these settings describe, drafting `num_speculative_tokens` (`speculative_tokens`) (imported
+        here: the settings load without torch)."""
         from replica.engine.engine import EngineConfig
         from router.policy.hashing import namespace_seed
 
@@ -146,6 +152,6 @@ class ReplicaSettings(BaseSettings):
             enable_prefix_caching=self.enable_prefix_caching,
             hash_seed=namespace_seed(self.model_name),
             seed=self.seed,
-            num_speculative_tokens=self.num_speculative_tokens,
+            num_speculative_tokens=num_speculative_tokens,
             adaptive_speculation=self.adaptive_speculation,
         )

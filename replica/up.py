@@ -124,7 +124,7 @@ def run_up(
                 min_replicas=min_replicas,
                 max_replicas=max_replicas,
             )
-            return _serve(procs, endpoint, served_name, demo_requests, exit_after_demo)
+            return _serve(procs, endpoint, served_name, demo_requests, exit_after_demo, [])
         for i in range(num_replicas):
             replica_port = replica_base_port + i
             cmd = [*shoal, "replica", "--model", model, "--served-model-name", served_name]
@@ -143,7 +143,7 @@ def run_up(
         _wait_healthy(endpoint + "/ready", procs, timeout_s=60)
         print(f"\nShoal is up: {endpoint}/v1 (OpenAI API), {num_replicas} replica(s): {', '.join(replica_urls)}")
         print(f"  metrics: {endpoint}/metrics   replicas: {', '.join(u + '/metrics' for u in replica_urls)}")
-        return _serve(procs, endpoint, served_name, demo_requests, exit_after_demo)
+        return _serve(procs, endpoint, served_name, demo_requests, exit_after_demo, replica_urls)
     except KeyboardInterrupt:
         return 0
     except (RuntimeError, TimeoutError) as exc:
@@ -154,13 +154,18 @@ def run_up(
 
 
 def _serve(
-    procs: list[subprocess.Popen[bytes]], endpoint: str, served_name: str, demo_requests: bool, exit_after_demo: bool
+    procs: list[subprocess.Popen[bytes]],
+    endpoint: str,
+    served_name: str,
+    demo_requests: bool,
+    exit_after_demo: bool,
+    replica_urls: list[str],
 ) -> int:
     """Send the demo requests if asked, then wait until Ctrl-C or until a child dies."""
     if demo_requests:
         from replica.demo.requests import run_demo_requests
 
-        run_demo_requests(endpoint, model=served_name)
+        run_demo_requests(endpoint, model=served_name, replica_urls=replica_urls)
         if exit_after_demo:
             return 0
     print("Ctrl-C stops the router and the replicas.", flush=True)

@@ -22,7 +22,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-DEMO_VERSION = "v2"
+DEMO_VERSION = "v3"
+PACKAGED_DIR = Path(__file__).with_name("weights")
+"""The demo model as the package ships it (BF16 weights, tokenizer, drafter): what `build_demo` wrote with the
+default recipe, so `make demo` answers without training first."""
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,11 @@ class DemoRecipe:
     drafter_requests: int = 4000
     """Demo chat requests the trained model answers (half greedy, half sampled) to make the drafter's training
     traffic (`replica.demo.traffic`); 0 builds no drafter."""
-    drafter_steps: int = 600
+    drafter_steps: int = 1200
     """Training steps of the demo's block drafter (`replica.spec.train`)."""
+    save_dtype: str = "bfloat16"
+    """Dtype of the saved weights: BF16 halves the package (the model still serves in its configured dtype, and
+    the drafter is trained against the model as loaded back from these weights)."""
 
 
 def cache_dir() -> Path:
@@ -207,7 +213,7 @@ def build_demo(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=out.parent))
     try:
-        save_checkpoint(model, tmp)
+        save_checkpoint(model, tmp, dtype=getattr(torch, recipe.save_dtype))
         tokenizer.save(tmp / "tokenizer.json")
         if recipe.drafter_requests:
             _build_drafter(tokenizer, tmp, recipe, progress)
@@ -233,6 +239,8 @@ def build_demo(
 def _build_drafter(tokenizer: Any, folder: Path, recipe: DemoRecipe, progress: Callable[[str], None]) -> None:
     """The demo's block drafter, trained on the demo model's own answers, into `folder/drafter`. The model is
     loaded back from `folder` as `shoal replica` loads it, so the drafter learns the model as it is served."""
+    import torch
+
     from replica.capture import CaptureSource, fingerprint_model, fingerprint_tokenizer
     from replica.demo.traffic import generate_traffic
     from replica.model.loader import load_model
@@ -263,6 +271,7 @@ def _build_drafter(tokenizer: Any, folder: Path, recipe: DemoRecipe, progress: C
         target_hash=target_fingerprint(folder),
         progress=progress,
         show_bar=False,
+        save_dtype=getattr(torch, recipe.save_dtype),
     )
     shutil.rmtree(traffic)
 
@@ -285,8 +294,11 @@ def _heldout_loss(model: object, tokenizer: object, texts: list[str]) -> float:
 
 
 def ensure_demo_model(progress: Callable[[str], None] = print) -> Path:
-    """The demo model's folder, built first if it is not in the cache yet."""
+    """The demo model's folder: one built into the cache (`shoal replica build-demo`) if there is one, else the
+    packaged one, else one built now."""
     path = demo_model_dir()
+    if not is_built(path) and is_built(PACKAGED_DIR):
+        return PACKAGED_DIR
     if not is_built(path):
         progress(f"building the demo model into {path} (first use only; a few minutes on 2 CPU cores)")
         build_demo(path, progress=progress)

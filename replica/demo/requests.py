@@ -1,5 +1,6 @@
 """The requests `make demo` sends once the fleet is up: a Japanese chat, a tool call, and the same long system
-prompt twice, to show the second request's cached tokens and its lower time to first token.
+prompt twice, to show the second request's cached tokens and its lower time to first token; then what speculative
+decoding did on each replica (drafts verified and the mean acceptance length, from its `/metrics`).
 
 Stdlib HTTP only (the router's and the replica's dependencies suffice); TTFT is measured on the client from the
 request's start to the first streamed content chunk.
@@ -79,11 +80,37 @@ def _post(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         return result
 
 
-def run_demo_requests(endpoint: str, model: str = "shoal-demo") -> None:
+def run_demo_requests(endpoint: str, model: str = "shoal-demo", replica_urls: list[str] | None = None) -> None:
     try:
         _run_demo_requests(endpoint, model)
+        if replica_urls:
+            _speculation_summary(replica_urls)
     except urllib.error.HTTPError as exc:
         print(f"request failed: HTTP {exc.code}: {exc.read().decode(errors='replace')}")
+
+
+def _speculation_summary(replica_urls: list[str]) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    print("\n== 4. Speculative decoding on each replica ==")
+    for url in replica_urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+        totals: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith("vllm:spec_decode_num_") and "position" not in sample.labels:
+                    totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+        drafts = totals.get("vllm:spec_decode_num_drafts_total", 0.0)
+        if not drafts:
+            print(f"{url}: no drafts verified (speculation off, or no drafter)")
+            continue
+        accepted = totals.get("vllm:spec_decode_num_accepted_tokens_total", 0.0)
+        drafted = totals.get("vllm:spec_decode_num_draft_tokens_total", 0.0)
+        print(
+            f"{url}: {drafts:.0f} verifications, {accepted:.0f} of {drafted:.0f} drafted tokens accepted; "
+            f"mean acceptance length {1 + accepted / drafts:.2f} tokens per sequence per step"
+        )
 
 
 def _run_demo_requests(endpoint: str, model: str) -> None:

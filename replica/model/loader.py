@@ -159,14 +159,15 @@ def state_dict_hf(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_checkpoint(model: MoEForCausalLM, path: str | Path) -> None:
-    """Write `config.json` and `model.safetensors` (the tokenizer is the caller's to add)."""
+def save_checkpoint(model: MoEForCausalLM, path: str | Path, *, dtype: torch.dtype | None = None) -> None:
+    """Write `config.json` and `model.safetensors`, in `dtype` if given (the tokenizer is the caller's to add)."""
     from safetensors.torch import save_file
 
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n", encoding="utf-8")
-    save_file(state_dict_hf(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    state = {k: v if dtype is None else v.to(dtype) for k, v in state_dict_hf(model).items()}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 def init_weights(model: MoEForCausalLM, *, seed: int, std: float = 0.02) -> None:

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ from replica.server.protocol import (
     usage,
 )
 from replica.settings import ReplicaSettings
-from replica.spec.checkpoint import DrafterModel, drafter_runtime
+from replica.spec.checkpoint import DrafterModel, default_num_speculative_tokens, drafter_runtime
 from replica.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -414,17 +414,11 @@ def create_app(
     needed, and read, only when `settings.capture_dir` is set. With a `drafter` (and `num_speculative_tokens` > 0)
     the engine speculates."""
     model_name = settings.model_name
-    config = settings.engine_config()
+    k = settings.speculative_tokens(default_num_speculative_tokens(drafter)) if drafter is not None else 0
+    config = settings.engine_config(num_speculative_tokens=k)
     runtime = None
-    if drafter is not None and config.num_speculative_tokens:
-        runtime = drafter_runtime(
-            drafter,
-            num_blocks=config.num_blocks,
-            block_size=config.block_size,
-            max_tokens=config.num_speculative_tokens,
-        )
-    else:
-        config = replace(config, num_speculative_tokens=0)
+    if drafter is not None and k:
+        runtime = drafter_runtime(drafter, num_blocks=config.num_blocks, block_size=config.block_size, max_tokens=k)
     engine = LLMEngine(model, config, eos_token_ids=tokenizer.eos_token_ids, drafter=runtime)
     metrics_ = ReplicaMetrics(model_name)
     metrics_.cache_config.labels(model_name, str(settings.block_size), str(settings.num_blocks)).set(1)

@@ -60,7 +60,12 @@ def drafter_dir(settings: ReplicaSettings, checkpoint: Path) -> Path | None:
 def load_drafter_for_serving(settings: ReplicaSettings, model: object, checkpoint: Path) -> DrafterModel | None:
     """The drafter model to speculate with, or None; logs what was loaded and how it was measured."""
     from replica.model.model import MoEForCausalLM
-    from replica.spec.checkpoint import load_drafter, read_drafter_meta, target_fingerprint
+    from replica.spec.checkpoint import (
+        default_num_speculative_tokens,
+        load_drafter,
+        read_drafter_meta,
+        target_fingerprint,
+    )
 
     folder = drafter_dir(settings, checkpoint)
     if folder is None:
@@ -73,7 +78,7 @@ def load_drafter_for_serving(settings: ReplicaSettings, model: object, checkpoin
         "speculative decoding: %s drafter from %s, up to %d tokens per step%s; held-out acceptance length %s",
         meta["kind"],
         folder,
-        settings.num_speculative_tokens,
+        settings.speculative_tokens(default_num_speculative_tokens(drafter)),
         " (adaptive)" if settings.adaptive_speculation else "",
         ", ".join(f"{k} {v:.2f}" for k, v in measured.items()) or "not measured",
     )

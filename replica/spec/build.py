@@ -11,6 +11,8 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from replica.model.model import MoEForCausalLM
 from replica.spec.checkpoint import DrafterModel, save_drafter, target_fingerprint
 from replica.spec.train import (
@@ -41,12 +43,19 @@ def build_drafter(
     target_hash: str | None,
     progress: Callable[[str], None] = print,
     show_bar: bool = True,
+    save_dtype: torch.dtype | None = None,
 ) -> tuple[DrafterModel, TrainReport]:
+    """Train, measure and (with `out`) save a drafter. With `save_dtype` its weights are rounded to that dtype
+    before the measurement, so what is measured is what is saved."""
     if not train:
         raise TrainDrafterError("the captures hold no request with output to train on")
     progress(f"drafter: {len(train)} requests to train on ({sum(len(e.output_ids) for e in train):,} output tokens), "
              f"{len(heldout)} held out")  # fmt: skip
     drafter, report = train_drafter(target, train, heldout, recipe, progress=progress, show_bar=show_bar)
+    if save_dtype is not None:
+        with torch.no_grad():
+            for param in drafter.parameters():
+                param.copy_(param.to(save_dtype))
     k = recipe.block_size if recipe.kind == "block" else 4
     prompts = [e.prompt_ids for e in heldout[: recipe.eval_prompts]]
     if prompts:
@@ -70,7 +79,8 @@ def build_drafter(
             f"{report.acceptance_length['sampled']:.2f} at temperature 0.7"
         )
     if out is not None:
-        save_drafter(drafter, out, target_hash=target_hash, training={"recipe": vars(recipe), **report.to_dict()})
+        training = {"recipe": vars(recipe), **report.to_dict()}
+        save_drafter(drafter, out, target_hash=target_hash, training=training, dtype=save_dtype)
         progress(f"drafter written to {out}")
     return drafter, report
 
@@ -78,8 +88,6 @@ def build_drafter(
 def train_drafter_command(
     *, model: str, traces: Path, out: Path, recipe: DrafterRecipe, threads: int | None
 ) -> TrainReport:
-    import torch
-
     from replica.model.loader import load_model
 
     if threads:

@@ -15,6 +15,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from replica.engine.drafting import Drafter
 from replica.model.model import MoEForCausalLM
 from replica.spec.block import BlockDrafter, BlockDrafterConfig, BlockDrafterModel
@@ -40,7 +42,15 @@ def target_fingerprint(checkpoint: Path) -> str:
     return digest.hexdigest()
 
 
-def save_drafter(model: DrafterModel, path: str | Path, *, target_hash: str | None, training: dict[str, Any]) -> None:
+def save_drafter(
+    model: DrafterModel,
+    path: str | Path,
+    *,
+    target_hash: str | None,
+    training: dict[str, Any],
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Write the drafter's weights (in `dtype` if given) and what it was trained for and on."""
     from safetensors.torch import save_file
 
     folder = Path(path)
@@ -48,7 +58,7 @@ def save_drafter(model: DrafterModel, path: str | Path, *, target_hash: str | No
     kind = "block" if isinstance(model, BlockDrafterModel) else "dense"
     meta = {"kind": kind, "config": model.config.to_dict(), "target_hash": target_hash, "training": training}
     (folder / "drafter.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    state = {name: (t if dtype is None else t.to(dtype)).contiguous() for name, t in model.state_dict().items()}
     save_file(state, str(folder / "drafter.safetensors"), metadata={"format": "pt"})
 
 
@@ -94,6 +104,15 @@ def load_drafter(path: str | Path, target: MoEForCausalLM, *, target_hash: str |
     if target_hash and trained_for and trained_for != target_hash:
         log.warning("the drafter in %s was trained for another target model; expect fewer accepted drafts", folder)
     return model.eval()
+
+
+DENSE_DEFAULT_TOKENS = 4
+"""A dense drafter's default k: each draft is one pass of it."""
+
+
+def default_num_speculative_tokens(model: DrafterModel) -> int:
+    """A block drafter's block size (one pass drafts that many), 4 for a dense drafter."""
+    return model.config.block_size if isinstance(model, BlockDrafterModel) else DENSE_DEFAULT_TOKENS
 
 
 def drafter_runtime(model: DrafterModel, *, num_blocks: int, block_size: int, max_tokens: int) -> Drafter:

@@ -44,13 +44,13 @@ class DrafterRecipe:
     """Block drafter: drafts per pass (the most `--num-speculative-tokens` it serves)."""
     num_layers: int | None = None
     """Drafter layers; default 2 for a block drafter, 1 for a dense one."""
-    max_steps: int = 600
-    max_seconds: float = 1200.0
+    max_steps: int = 1200
+    max_seconds: float = 1800.0
     """Training stops at max_steps or after this long, whichever comes first."""
     batch_size: int = 8
     """Records per step."""
     anchors_per_sequence: int = 32
-    learning_rate: float = 2e-3
+    learning_rate: float = 3e-3
     position_decay: float = 0.9
     heldout_fraction: float = 0.1
     seed: int = 0
