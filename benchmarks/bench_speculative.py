@@ -11,8 +11,10 @@ minutes.
     .venv/bin/python benchmarks/bench_speculative.py --drafters --dense DIR --k 2,4,8   # block against dense
     .venv/bin/python benchmarks/bench_speculative.py --breakdown  # per-step time by part, batch 1 and 16
     .venv/bin/python benchmarks/bench_speculative.py --adaptive --batches 1,4,16,32   # adaptive k, fixed k, off
+    .venv/bin/python benchmarks/bench_speculative.py --adaptive --untrained-drafter   # ... with a useless drafter
 
-The grid's `on` is what `shoal replica` serves by default: the demo model's block drafter, k = 4, adaptive.
+The grid's `on` is what `shoal replica` serves by default: the demo model's block drafter, k = its block size (8),
+adaptive.
 `--dense PATH` names a dense drafter (made by `shoal replica train-drafter --kind dense`) for `--drafters`.
 """
 
@@ -43,7 +45,8 @@ from replica.model.loader import load_model
 from replica.model.model import MoEForCausalLM
 from replica.quant.experts import quantize_model_experts
 from replica.spec.block import BlockDrafterModel
-from replica.spec.checkpoint import DrafterModel, drafter_runtime, load_drafter
+from replica.spec.checkpoint import DrafterModel, default_num_speculative_tokens, drafter_runtime, load_drafter
+from replica.spec.train import DrafterRecipe, new_drafter
 from replica.tokenizer import Tokenizer
 
 BENCH_SEED = 777
@@ -259,7 +262,12 @@ def adaptive_sweep(args: argparse.Namespace, path: Path, tokenizer: Tokenizer, d
     torch.set_num_threads(args.threads[0])
     model = load_model(path)
     drafter = load_drafter(drafter_path, model)
-    print(f"\n## Adaptive k against off and fixed k = {args.k_default} (tokens/s, greedy, {args.threads[0]} thread(s))")
+    which = "the demo's drafter"
+    if args.untrained_drafter:
+        drafter = new_drafter(model, DrafterRecipe(kind="block", block_size=args.k_default))
+        which = "an untrained block drafter (its drafts are almost never accepted)"
+    print(f"\n## Adaptive k against off and fixed k = {args.k_default} (tokens/s, greedy, {args.threads[0]} thread(s), "
+          f"{which})")  # fmt: skip
     print(f"{'batch':>5} {'off':>8} {'fixed':>8} {'adaptive':>9} {'fixed x':>8} {'adaptive x':>10}")
     for batch in args.batches:
         prompts = prompts_for(tokenizer, max(args.prompts, batch * args.waves))
@@ -286,7 +294,7 @@ def main() -> None:
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
     parser.add_argument("--experts", type=lambda s: s.split(","), default=["fp32", "nvfp4"])
     parser.add_argument("--k", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8])
-    parser.add_argument("--k-default", type=int, default=4)
+    parser.add_argument("--k-default", type=int, help="k of the `on` runs (default: the drafter's own, as served)")
     parser.add_argument("--prompts", type=int, default=24, help="requests per run, at least (default 24)")
     parser.add_argument("--waves", type=int, default=2, help="waves of `batch` requests per run, at least (2)")
     parser.add_argument("--rounds", type=int, default=3)
@@ -294,10 +302,15 @@ def main() -> None:
     mode.add_argument("--drafters", action="store_true", help="compare drafters at each --k")
     mode.add_argument("--breakdown", action="store_true", help="time the parts of a step")
     mode.add_argument("--adaptive", action="store_true", help="adaptive k against fixed k and off, by batch")
+    parser.add_argument(
+        "--untrained-drafter", action="store_true", help="--adaptive with a drafter whose drafts are rejected"
+    )
     args = parser.parse_args()
     path = args.model or ensure_demo_model()
     drafter_path = args.drafter or path / "drafter"
     tokenizer = Tokenizer.from_file(path / "tokenizer.json")
+    if args.k_default is None:
+        args.k_default = default_num_speculative_tokens(load_drafter(drafter_path, load_model(path)))
     print(f"model {path}, drafter {drafter_path}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
           f"{os.cpu_count()} CPUs")  # fmt: skip
     if args.drafters:

@@ -24,6 +24,7 @@ import json
 import tempfile
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -75,7 +76,8 @@ def main() -> None:
             traces = Path(tmp) / "captures"
             source = CaptureSource(model="shoal-demo", model_hash="-", tokenizer_hash="-", keep_text=False)
             generate_traffic(model, tokenizer, traces, num_requests=args.requests, source=source, seed=4242)
-        train, heldout = load_capture_examples(traces, max_len=model.config.max_position_embeddings, heldout_fraction=0.1)
+        max_len = model.config.max_position_embeddings
+        train, heldout = load_capture_examples(traces, max_len=max_len, heldout_fraction=0.1)
     retok = [retokenize(e, tokenizer) for e in train]
     differ = [(a, b) for a, b in zip(train, retok, strict=True) if a.output_ids != b.output_ids]
     tool_differ = sum(TOOL_CALL_TOKEN in tokenizer.decode(a.output_ids, skip_special_tokens=False) for a, _ in differ)
@@ -100,17 +102,19 @@ def main() -> None:
         drafters[label], _ = build_drafter(model, tokenizer, data, [], recipe, out=None, target_hash=None,
                                            show_bar=False)  # fmt: skip
     prompts = [e.prompt_ids for e in heldout[: args.eval_prompts]]
-    tools = [e.prompt_ids for e in heldout if TOOL_CALL_TOKEN in tokenizer.decode(e.output_ids, skip_special_tokens=False)]
+    tools = [
+        e.prompt_ids for e in heldout if TOOL_CALL_TOKEN in tokenizer.decode(e.output_ids, skip_special_tokens=False)
+    ]
     tools = tools[: args.eval_prompts]
     print(f"\n## Mean acceptance length on held-out traffic (engine, k = {args.k}; {len(prompts)} prompts, "
           f"{len(tools)} of them answered with a tool call)")  # fmt: skip
     print(f"{'trained on':<20} {'greedy':>8} {'temp 0.7':>9} {'tool calls, greedy':>19}")
     for label, drafter in drafters.items():
-        row = [
-            measure_acceptance(model, drafter, batch, num_speculative_tokens=args.k, temperature=t, max_tokens=160,
-                               eos_token_ids=tokenizer.eos_token_ids)  # fmt: skip
-            for batch, t in ((prompts, 0.0), (prompts, 0.7), (tools, 0.0))
-        ]
+        measure = partial(
+            measure_acceptance, model, drafter, num_speculative_tokens=args.k, max_tokens=160,
+            eos_token_ids=tokenizer.eos_token_ids,
+        )  # fmt: skip
+        row = [measure(batch, temperature=t) for batch, t in ((prompts, 0.0), (prompts, 0.7), (tools, 0.0))]
         print(f"{label:<20} {row[0]:>8.2f} {row[1]:>9.2f} {row[2]:>19.2f}", flush=True)
 
 

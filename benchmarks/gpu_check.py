@@ -36,7 +36,7 @@ from replica.spec.checkpoint import DrafterModel, drafter_runtime, load_drafter
 from replica.tokenizer import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_speculative import prompts_for  # noqa: E402
+from bench_speculative import prompts_for
 
 
 def generate(
@@ -121,7 +121,9 @@ def main() -> None:
 
     print(f"\n## 1. Greedy output with and without speculation ({len(prompts)} prompts, batch 8)")
     plain, _, _ = generate(model, tokenizer, prompts, batch=8, drafter=None, k=0, max_tokens=args.max_tokens)
-    spec, _, accept = generate(model, tokenizer, prompts, batch=8, drafter=drafter, k=args.k, max_tokens=args.max_tokens)
+    spec, _, accept = generate(
+        model, tokenizer, prompts, batch=8, drafter=drafter, k=args.k, max_tokens=args.max_tokens
+    )
     same = sum(a == b for a, b in zip(plain, spec, strict=True))
     print(f"identical: {same}/{len(prompts)}; mean acceptance length {accept:.2f}")
     for prompt, a, b in zip(prompts, plain, spec, strict=True):

@@ -53,8 +53,10 @@ class Sequence:
     """[len(draft_token_ids), V] on the model's device: the distribution each draft was drawn from."""
     has_draft_room: bool = False
     """Set by the scheduler each step: the block table covers the drafter's look-ahead, so it may propose."""
-    acceptance_rate: float | None = None
-    """Running estimate of the chance that this sequence's next draft is accepted (`replica.spec.adaptive`)."""
+    draft_accepted: float = 0.0
+    """Accepted drafts, decayed per verification round (`SpeculationPolicy`)."""
+    draft_trials: float = 0.0
+    """Drafts tried (accepted ones plus rejections), decayed alike: their ratio estimates the acceptance rate."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,15 +1,18 @@
 """How many tokens to draft for each sequence, step by step: an adaptive k.
 
 Two rules, both on the host and both fed by measurements:
-- Per sequence: the chance that its next draft is accepted, alpha, is estimated from its own verifications (each
-  round's accepted drafts over accepted drafts plus the rejection, smoothed, starting from the replica-wide
-  estimate). The j-th draft of a round survives with probability alpha^j, so a sequence drafts the largest
-  k <= `max_tokens` with alpha^k >= `min_draft_acceptance`, and at least one, so that its estimate keeps learning.
+- Per sequence: the chance that its next draft is accepted, alpha, is estimated from its own recent verifications
+  (accepted drafts over accepted drafts plus rejections, counts decayed by `recency` per round, with
+  `prior_trials` trials' worth of the replica-wide estimate added, so one unlucky round does not halve its k).
+  The j-th draft of a round survives with probability alpha^j, so a sequence drafts the largest k <= `max_tokens`
+  with alpha^k >= `min_draft_acceptance`, and at least one, so that its estimate keeps learning.
 - Per batch: speculation pays only while verifying and drafting cost less than the steps they save, and that depends
   on the batch size and the machine. The policy measures tokens emitted per second of step time with and without
   speculation, per batch-size bucket (powers of two), on pure decode steps (no prefill in them), and speculates in a
   bucket while the measured speculative rate is at least the plain one. Every `explore_interval` decisions a bucket
-  runs the other mode for `explore_steps` steps, so that a change of load, drafter or machine is noticed.
+  runs the other mode for `explore_steps` steps, so that a change of load, drafter or machine is noticed; each try
+  that leaves the choice as it was doubles the interval (up to `max_explore_interval`), so a mode that keeps losing
+  costs less and less.
 
 A step's mode is decided when the previous step proposes (or does not propose) its drafts, so a switch costs one
 step that neither mode's measurement counts.
@@ -31,15 +34,20 @@ class SpeculationConfig:
     """Shrink k per sequence with its acceptance and turn speculation off for batch sizes where it does not pay;
     off: every decoding sequence drafts `max_tokens` every step."""
     min_draft_acceptance: float = 0.1
-    """A draft is proposed only while its estimated chance of acceptance is at least this: one more verified
-    position costs a fraction of a step (a tenth or less on the demo model at batch 1, measured by
-    benchmarks/bench_speculative.py), so a draft worth a tenth of a token is about even."""
+    """A draft is proposed only while its estimated chance of acceptance is at least this. One more drafted and
+    verified position of the demo's block drafter costs about a tenth of the time a speculative step spends per
+    emitted token at batch 1 (k = 4 against k = 8 in benchmarks/bench_speculative.py --drafters), so a draft
+    worth a tenth of a token is about even."""
     explore_interval: int = 64
     """Decisions per batch-size bucket between two tries of the mode it is not in."""
     explore_steps: int = 3
     """Length of such a try, in steps (the first one is a switch and is not measured)."""
-    smoothing: float = 0.3
-    """Weight of a sequence's newest round in its acceptance estimate."""
+    max_explore_interval: int = 1024
+    """The interval a bucket backs off to while its tries keep confirming its mode."""
+    prior_trials: float = 4.0
+    """Weight, in draft trials, of the replica-wide estimate in a sequence's own (a round of k drafts is up to k)."""
+    recency: float = 0.8
+    """Per-round decay of a sequence's accepted and tried counts: its estimate follows the text it writes now."""
     rate_decay: float = 0.98
     """Per-step decay of the measured token and second counts, so old load fades within a few hundred steps."""
 
@@ -69,8 +77,12 @@ class _Bucket:
     speculative: _Rate = field(default_factory=_Rate)
     plain: _Rate = field(default_factory=_Rate)
     decisions: int = 0
+    """Decisions since the last try of the other mode."""
+    interval: int = 0
+    """Decisions between tries (0: not set yet)."""
     exploring: int = 0
     """Steps left in the current try of the other mode."""
+    mode_before_try: bool | None = None
 
     def preferred(self) -> bool:
         spec, plain = self.speculative.per_s, self.plain.per_s
@@ -85,7 +97,9 @@ class SpeculationPolicy:
     def __init__(self, config: SpeculationConfig) -> None:
         self.config = config
         self.acceptance_rate = 0.5
-        """Replica-wide estimate: new sequences start from it."""
+        """Replica-wide estimate: new sequences start from it. The mean of the first rounds, then a running
+        average over about the last hundred, so a replica learns its drafter within a few requests."""
+        self._num_rounds = 0
         self._buckets: dict[int, _Bucket] = {}
 
     @staticmethod
@@ -93,34 +107,50 @@ class SpeculationPolicy:
         """1, 2-3, 4-7, 8-15, ...: batch sizes whose costs are alike."""
         return max(1, num_decoding).bit_length()
 
+    def _bucket(self, num_decoding: int) -> _Bucket:
+        key = self.bucket(num_decoding)
+        if key not in self._buckets:
+            self._buckets[key] = _Bucket(interval=self.config.explore_interval)
+        return self._buckets[key]
+
     def should_speculate(self, num_decoding: int) -> bool:
         """Whether the next step verifies drafts, for a batch of `num_decoding` decoding sequences."""
         if self.config.max_tokens == 0:
             return False
         if not self.config.adaptive:
             return True
-        key = self.bucket(num_decoding)
-        b = self._buckets.setdefault(key, _Bucket())
+        b = self._bucket(num_decoding)
+        preferred = b.preferred()
+        if b.exploring == 0 and b.mode_before_try is not None:  # a try just ended: did it change the choice?
+            confirmed = preferred == b.mode_before_try
+            b.interval = (
+                min(2 * b.interval, self.config.max_explore_interval) if confirmed else self.config.explore_interval
+            )
+            b.mode_before_try = None
         b.decisions += 1
-        if b.exploring == 0 and b.decisions % self.config.explore_interval == 0:
-            b.exploring = self.config.explore_steps
-        mode = b.preferred()
+        if b.exploring == 0 and b.decisions >= b.interval:
+            b.exploring, b.decisions, b.mode_before_try = self.config.explore_steps, 0, preferred
         if b.exploring:
             b.exploring -= 1
-            mode = not mode
-        return mode
+            return not preferred
+        return preferred
 
     def num_drafts(self, seq: Sequence) -> int:
         """Drafts to propose for `seq` in a speculative step."""
         k = self.config.max_tokens
         if not self.config.adaptive:
             return k
-        alpha = seq.acceptance_rate if seq.acceptance_rate is not None else self.acceptance_rate
+        alpha = self.estimate(seq)
         if alpha >= 1.0:
             return k
         if alpha <= self.config.min_draft_acceptance:
             return 1
         return max(1, min(k, math.floor(math.log(self.config.min_draft_acceptance) / math.log(alpha))))
+
+    def estimate(self, seq: Sequence) -> float:
+        """alpha of `seq`: its decayed counts, plus `prior_trials` of the replica-wide estimate."""
+        prior = self.config.prior_trials
+        return (seq.draft_accepted + prior * self.acceptance_rate) / (seq.draft_trials + prior)
 
     def observe_verification(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """A round of `num_drafts` drafts of `seq` kept `num_accepted`."""
@@ -128,15 +158,16 @@ class SpeculationPolicy:
             return
         trials = num_accepted + (num_accepted < num_drafts)
         observed = num_accepted / trials
-        w = self.config.smoothing
-        prior = seq.acceptance_rate if seq.acceptance_rate is not None else self.acceptance_rate
-        seq.acceptance_rate = (1 - w) * prior + w * observed
-        self.acceptance_rate = 0.99 * self.acceptance_rate + 0.01 * observed
+        seq.draft_accepted = seq.draft_accepted * self.config.recency + num_accepted
+        seq.draft_trials = seq.draft_trials * self.config.recency + trials
+        self._num_rounds += 1
+        weight = max(1.0 / self._num_rounds, 0.01)
+        self.acceptance_rate = (1 - weight) * self.acceptance_rate + weight * observed
 
     def observe_step(self, num_decoding: int, num_tokens: int, seconds: float, *, speculative: bool) -> None:
         """A pure decode step of `num_decoding` sequences emitted `num_tokens` in `seconds`; `speculative`: it
         verified drafts and proposed the next ones (a step that did one and not the other is a switch: skip it)."""
-        b = self._buckets.setdefault(self.bucket(num_decoding), _Bucket())
+        b = self._bucket(num_decoding)
         (b.speculative if speculative else b.plain).add(num_tokens, seconds, self.config.rate_decay)
 
     def rates(self) -> dict[int, tuple[float | None, float | None]]:

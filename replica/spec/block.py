@@ -112,19 +112,16 @@ class BlockLayer(nn.Module):
         sin: torch.Tensor,
         context_k: torch.Tensor,
         context_v: torch.Tensor,
-        context_mask: torch.Tensor,
+        mask: torch.Tensor,
     ) -> torch.Tensor:
-        """h [N, Q, H] (block positions; cos/sin [N, Q, 1, D]); context keys/values [N, L, Hkv, D] with an additive
-        mask broadcasting to [N, 1, Q, L]; every block position also sees the whole block."""
+        """h [N, Q, H] (block positions; cos/sin [N, Q, 1, D]); context keys/values [N, L, Hkv, D]; `mask`
+        [N, 1, Q, L + Q] additive over the context then the block (`block_mask`)."""
         attn = self.self_attn
         n, q_len, _ = h.shape
         qk, v = attn.project(self.input_layernorm(h), cos, sin)
         q, k = qk[:, :, : attn.num_heads], qk[:, :, attn.num_heads :]  # [N, Q, Hq, D], [N, Q, Hkv, D]
         keys = torch.cat((context_k, k.to(context_k.dtype)), dim=1).transpose(1, 2)  # [N, Hkv, L + Q, D]
         values = torch.cat((context_v, v.to(context_v.dtype)), dim=1).transpose(1, 2)
-        mask = torch.cat(
-            (context_mask.expand(n, 1, q_len, -1), context_mask.new_zeros(n, 1, q_len, q_len)), dim=-1
-        )  # [N, 1, Q, L + Q]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2).to(keys.dtype),
             keys,
@@ -146,9 +143,10 @@ class PathHead(nn.Module):
         self.candidate = nn.Embedding(vocab_size, rank, dtype=dtype, device=device)
         self.proj = nn.Linear(hidden_size, rank, bias=False, dtype=dtype, device=device)
 
-    def scores(self, unary: torch.Tensor, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
-        """unary [..., V], hidden [..., H], previous [...] int64 -> [..., V] float32."""
-        pair: torch.Tensor = (self.previous(previous) * self.proj(hidden)) @ self.candidate.weight.t()
+    def scores(self, unary: torch.Tensor, projected: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        """unary [..., V], projected [..., r] (`proj` of the position's hidden state), previous [...] int64 ->
+        [..., V] float32."""
+        pair: torch.Tensor = (self.previous(previous) * projected) @ self.candidate.weight.t()
         return unary + pair.float()
 
 
@@ -218,8 +216,11 @@ class BlockDrafterModel(nn.Module):
         block_positions = positions.unsqueeze(-1) + torch.arange(self.config.block_size + 1, device=positions.device)
         cos, sin = self.rotary(block_positions)  # [N, Q, 1, D]
         h = self.block_inputs(anchors)
+        n, q_len = h.shape[:2]
+        # Every block position sees the context the mask allows and the whole block.
+        mask = torch.cat((context_mask.expand(n, 1, q_len, -1), context_mask.new_zeros(n, 1, q_len, q_len)), dim=-1)
         for layer, (k, v) in zip(self.block_layers, context_kv, strict=True):
-            h = layer(h, cos, sin, k, v, context_mask)
+            h = layer(h, cos, sin, k, v, mask)
         hidden = self.norm(h[:, 1 : 1 + (num_tokens or self.config.block_size)])  # [N, k, H]
         return hidden, self.target.compute_logits(hidden)
 
@@ -235,9 +236,10 @@ class BlockDrafterModel(nn.Module):
         """Walk the path head over the first `num_tokens` positions -> (drafts [N, k], their distributions
         [N, k, V])."""
         previous = anchors
+        projected = self.path.proj(hidden)  # [N, k, r]
         drafts, probs = [], []
         for j in range(num_tokens):
-            previous, q = draw(self.path.scores(unary[:, j], hidden[:, j], previous), sampling, uniforms[:, j])
+            previous, q = draw(self.path.scores(unary[:, j], projected[:, j], previous), sampling, uniforms[:, j])
             drafts.append(previous)
             probs.append(q)
         return torch.stack(drafts, dim=1), torch.stack(probs, dim=1)

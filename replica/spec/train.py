@@ -242,7 +242,7 @@ def block_losses(
         valid = rows < n - 1
         rows = rows.clamp(max=n - 2)
         previous = ids[b, rows]
-        scores = drafter.path.scores(unary, hidden, previous)  # [M, K, V]
+        scores = drafter.path.scores(unary, drafter.path.proj(hidden), previous)  # [M, K, V]
         teacher = teacher_logits[b, rows]  # [M, K, V]
         kl = _kl(teacher, scores)
         w = weights * valid

@@ -9,9 +9,11 @@ from replica.engine.sequence import Sequence
 from replica.engine.speculation import SpeculationConfig, SpeculationPolicy
 
 
-def seq(acceptance: float | None) -> Sequence:
+def seq(acceptance: float | None, trials: float = 1e6) -> Sequence:
+    """A sequence whose own counts say `acceptance` (with so many trials that the prior does not matter)."""
     s = Sequence(0, [1, 2, 3], SamplingParams(), 0.0)
-    s.acceptance_rate = acceptance
+    if acceptance is not None:
+        s.draft_accepted, s.draft_trials = acceptance * trials, trials
     return s
 
 
@@ -28,20 +30,25 @@ def test_a_sequence_drafts_while_its_next_draft_is_likely_enough(acceptance: flo
 
 
 def test_acceptance_estimates_follow_verifications() -> None:
-    policy = SpeculationPolicy(SpeculationConfig(max_tokens=4))
+    policy = SpeculationPolicy(SpeculationConfig(max_tokens=8))
     s = seq(None)
+    assert policy.estimate(s) == 0.5  # nothing seen yet: the replica's prior
     for _ in range(20):
-        policy.observe_verification(s, num_drafts=4, num_accepted=4)  # every draft kept: alpha -> 1
-    assert s.acceptance_rate is not None and s.acceptance_rate > 0.99
-    assert policy.num_drafts(s) == 4
+        policy.observe_verification(s, num_drafts=8, num_accepted=8)  # every draft kept: alpha -> 1
+    assert policy.estimate(s) > 0.99 and policy.num_drafts(s) == 8
     for _ in range(20):
-        policy.observe_verification(s, num_drafts=4, num_accepted=0)  # the first draft rejected each time
-    assert s.acceptance_rate < 0.01
-    assert policy.num_drafts(s) == 1
-    # A round of 4 drafts with 2 accepted saw 3 trials: 2 successes and the rejection.
-    t = seq(0.5)
-    SpeculationPolicy(SpeculationConfig(max_tokens=4, smoothing=1.0)).observe_verification(t, 4, 2)
-    assert t.acceptance_rate == pytest.approx(2 / 3)
+        policy.observe_verification(s, num_drafts=8, num_accepted=0)  # the first draft rejected each time
+    assert policy.estimate(s) < 0.3 and policy.num_drafts(s) == 1
+    # One bad round after good ones moves k a little, not to the floor.
+    steady = seq(None)
+    for _ in range(10):
+        policy.observe_verification(steady, num_drafts=8, num_accepted=8)
+    policy.observe_verification(steady, num_drafts=8, num_accepted=0)
+    assert policy.num_drafts(steady) >= 6
+    # A round of 4 drafts with 2 accepted is 3 trials: 2 successes and the rejection.
+    t = seq(None)
+    SpeculationPolicy(SpeculationConfig(max_tokens=4)).observe_verification(t, 4, 2)
+    assert (t.draft_accepted, t.draft_trials) == (2, 3)
 
 
 def fraction_speculating(spec_tokens_per_s: float, plain_tokens_per_s: float, steps: int = 400) -> float:
@@ -61,6 +68,9 @@ def fraction_speculating(spec_tokens_per_s: float, plain_tokens_per_s: float, st
 def test_a_batch_size_where_speculation_costs_more_than_it_saves_stops_speculating() -> None:
     assert fraction_speculating(spec_tokens_per_s=800, plain_tokens_per_s=1000) < 0.15  # trials only
     assert fraction_speculating(spec_tokens_per_s=1500, plain_tokens_per_s=1000) > 0.85
+    # Tries that keep confirming the choice come less and less often: a useless drafter costs ever less.
+    assert fraction_speculating(spec_tokens_per_s=300, plain_tokens_per_s=1000, steps=4000) < 0.02
+    assert fraction_speculating(spec_tokens_per_s=3000, plain_tokens_per_s=1000, steps=4000) > 0.98
 
 
 def test_buckets_are_measured_apart() -> None:

@@ -50,7 +50,9 @@ def test_engine_drafts_equal_the_training_forward(model: MoEForCausalLM) -> None
         mask = torch.zeros(1, 1, 1, anchor)
         hidden, unary = drafter.block_forward(ids[0, anchor:], torch.tensor([anchor]), kv, mask)
         previous = torch.tensor([[first[0], *drafts[:-1]]])
-        scores = drafter.path.scores(unary[:, : len(drafts)], hidden[:, : len(drafts)], previous)[0] / 0.9
+        scores = (
+            drafter.path.scores(unary[:, : len(drafts)], drafter.path.proj(hidden[:, : len(drafts)]), previous)[0] / 0.9
+        )
         torch.testing.assert_close(q, scores.softmax(-1), atol=1e-5, rtol=1e-4)
     for j, d in enumerate(drafts):
         assert q[j, d] > 0  # each draft came from its own row of q
