@@ -71,6 +71,14 @@ class Measured:
         return 1 + self.accepted / self.drafts if self.drafts else 1.0
 
 
+def shown(path: Path) -> str:
+    """`path` relative to the working directory when it is inside it (tables name no machine's folders)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return path.name
+
+
 def prompts_for(tokenizer: Tokenizer, n: int) -> list[list[int]]:
     bodies = chat_requests(n, seed=BENCH_SEED)
     return [tokenizer.encode(tokenizer.apply_chat_template(b["messages"], tools=b.get("tools"))) for b in bodies]
@@ -311,8 +319,8 @@ def main() -> None:
     tokenizer = Tokenizer.from_file(path / "tokenizer.json")
     if args.k_default is None:
         args.k_default = default_num_speculative_tokens(load_drafter(drafter_path, load_model(path)))
-    print(f"model {path}, drafter {drafter_path}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
-          f"{os.cpu_count()} CPUs")  # fmt: skip
+    print(f"model {shown(path)}, drafter {shown(drafter_path)}, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs")  # fmt: skip
     if args.drafters:
         drafters(args, path, tokenizer, drafter_path)
     elif args.breakdown:

@@ -21,6 +21,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -36,6 +37,9 @@ from replica.model.loader import load_model
 from replica.spec.build import build_drafter
 from replica.spec.train import DrafterRecipe, Example, load_capture_examples, measure_acceptance
 from replica.tokenizer import Tokenizer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_speculative import shown
 
 TOOL_CALL_TOKEN = "<tool_call>"
 
@@ -69,7 +73,7 @@ def main() -> None:
     path = ensure_demo_model()
     tokenizer = Tokenizer.from_file(path / "tokenizer.json")
     model = load_model(path)
-    print(f"demo model {path}, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, torch {torch.__version__}")
+    print(f"demo model {shown(path)}, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, torch {torch.__version__}")
     with tempfile.TemporaryDirectory() as tmp:
         traces = args.traces
         if traces is None:
@@ -106,8 +110,8 @@ def main() -> None:
         e.prompt_ids for e in heldout if TOOL_CALL_TOKEN in tokenizer.decode(e.output_ids, skip_special_tokens=False)
     ]
     tools = tools[: args.eval_prompts]
-    print(f"\n## Mean acceptance length on held-out traffic (engine, k = {args.k}; {len(prompts)} prompts, "
-          f"{len(tools)} of them answered with a tool call)")  # fmt: skip
+    print(f"\n## Mean acceptance length on held-out traffic (engine, k = {args.k}; {len(prompts)} held-out prompts, "
+          f"and {len(tools)} held-out prompts the model answered with a tool call)")  # fmt: skip
     print(f"{'trained on':<20} {'greedy':>8} {'temp 0.7':>9} {'tool calls, greedy':>19}")
     for label, drafter in drafters.items():
         measure = partial(

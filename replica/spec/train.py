@@ -351,11 +351,12 @@ def train_drafter(
     report.train_loss = smoothed
     if heldout:
         report.heldout_loss, report.heldout_top1_by_position = evaluate(drafter, target, heldout, recipe)
-    progress(
-        f"trained a {recipe.kind} drafter for {step} steps in {report.seconds:.0f} s: train loss {smoothed:.3f}, "
-        f"held-out loss {report.heldout_loss:.3f}, held-out top-1 agreement by position "
-        + " ".join(f"{a:.2f}" for a in report.heldout_top1_by_position)
-    )
+    line = f"trained a {recipe.kind} drafter for {step} steps in {report.seconds:.0f} s: train loss {smoothed:.3f}"
+    if heldout:
+        line += f", held-out loss {report.heldout_loss:.3f}, held-out top-1 agreement by position " + " ".join(
+            f"{a:.2f}" for a in report.heldout_top1_by_position
+        )
+    progress(line)
     return drafter, report
 
 

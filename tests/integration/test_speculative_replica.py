@@ -81,8 +81,11 @@ async def test_a_speculating_replica_answers_as_one_that_does_not(
     start_replica: StartReplica, checkpoint_with_drafter: Path
 ) -> None:
     plain = await start_replica(model=str(checkpoint_with_drafter), drafter="none")
-    spec = await start_replica(model=str(checkpoint_with_drafter), num_speculative_tokens=3)
-    assert spec.state.engine.engine.drafter is not None and plain.state.engine.engine.drafter is None
+    spec = await start_replica(model=str(checkpoint_with_drafter))  # drafter "auto": the checkpoint's drafter/
+    off = await start_replica(model=str(checkpoint_with_drafter), num_speculative_tokens=0)
+    assert plain.state.engine.engine.drafter is None and off.state.engine.engine.drafter is None
+    assert spec.state.engine.engine.drafter is not None
+    assert spec.state.engine.engine.config.num_speculative_tokens == 3  # the block drafter's own block size
     expected = await answers(plain.url, stream=False)
     assert await answers(spec.url, stream=False) == expected
     assert await answers(spec.url, stream=True) == expected

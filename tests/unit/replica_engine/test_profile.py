@@ -121,3 +121,31 @@ def test_a_decode_batch_whose_prompts_take_several_steps_to_prefill(model: MoEFo
     assert sample.decode_seqs == 8
     assert sample.kv_tokens_read >= 8 * 65
     assert not eng.has_work
+
+
+def test_with_a_drafter_the_command_times_speculative_steps_the_simulator_fits(tmp_path: Path) -> None:
+    from replica.model.loader import load_model
+    from replica.spec.checkpoint import save_drafter
+    from replica.spec.train import DrafterRecipe, new_drafter
+    from tests.replica_checkpoint import build_tiny_checkpoint
+
+    ckpt = build_tiny_checkpoint(tmp_path / "tiny")
+    drafter = new_drafter(load_model(ckpt), DrafterRecipe(kind="block", block_size=4))
+    save_drafter(drafter, ckpt / "drafter", target_hash=None, training={})
+    out = tmp_path / "profile.json"
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "shoal"), "replica", "profile", "--model", str(ckpt), "--quick",
+         "--threads", "1", "--num-blocks", "256", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    section = json.loads(out.read_text())["speculation"]
+    assert section["num_speculative_tokens"] == 4 and section["drafter"] == "block"
+    # Both k = 2 and k = 4 at each of the quick grid's decode points (1 and 4 sequences of 64 tokens).
+    assert sorted((s["num_speculative_tokens"], s["decode_seqs"]) for s in section["samples"]) == [
+        (2, 1), (2, 4), (4, 1), (4, 4)
+    ]  # fmt: skip
+    assert all(s["step_s"] > 0 and s["context_tokens"] == 64 for s in section["samples"])
+    preset = load_preset(str(out))
+    assert preset.speculation is not None and preset.speculation.num_speculative_tokens == 4
+    assert preset.speculation.mean_acceptance_length is None  # random prompts say nothing of acceptance

@@ -91,3 +91,16 @@ def test_no_speculation_without_tokens_to_draft() -> None:
     assert not SpeculationPolicy(SpeculationConfig(max_tokens=0)).should_speculate(1)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculationConfig(max_tokens=-1)
+
+
+def test_the_summary_line_reports_vllms_mean_acceptance_length() -> None:
+    from replica.server.metrics import SpeculationSummary
+
+    summary = SpeculationSummary()
+    assert summary.line() is None
+    summary.add(num_drafts=4, num_accepted=6, accepted_per_position=[4, 2])
+    summary.add(num_drafts=4, num_accepted=2, accepted_per_position=[2])
+    line = summary.line()
+    assert line is not None and "mean acceptance length 2.00 over 8 verifications" in line
+    assert line.endswith("acceptance by draft position 0.75 0.25")
+    assert summary.line() is None  # counted since the last line only
