@@ -49,6 +49,7 @@ import argparse
 import bisect
 import json
 import math
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -389,6 +390,12 @@ def main() -> None:
         help="the router's in-flight limit per replica (scenario `router.max_in_flight_per_replica`, the live "
         "router's `hold.max_in_flight_per_replica`) for every row, static peak included; default: the scenario's",
     )
+    parser.add_argument(
+        "--traces-dir",
+        type=Path,
+        default=os.environ.get("SHOAL_TRACES_DIR"),
+        help="directory of the scenarios' trace files (default: $SHOAL_TRACES_DIR; `shoal simulate fetch-traces`)",
+    )
     parser.add_argument("--servegen-model", help="the curve's model column (scenario 09: m-large)")
     parser.add_argument("--servegen-day", type=int, help="day of the curve (scenario 09: 0)")
     parser.add_argument("--servegen-compress", type=float, help="time compression (scenario 09: 48)")
@@ -401,7 +408,8 @@ def main() -> None:
     experiments: list[tuple[str, Scenario, Workload]] = []
     if args.workload in ("azure", "both"):
         scenario = seeded(load_scenario(SCENARIOS / "08_autoscale_azure_code.yaml"), args.seed, args.router_limit)
-        experiments.append(("(a) Azure code trace, bursty, 1 h", scenario, build_workload(scenario)))
+        workload = build_workload(scenario, traces_dir=args.traces_dir)
+        experiments.append(("(a) Azure code trace, bursty, 1 h", scenario, workload))
     if args.workload in ("servegen", "both"):
         scenario = seeded(load_scenario(SCENARIOS / "09_autoscale_servegen_diurnal.yaml"), args.seed, args.router_limit)
         assert isinstance(scenario.trace, ServeGenTraceConfig)
@@ -415,7 +423,7 @@ def main() -> None:
             {**scenario.trace.model_dump(), **{k: v for k, v in flags.items() if v is not None}}
         )
         scenario = scenario.model_copy(update={"trace": trace})
-        workload = build_workload(scenario)
+        workload = build_workload(scenario, traces_dir=args.traces_dir)
         assert isinstance(workload, ServeGenWorkload)
         title = (
             f"(b) ServeGen {trace.model} day {trace.day}, {trace.compress:g}x compressed "
@@ -429,7 +437,7 @@ def main() -> None:
         if args.workload == "servegen-day-x4":
             name, label = ("14_autoscale_servegen_day_x4", "(d)")
         scenario = seeded(load_scenario(SCENARIOS / f"{name}.yaml"), args.seed, args.router_limit)
-        workload = build_workload(scenario)
+        workload = build_workload(scenario, traces_dir=args.traces_dir)
         assert isinstance(workload, ServeGenWorkload)
         title = (
             f"{label} ServeGen day, uncompressed ({workload.duration_s / 3600:.0f} h), "

@@ -4,6 +4,7 @@ Loads and hashes the trace once (shared by every policy, as `shoal simulate` doe
 prints, per policy, the CPU and wall seconds, the events run and the simulated requests per second of wall time;
 then the totals. The issue's goal: all five policies under 60 s on one core. Run it pinned to one core:
 
+    export SHOAL_TRACES_DIR=DIR   # where `shoal simulate fetch-traces` put the traces
     taskset -c 0 .venv/bin/python benchmarks/bench_simulate.py
     taskset -c 0 .venv/bin/python benchmarks/bench_simulate.py --speed 4          # a more loaded fleet
     taskset -c 0 .venv/bin/python benchmarks/bench_simulate.py --synthetic 100000  # scaling: shared-prefix requests
@@ -15,19 +16,25 @@ Zipf-popular system prompts) instead of the trace, at a rate that keeps the 16 r
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from pathlib import Path
 
 from simulations.scenario import DEFAULT_POLICIES, Scenario, build_workload, policy_entry
 from simulations.simulation import Simulation
 from simulations.synthetic import SharedPrefixConfig, SharedPrefixWorkload
 from simulations.workload import Workload
 
-MOONCAKE = "/work/shared/traces/mooncake/synthetic_trace.jsonl"
+MOONCAKE = "mooncake/synthetic_trace.jsonl"
+"""Under the traces directory (`--traces-dir`, $SHOAL_TRACES_DIR; `shoal simulate fetch-traces` downloads it)."""
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trace", default=MOONCAKE)
+    parser.add_argument("--trace", default=MOONCAKE, help="trace file, relative to --traces-dir or absolute")
+    parser.add_argument(
+        "--traces-dir", type=Path, default=os.environ.get("SHOAL_TRACES_DIR"), help="default: $SHOAL_TRACES_DIR"
+    )
     parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     parser.add_argument("--replicas", type=int, default=16)
     parser.add_argument("--speed", type=float, default=1.0)
@@ -50,7 +57,7 @@ def main() -> None:
                 "fleet": {"num_replicas": args.replicas},
             }
         )
-        workload = build_workload(scenario)
+        workload = build_workload(scenario, traces_dir=args.traces_dir)
         num_requests = sum(1 for _ in workload.requests())  # hashes every prompt once (memoised per trace block)
     load_cpu, load_wall = time.process_time() - started_cpu, time.perf_counter() - started_wall
     print(

@@ -1,16 +1,18 @@
 """`shoal simulate`: replay a trace or a scenario through several routing policies and compare them.
 
-    shoal simulate --trace /work/shared/traces/mooncake/synthetic_trace.jsonl --replicas 16 --out /tmp/sim/x
-    shoal simulate --scenario simulations/scenarios/01_mooncake_moderate.yaml --out /tmp/sim/01
-    shoal simulate --scenario simulations/scenarios/15_speculative_decoding.yaml --traces-dir DIR --out /tmp/sim/15
+    shoal simulate fetch-traces --traces-dir ~/traces       # the public traces the scenarios replay (see below)
+    shoal simulate --scenario simulations/scenarios/01_mooncake_moderate.yaml --traces-dir ~/traces --out runs/01
+    shoal simulate --trace ~/traces/mooncake/synthetic_trace.jsonl --replicas 16 --out runs/x
 
 A scenario file sets everything (see `scenario.Scenario`); flags override it. Without one, the defaults are the
 issue's comparison: the five policies of `scenario.DEFAULT_POLICIES` on 16 replicas of the LLaMA-70B preset.
 Prints one table row per policy (per fleet variant and policy when the scenario has `variants`), then a line per
 row whose fleet speculates, writes `results.json` and, unless `--no-plots`, `ttft_cdf.png` and `timeseries.png`
-into `--out`. Runs go one after the other on the same requests; a progress bar per run goes to stderr. A
-scenario's relative trace paths are taken from `--traces-dir`, or else from $SHOAL_TRACES_DIR; `--trace` is a
-path like any other, from the working directory.
+into `--out`. Runs go one after the other on the same requests; a progress bar per run goes to stderr.
+
+A scenario names its trace files relative to a traces directory: `--traces-dir DIR`, or else $SHOAL_TRACES_DIR.
+`shoal simulate fetch-traces` downloads them there (Mooncake, Azure LLM inference 2023, ServeGen), checked by
+sha256; `--trace` is a path like any other, from the working directory.
 """
 
 from __future__ import annotations
@@ -72,10 +74,65 @@ def add_simulate_command(subparsers: Any) -> None:
         help="speculate with this mean acceptance length (tokens per sequence per speculative step, bonus included) "
         "on the preset's or the scenario's speculation, e.g. one fitted from a profile",
     )
-    parser.add_argument("--out", required=True, metavar="DIR", help="directory for results.json and the plots")
+    parser.add_argument("--out", metavar="DIR", help="directory for results.json and the plots (required)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run_simulate)
+    commands = parser.add_subparsers(dest="simulate_command", metavar="fetch-traces", required=False)
+    _add_fetch_traces_command(commands)
+
+
+def _add_fetch_traces_command(subparsers: Any) -> None:
+    from simulations.fetch import BASE_URL_ENV, TRACES
+
+    parser = subparsers.add_parser(
+        "fetch-traces",
+        help="download the public traces into the traces directory",
+        description="Download the public traces the scenarios replay into the traces directory, each checked by "
+        "sha256: " + "; ".join(f"{s.name}: {s.description}" for s in TRACES) + ". Files already there with the "
+        "right checksum are kept.",
+    )
+    parser.add_argument(
+        "--traces-dir", metavar="DIR", help="where to put them (default: $SHOAL_TRACES_DIR); created if missing"
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=[s.name for s in TRACES],
+        metavar="NAME",
+        help=f"only this trace, repeatable: {', '.join(s.name for s in TRACES)}",
+    )
+    parser.add_argument(
+        "--base-url",
+        metavar="URL",
+        help=f"a mirror laid out as URL/<trace>/<file> instead of the published locations (default: ${BASE_URL_ENV})",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(run=run_fetch_traces)
+
+
+def run_fetch_traces(args: argparse.Namespace) -> int:
+    from simulations.fetch import BASE_URL_ENV, FetchError, fetch_traces
+    from simulations.scenario import TRACES_DIR_ENV
+
+    traces_dir = args.traces_dir or os.environ.get(TRACES_DIR_ENV)
+    if not traces_dir:
+        print(f"shoal simulate fetch-traces: give --traces-dir DIR or set {TRACES_DIR_ENV}", file=sys.stderr)
+        return 2
+    base_url = args.base_url or os.environ.get(BASE_URL_ENV) or None
+    try:
+        fetch_traces(
+            Path(traces_dir),
+            only=args.only,
+            base_url=base_url,
+            progress=not args.no_progress,
+            log=lambda line: print(line, file=sys.stderr),
+        )
+    except FetchError as exc:
+        print(f"shoal simulate fetch-traces: {exc}", file=sys.stderr)
+        return 1
+    print(f"traces in {traces_dir}: run scenarios with --traces-dir {traces_dir} or {TRACES_DIR_ENV}={traces_dir}")
+    return 0
 
 
 _TRACE_KINDS = ("mooncake", "azure", "servegen")
@@ -157,6 +214,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     from simulations.scenario import TRACES_DIR_ENV, build_workload
     from simulations.simulation import RunResult, Simulation
 
+    if not args.out:
+        print("shoal simulate: give --out DIR (or run `shoal simulate fetch-traces`)", file=sys.stderr)
+        return 2
     traces_dir = args.traces_dir or os.environ.get(TRACES_DIR_ENV) or None
     try:
         scenario = resolve_scenario(args)

@@ -284,18 +284,28 @@ def load_scenario(path: str | Path) -> Scenario:
 
 
 def trace_file(path: Path, traces_dir: Path | None) -> Path:
-    """A trace file's path: an absolute one as it is, a relative one under `traces_dir`; a ValueError that names
-    the file and how to set the directory when it is relative with no directory, or missing."""
+    """A trace file's path: an absolute one as it is, a relative one under `traces_dir`. A missing file, or a
+    relative one with no directory, is a ValueError that names the file, the directory looked in and the
+    `shoal simulate fetch-traces` command that downloads it."""
+    from simulations.fetch import fetch_command
+
     how = f"pass `shoal simulate --traces-dir DIR` or set {TRACES_DIR_ENV}"
     if path.is_absolute():
         resolved = path
     elif traces_dir is None:
-        raise ValueError(f"trace file {str(path)!r} is relative to the traces directory, which is not set: {how}")
+        raise ValueError(
+            f"trace file {str(path)!r} is relative to the traces directory, which is not set: {how} "
+            f"(`{fetch_command(None, path)}` downloads the public traces into DIR)"
+        )
     else:
         resolved = traces_dir / path
     if not resolved.is_file():
-        where = "" if path.is_absolute() else f" ({str(path)!r} under the traces directory {str(traces_dir)!r}; {how})"
-        raise ValueError(f"trace file {str(resolved)!r} not found{where}")
+        if path.is_absolute():
+            raise ValueError(f"trace file {str(resolved)!r} not found")
+        raise ValueError(
+            f"trace file {str(path)!r} not found: no {str(resolved)!r} in the traces directory {str(traces_dir)!r} "
+            f"(--traces-dir or {TRACES_DIR_ENV}); download it with `{fetch_command(traces_dir, path)}`"
+        )
     return resolved
 
 

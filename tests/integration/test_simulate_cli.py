@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.data import MOONCAKE
+
 pytestmark = pytest.mark.integration
 
-MOONCAKE = Path("/work/shared/traces/mooncake/synthetic_trace.jsonl")
 ROOT = Path(__file__).parents[2]
 
 

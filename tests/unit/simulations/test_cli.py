@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from simulations.cli import add_simulate_command
+from tests.data import MOONCAKE, TRACES_DIR
 
-MOONCAKE = Path("/work/shared/traces/mooncake/synthetic_trace.jsonl")
 SCENARIOS = Path(__file__).parents[3] / "simulations" / "scenarios"
 
 
@@ -74,16 +74,35 @@ def test_compares_policies_and_writes_results_and_plots(
     assert (out / "timeseries.png").stat().st_size > 1000
 
 
-def test_bundled_scenarios_parse(tmp_path: Path) -> None:
-    from simulations.scenario import load_scenario
+def test_bundled_scenarios_parse_and_find_their_traces_in_the_traces_directory() -> None:
+    from simulations.scenario import build_workload, load_scenario
 
     files = sorted(SCENARIOS.glob("*.yaml"))
-    assert files
+    assert len(files) >= 15
     for path in files:
         scenario = load_scenario(path)
         assert scenario.description, path.name
         for run_scenario, _ in scenario.runs():
             run_scenario.fleet.resolve()
+        # tests/data/traces is laid out as the full traces directory: every scenario's files are there.
+        workload = build_workload(scenario, traces_dir=TRACES_DIR)
+        assert next(iter(workload.requests())).prompt_tokens > 0, path.name
+
+
+def test_a_bundled_scenario_without_its_trace_says_which_file_where_and_how_to_fetch_it(tmp_path: Path) -> None:
+    from simulations.scenario import build_workload, load_scenario
+
+    names = {
+        "01_mooncake_moderate": "mooncake",
+        "06_azure_code_bursty": "azure",
+        "13_autoscale_servegen_day": "servegen",
+    }
+    for name, trace in names.items():
+        with pytest.raises(ValueError, match="not found") as info:
+            build_workload(load_scenario(SCENARIOS / f"{name}.yaml"), traces_dir=tmp_path)
+        message = str(info.value)
+        assert str(tmp_path) in message, message
+        assert f"shoal simulate fetch-traces --traces-dir {tmp_path} --only {trace}" in message, message
 
 
 def test_bad_flags_are_refused(small_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,8 +15,8 @@ from simulations.cli import add_simulate_command, trace_kind
 from simulations.scenario import Scenario, build_workload, load_scenario
 from simulations.servegen import ServeGenTraceConfig, ServeGenWorkload, UniformLengths, read_servegen
 from simulations.traces import TraceRow
+from tests.data import AZURE_CODE, SERVEGEN, TRACES_DIR
 
-SERVEGEN = Path("/work/shared/traces/servegen/servegen_aggregate_rate.csv")
 SCENARIOS = Path(__file__).parents[3] / "simulations" / "scenarios"
 HEADER = ["category", "model", "window_start_s", "total_rate_req_per_s", "active_clients", "rate_weighted_mean_iat_cv"]
 
@@ -112,7 +112,7 @@ def test_scenario_09_selects_the_servegen_kind() -> None:
     scenario = load_scenario(SCENARIOS / "09_autoscale_servegen_diurnal.yaml")
     assert isinstance(scenario.trace, ServeGenTraceConfig)
     trace = scenario.trace.model_copy(update={"limit": 5})
-    workload = build_workload(scenario.model_copy(update={"trace": trace}))
+    workload = build_workload(scenario.model_copy(update={"trace": trace}), traces_dir=TRACES_DIR)
     assert isinstance(workload, ServeGenWorkload)
     assert workload.duration_s == 1800.0 and max(workload.rates_per_s) == pytest.approx(40.0)
     assert min(workload.rates_per_s) == pytest.approx(10.4, abs=0.05)  # the trough the README states
@@ -135,7 +135,7 @@ def test_a_bad_servegen_scenario_is_refused(tmp_path: Path) -> None:
 def test_simulate_replays_a_servegen_file_given_as_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_curve(tmp_path / "curve.csv", [1.0, 4.0, 2.0], model="m-large")  # 144 windows
     assert trace_kind(str(path)) == "servegen"
-    assert trace_kind("/work/shared/traces/azure-llm-2023/AzureLLMInferenceTrace_code.csv") == "azure"
+    assert trace_kind(str(AZURE_CODE)) == "azure"
     parser = argparse.ArgumentParser(prog="shoal")
     add_simulate_command(parser.add_subparsers(dest="command", required=True))
     out = tmp_path / "out"

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from simulations.scenario import policy_entry
 from simulations.simulation import RunResult, Simulation
-from simulations.traces import MooncakeWorkload
+from simulations.traces import MooncakeWorkload, prefix_hit_ceiling, read_mooncake
+from tests.data import MOONCAKE
 
 from .conftest import scenario
 
-MOONCAKE = Path("/work/shared/traces/mooncake/synthetic_trace.jsonl")
 FAST_ENGINE = {"step_s": 1e-6, "prefill_s_per_token": 1e-9, "decode_s_per_seq": 1e-9}
 """So fast that no two requests overlap: each sees every earlier prompt fully cached."""
 
@@ -26,10 +25,13 @@ def mooncake() -> MooncakeWorkload:
 def test_unbounded_cache_on_one_replica_reaches_the_traces_ceiling(mooncake: MooncakeWorkload) -> None:
     scn = scenario(fleet={"engine": {"num_kv_blocks": 10**9}, "step_model": FAST_ENGINE})
     result = Simulation(scn, policy_entry("round_robin"), mooncake).run()
-    # The README's 0.651 counts whole 512-token blocks; the engine recomputes at least the last token of a fully
-    # cached prompt, which costs well under 0.1%.
-    assert result.summary["requests"] == 3993
-    assert result.summary["hit_ratio"] == pytest.approx(0.651, abs=0.001)
+    # The ceiling counts whole 512-token trace blocks straight from the file's hash_ids; the simulator hits its own
+    # 16-token sub-blocks through the replica's cache. On the slice (the trace's first 400 requests, before most
+    # reuse builds up) the ceiling is 5.4%; `benchmarks/trace_facts.py` gives the full trace's 65.1%.
+    ceiling = prefix_hit_ceiling(read_mooncake(MOONCAKE))
+    assert ceiling > 0.05
+    assert result.summary["requests"] == 400
+    assert result.summary["hit_ratio"] == pytest.approx(ceiling, abs=0.001)
 
 
 def test_without_prefix_caching_nothing_hits(mooncake: MooncakeWorkload) -> None:
