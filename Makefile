@@ -8,6 +8,7 @@ TORCH_CPU ?= torch==2.13.0
 .PHONY: install test lint typecheck contracts unit demo bench clean
 
 $(VENV)/.installed: pyproject.toml
+	@echo "installing Shoal into $(VENV) (the first time takes a few minutes: torch, the dev tools)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_CPU)
@@ -31,8 +32,9 @@ unit: install
 test: lint typecheck contracts unit
 
 # A router and two replicas of the demo model on loopback, then a few example requests; Ctrl-C stops all three.
-# The demo model is trained on first use (a few minutes on 2 CPU cores) and cached under ~/.cache/shoal.
+# The demo model ships with the package (replica/demo/weights/, rebuilt by `shoal replica build-demo`).
 demo: install
+	@echo "starting the router and 2 replicas of the packaged demo model; they load it, then answer the demo requests"
 	$(VENV)/bin/shoal up --replicas 2 --demo-requests
 
 clean:

@@ -84,10 +84,11 @@ def run_up(
     if autoscale and not 1 <= min_replicas <= max_replicas:
         print("shoal up: need 1 <= --min-replicas <= --max-replicas", file=sys.stderr)
         return 2
+    step = _Steps()
     if model == "demo":
         from replica.demo.build import ensure_demo_model
 
-        ensure_demo_model()
+        step(f"demo model: {ensure_demo_model(progress=step)}")
     served_name = "shoal-demo" if model == "demo" else Path(model).resolve().name
     shoal = _shoal_command()
     threads = max(1, (os.cpu_count() or 1) // (max_replicas if autoscale else num_replicas))
@@ -112,6 +113,7 @@ def run_up(
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
         if autoscale:
+            step(f"starting the router on port {port} and the autoscaler ({min_replicas}-{max_replicas} replicas)")
             endpoint = _start_autoscaled(
                 procs,
                 shoal,
@@ -131,16 +133,21 @@ def run_up(
             cmd += ["--port", str(replica_port), "--threads", str(threads)]
             if quantization != "none":
                 cmd += ["--quantization", quantization]
+            step(f"starting replica {i + 1} of {num_replicas} on port {replica_port} ({threads} thread(s))")
             procs.append(start_child(cmd))
             replica_urls.append(f"http://127.0.0.1:{replica_port}")
+        step("waiting for the replicas to load the model and answer /health")
         for url in replica_urls:
             _wait_healthy(url + "/health", procs, timeout_s=300)
+            step(f"replica {url} ready")
+        step(f"starting the router on port {port}")
         router_cmd = [*shoal, "router", "--port", str(port), "--no-request-log"]
         for url in replica_urls:
             router_cmd += ["--replica", url]
         procs.append(start_child(router_cmd))
         endpoint = f"http://127.0.0.1:{port}"
         _wait_healthy(endpoint + "/ready", procs, timeout_s=60)
+        step("router ready")
         print(f"\nShoal is up: {endpoint}/v1 (OpenAI API), {num_replicas} replica(s): {', '.join(replica_urls)}")
         print(f"  metrics: {endpoint}/metrics   replicas: {', '.join(u + '/metrics' for u in replica_urls)}")
         return _serve(procs, endpoint, served_name, demo_requests, exit_after_demo, replica_urls)
@@ -165,6 +172,7 @@ def _serve(
     if demo_requests:
         from replica.demo.requests import run_demo_requests
 
+        print("sending the demo requests", flush=True)
         run_demo_requests(endpoint, model=served_name, replica_urls=replica_urls)
         if exit_after_demo:
             return 0
@@ -184,6 +192,17 @@ _DEMO_POLICY_ENV = {
     "SHOAL_AUTOSCALER_POLICY__SCALE_DOWN__STABILIZATION_WINDOW_S": "60",
     "SHOAL_AUTOSCALER_POLICY__SCALE_DOWN__PERIOD_S": "15",
 }
+
+
+class _Steps:
+    """Prints what `shoal up` is doing while it starts, each line with the seconds since it began, so a slow
+    start shows where it is."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+
+    def __call__(self, message: str) -> None:
+        print(f"shoal up [{time.monotonic() - self.started:5.1f} s] {message}", flush=True)
 
 
 def _start_autoscaled(

@@ -39,6 +39,11 @@ def test_shoal_up_serves_the_demo_requests(tiny_checkpoint: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert f"Shoal is up: http://127.0.0.1:{router_port}/v1" in out
+    # What it did while it started, in order, each line with the seconds since it began.
+    steps = [line for line in out.splitlines() if line.startswith("shoal up [")]
+    assert any(f"starting replica 2 of 2 on port {base + 1}" in line for line in steps), out
+    assert out.index("waiting for the replicas") < out.index("router ready") < out.index("Shoal is up")
+    assert out.index("Shoal is up") < out.index("sending the demo requests") < out.index("finish_reason:")
     assert "finish_reason:" in out
     warm = next(line for line in out.splitlines() if line.startswith("warm"))
     cached = int(warm.split()[3])
