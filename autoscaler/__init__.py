@@ -1,1 +1,1 @@
-"""Shoal's autoscaler: scales replicas on the router's queue metrics (arrives with its own issue)."""
+"""Shoal's autoscaler: scales replicas on the routers' queue metrics (DESIGN.md, Autoscaler)."""

@@ -2,7 +2,7 @@
 
 Loads and hashes the trace once (shared by every policy, as `shoal simulate` does), then runs each policy and
 prints, per policy, the CPU and wall seconds, the events run and the simulated requests per second of wall time;
-then the totals. The issue's goal: all five policies under 60 s on one core. Run it pinned to one core:
+then the totals. Run it pinned to one core:
 
     export SHOAL_TRACES_DIR=DIR   # where `shoal simulate fetch-traces` put the traces
     taskset -c 0 .venv/bin/python benchmarks/bench_simulate.py

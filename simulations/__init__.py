@@ -1,4 +1,4 @@
-"""Offline replay of real traces through the real routing policies (DESIGN.md, Simulations; issue 5).
+"""Offline replay of real traces through the real routing policies (DESIGN.md, Simulations).
 
 A discrete-event simulator: `events` (the clock and heap), `replica` (a vLLM-V1-like engine: continuous batching,
 chunked prefill, preemption) over `kv_cache` (fixed-size blocks, LRU prefix cache on the router's chained hashes)

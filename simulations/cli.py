@@ -4,8 +4,8 @@
     shoal simulate --scenario simulations/scenarios/01_mooncake_moderate.yaml --traces-dir ~/traces --out runs/01
     shoal simulate --trace ~/traces/mooncake/synthetic_trace.jsonl --replicas 16 --out runs/x
 
-A scenario file sets everything (see `scenario.Scenario`); flags override it. Without one, the defaults are the
-issue's comparison: the five policies of `scenario.DEFAULT_POLICIES` on 16 replicas of the LLaMA-70B preset.
+A scenario file sets everything (see `scenario.Scenario`); flags override it. Without one, the five policies of
+`scenario.DEFAULT_POLICIES` run on 16 replicas of the LLaMA-70B preset.
 Prints one table row per policy (per fleet variant and policy when the scenario has `variants`), then a line per
 row whose fleet speculates, writes `results.json` and, unless `--no-plots`, `ttft_cdf.png` and `timeseries.png`
 into `--out`. Runs go one after the other on the same requests; a progress bar per run goes to stderr.

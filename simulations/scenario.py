@@ -44,7 +44,7 @@ from simulations.traces import AzureWorkload, MooncakeWorkload
 from simulations.workload import PrefillOnlyWorkload, Workload
 
 DEFAULT_POLICIES = ("estimated_ttft", "sglang_cache_aware", "dynamo_kv", "least_load", "round_robin")
-"""The five policies of the issue's comparison, Shoal's own first."""
+"""The five policies compared by default, Shoal's own first."""
 
 TRACES_DIR_ENV = "SHOAL_TRACES_DIR"
 """The environment variable naming the directory that relative trace paths are taken from (`--traces-dir` wins)."""

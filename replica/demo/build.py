@@ -51,13 +51,13 @@ class DemoRecipe:
     long_fraction: float = 0.5
     """Long steps (this fraction of steps): windows of `long_seq_len` tokens that start where a tool conversation
     starts. One is 700-1,100 tokens, 590 of them its tools block, and its call ends by position ~700: only long
-    steps show a call with the whole system prompt above it, at the distances it has when served. (v1 trained on
-    short windows alone; its calls copied the tools' schema instead of arguments.)"""
+    steps show a call with the whole system prompt above it, at the distances it has when served; on short
+    windows alone the model copies the tools' schema into its calls instead of arguments."""
     max_steps: int = 400
     max_seconds: float = 900.0
     """Training stops at max_steps, or at max_seconds (of training, not of corpus and tokenizer set-up) on a machine
-    too slow or too busy for them: steps, not wall time, bound it, so a seed names one model (v1 stopped at 240 s,
-    so its step count, and the model, depended on the machine's load)."""
+    too slow or too busy for them: steps, not wall time, bound it, so a seed names one model whatever the
+    machine's load."""
     learning_rate: float = 3e-3
     aux_loss_weight: float = 0.01
     seed: int = 0
@@ -101,8 +101,8 @@ def scheduled_learning_rate(recipe: DemoRecipe, step: int, elapsed_s: float) -> 
 
     Progress through the cosine is by steps or by time, whichever is further along, so a run bound by
     `max_seconds` still ends at a low rate. Time counts in whole steps of the schedule: a run that keeps up with
-    its step budget never reads the clock into a rate, so a seed names one model (a raw time fraction made the
-    first step's rate, and with it every later weight, differ from build to build)."""
+    its step budget never reads the clock into a rate, so a seed names one model (a raw time fraction would make
+    the first step's rate, and with it every later weight, differ from build to build)."""
     time_steps = math.floor(elapsed_s / recipe.max_seconds * recipe.max_steps)
     frac = min(1.0, max(step, time_steps) / recipe.max_steps)
     warm = min(1.0, (step + 1) / WARMUP_STEPS)
