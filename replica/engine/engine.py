@@ -341,7 +341,9 @@ class LLMEngine:
                 appended.append(token)
                 reason = self._stop_reason(seq, token)
                 if reason is None and seq.grammar is not None and seq.grammar.is_stopped:
-                    reason = FinishReason.STOP  # the grammar is complete: only EOS could follow
+                    seq.error = seq.grammar.error
+                    # Complete: only EOS could follow. Or failed (a limit of the parser was reached).
+                    reason = FinishReason.STOP if seq.error is None else FinishReason.ERROR
                 if reason is not None:
                     break
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
