@@ -15,7 +15,6 @@ from replica.demo.build import ensure_demo_model
 from replica.demo.corpus import TOOLS
 from replica.demo.requests import tool_call_request
 from replica.engine.engine import EngineConfig, LLMEngine
-from replica.engine.sampling import SamplingParams
 from replica.grammar.matcher import GrammarCompiler
 from replica.model.loader import load_model
 from replica.model.model import MoEForCausalLM
