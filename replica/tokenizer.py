@@ -84,6 +84,10 @@ class Tokenizer:
     def save(self, path: str | PathLike[str]) -> None:
         self._backend.save(str(path))
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (what llguidance builds its token trie from)."""
+        return str(self._backend.to_str())
+
     @property
     def vocab_size(self) -> int:
         """Ids are below this, added tokens included: the size of the model's embedding table."""

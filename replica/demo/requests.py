@@ -1,4 +1,5 @@
-"""The requests `make demo` sends once the fleet is up: a Japanese chat, a tool call, and the same long system
+"""The requests `make demo` sends once the fleet is up: a Japanese chat, a tool call (the tool named with
+`tool_choice`, so the call is constrained to the function's schema), and the same long system
 prompt twice, to show the second request's cached tokens and its lower time to first token; then what speculative
 decoding did on each replica (drafts verified and the mean acceptance length, from its `/metrics`).
 
@@ -80,6 +81,19 @@ def _post(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         return result
 
 
+def tool_call_request(model: str) -> dict[str, Any]:
+    """The demo's tool-call request. Naming the tool makes the call grammar-constrained, so every build of the demo
+    model writes a valid call of it, whatever it would have written unconstrained."""
+    return {
+        "model": model,
+        "max_tokens": 80,
+        "temperature": 0,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_order_status"}},
+        "messages": [{"role": "user", "content": "Could you check the status of order ORD-48213?"}],
+    }
+
+
 def run_demo_requests(endpoint: str, model: str = "shoal-demo", replica_urls: list[str] | None = None) -> None:
     try:
         _run_demo_requests(endpoint, model)
@@ -127,16 +141,7 @@ def _run_demo_requests(endpoint: str, model: str) -> None:
     print("assistant:", reply["choices"][0]["message"]["content"])
 
     print("\n== 2. A tool call ==")
-    reply = _post(
-        endpoint,
-        {
-            "model": model,
-            "max_tokens": 80,
-            "temperature": 0,
-            "tools": TOOLS,
-            "messages": [{"role": "user", "content": "Could you check the status of order ORD-48213?"}],
-        },
-    )
+    reply = _post(endpoint, tool_call_request(model))
     message = reply["choices"][0]["message"]
     print("finish_reason:", reply["choices"][0]["finish_reason"])
     print("tool_calls:", json.dumps(message.get("tool_calls"), ensure_ascii=False))

@@ -5,7 +5,8 @@ After the target's forward pass every sampled sequence gets the outcome of its d
 step, the drafter's proposal following that token. Emitted tokens, their counts and the new drafts reach the host
 in a single `.tolist()`: one device-to-host synchronisation per step for the whole batch, whatever its size and k,
 so the same code keeps a GPU busy (tests/unit/replica_engine/test_speculative_engine.py counts them). The
-proposal's probabilities stay on the device for the next step's acceptance test.
+proposal's probabilities stay on the device for the next step's acceptance test. Constrained sequences are masked
+here and draft after the transfer, once their grammars have consumed this step's tokens (`replica.engine.constrain`).
 
 Each sequence draws its uniforms from its own generator (a seeded request's, or the engine's), as many as it uses:
 one per draft it verifies, one for the token after them, one per draft it will propose. So a seeded request's
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from replica.engine.constrain import apply_allowed
 from replica.engine.drafting import Drafter, ProposeRequest
 from replica.engine.rejection import verify
 from replica.engine.runner import RunnerOutput
@@ -34,6 +36,9 @@ class Decided:
     next_drafts: list[int]
     next_draft_probs: torch.Tensor | None
     """[len(next_drafts), V] on the device."""
+    draft_uniforms: torch.Tensor | None = None
+    """A constrained sequence that drafts next: the uniforms of its drafts, for `constrain.propose_constrained`
+    once its tokens are consumed by its grammar (its drafts are not proposed here)."""
 
 
 def _uniforms(
@@ -56,16 +61,19 @@ def decide(
     out: RunnerOutput,
     generators: list[torch.Generator],
     drafter: Drafter | None,
+    allowed: torch.Tensor | None = None,
 ) -> list[Decided]:
     """seqs: the step's sampled sequences (`out.sampled` order), each verifying `num_drafts[i]` drafts and to
-    propose `num_next[i]` (0: none; needs a drafter)."""
+    propose `num_next[i]` (0: none; needs a drafter). `allowed` [R, V] bool: grammar masks of the sampled rows
+    (`constrain.target_allowed`), applied to the logits before anything is drawn or verified; constrained
+    sequences get their drafts' uniforms back instead of drafts."""
     assert out.logits is not None
     device = out.logits.device
     num_seqs, vocab = len(seqs), out.logits.shape[-1]
     k, k_next = max(num_drafts), max(num_next)
     uniforms = _uniforms(generators, num_drafts, num_next, k, k_next).to(device)
     sampling = SamplingTensors.build([s.params for s in seqs], device)
-    probs = probabilities(out.logits, sampling.repeat(out.num_rows))  # [R, V]
+    probs = probabilities(apply_allowed(out.logits, allowed), sampling.repeat(out.num_rows))  # [R, V]
     # Each sequence's rows, padded to k + 1 by repeating its last one (verify never reads past a row's drafts).
     index: list[int] = []
     first = 0
@@ -92,7 +100,7 @@ def decide(
         uniforms[:, k],
     )
     parts = [tokens.flatten(), num_emitted]
-    proposing = [row for row, n in enumerate(num_next) if n]
+    proposing = [row for row, n in enumerate(num_next) if n and seqs[row].grammar is None]
     probs_next = None
     if proposing:
         assert drafter is not None
@@ -126,6 +134,11 @@ def decide(
                 tokens=flat_tokens[row * (k + 1) : row * (k + 1) + n],
                 next_drafts=nexts,
                 next_draft_probs=None if i is None or probs_next is None else probs_next[i, : num_next[row]],
+                draft_uniforms=(
+                    uniforms[row, k + 1 : k + 1 + num_next[row]]
+                    if num_next[row] and seqs[row].grammar is not None
+                    else None
+                ),
             )
         )
     return decided

@@ -8,13 +8,14 @@ layer outputs a block drafter asked for), then `propose` for the sequences that 
 Proposals stay on the device: the engine moves the drafted tokens to the host together with the step's verified
 tokens, in its one transfer, and keeps the proposal probabilities on the device for the next step's acceptance test.
 A drafter must report the exact distribution every draft was drawn from (one-hot for a greedy draft): acceptance is
-exact only against it.
+exact only against it. Under a grammar that is the masked, renormalised distribution (`masked_scores`).
 
 S = proposing sequences, k = drafts per sequence, V = vocabulary.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,6 +39,17 @@ class ProposeRequest:
     """Each sequence's temperature, top-k and top-p: drafts are drawn from the drafter's scores under them."""
     uniforms: torch.Tensor
     """[S, k] in [0, 1): the draws for drafting, from each request's own generator."""
+    allowed: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+    """Grammar masks: `allowed(j, previous)` -> [S, V] bool, the tokens draft j may be (`previous` [S]: the drafts
+    drawn at j - 1, the anchors for j = 0). Called once per position, in order, before drawing it; the drafter
+    draws from its scores with the refused tokens at -inf and reports that masked distribution."""
+
+
+def masked_scores(request: ProposeRequest, position: int, previous: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """`scores` [S, V] of draft `position` under the request's grammar masks, if it has any."""
+    if request.allowed is None:
+        return scores
+    return scores.masked_fill(~request.allowed(position, previous), -torch.inf)
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from replica.engine.block_manager import BlockManager
+from replica.engine.constrain import propose_constrained, target_allowed, verification_bitmasks
 from replica.engine.decide import decide
 from replica.engine.drafting import Drafter
 from replica.engine.runner import ModelRunner, RunnerOutput
@@ -36,6 +38,9 @@ from replica.engine.sequence import FinishReason, Sequence, SequenceStatus
 from replica.engine.speculation import SpeculationConfig, SpeculationPolicy
 from replica.model.model import MoEForCausalLM
 from router.policy.kv_events import KVEvent
+
+if TYPE_CHECKING:
+    from replica.grammar.matcher import GrammarCompiler
 
 
 class RequestError(ValueError):
@@ -74,6 +79,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    error: str | None = None
+    """With finish_reason ERROR: what went wrong (the grammar allowed no token)."""
 
 
 @dataclass
@@ -105,7 +112,9 @@ class LLMEngine:
         eos_token_ids: Iterable[int] = (),
         clock: Callable[[], float] = time.monotonic,
         drafter: Drafter | None = None,
+        grammar: GrammarCompiler | None = None,
     ) -> None:
+        """`grammar`: the replica's llguidance tokenizer, needed to serve requests with a grammar."""
         if config.num_speculative_tokens and drafter is None:
             raise ValueError("num_speculative_tokens > 0 needs a drafter")
         if drafter is not None and drafter.vocab_size != model.config.vocab_size:
@@ -113,6 +122,9 @@ class LLMEngine:
         self.model = model
         self.config = config
         self.drafter = drafter if config.num_speculative_tokens else None
+        if grammar is not None and grammar.vocab_size != model.config.vocab_size:
+            raise ValueError(f"the grammar's vocabulary ({grammar.vocab_size}) is not the model's")
+        self.grammar = grammar
         self.policy = SpeculationPolicy(
             SpeculationConfig(max_tokens=config.num_speculative_tokens, adaptive=config.adaptive_speculation)
         )
@@ -154,6 +166,8 @@ class LLMEngine:
                 f"the prompt has {len(prompt_token_ids)} tokens; this model's context is {self.max_model_len} tokens "
                 "including at least one generated token"
             )
+        if params.grammar is not None and self.grammar is None:
+            raise RequestError("this engine has no grammar tokenizer: constrained outputs are not served")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Queue a request; returns its id. Raises RequestError for a prompt the engine cannot serve."""
@@ -186,6 +200,8 @@ class LLMEngine:
             if kind == "add":
                 assert isinstance(item, Sequence)
                 self._seqs[item.seq_id] = item
+                if item.params.grammar is not None and not self._start_grammar(item, result):
+                    continue
                 if item.params.seed is not None:
                     self._seq_generators[item.seq_id] = torch.Generator(device="cpu").manual_seed(item.params.seed)
                 self.scheduler.add(item)
@@ -194,6 +210,19 @@ class LLMEngine:
                 seq = self._seqs.get(item)
                 if seq is not None and not seq.is_finished:
                     self._finish(seq, FinishReason.ABORT, result, [])
+
+    def _start_grammar(self, seq: Sequence, result: StepResult) -> bool:
+        """Give `seq` its matcher; a grammar that does not compile (the server validates, so rarely) ends it."""
+        from replica.grammar.matcher import GrammarError
+
+        assert self.grammar is not None and seq.params.grammar is not None
+        try:
+            seq.grammar = self.grammar.matcher(seq.params.grammar)
+        except GrammarError as exc:
+            seq.error = f"the grammar does not compile: {exc}"
+            self._finish(seq, FinishReason.ERROR, result, [])
+            return False
+        return True
 
     def _finish(self, seq: Sequence, reason: FinishReason, result: StepResult, new_tokens: list[int]) -> None:
         self.scheduler.finish(seq, reason)
@@ -211,6 +240,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=len(seq.output_token_ids),
+            error=seq.error,
         )
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
@@ -232,12 +262,13 @@ class LLMEngine:
             result.events = self.block_manager.drain_events()
             return result
         result.num_batched_tokens = batch.num_tokens
+        bitmasks = self._verification_bitmasks(batch)
         out = self.runner.run(batch, self.drafter.feature_layers if self.drafter is not None else ())
         if self.drafter is not None:
             self.drafter.ingest(out.inputs, out.features)
         for seq, n, d in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens, strict=True):
             seq.num_computed_tokens += n - d  # the drafts count once verified
-        num_emitted, proposed = self._decide(batch, out, result) if out.sampled else (0, False)
+        num_emitted, proposed = self._decide(batch, out, result, bitmasks) if out.sampled else (0, False)
         for seq in batch.seqs:
             if seq.status is SequenceStatus.RUNNING:
                 self.block_manager.register_computed(seq)
@@ -250,7 +281,23 @@ class LLMEngine:
                 )
         return result
 
-    def _decide(self, batch: ScheduledBatch, out: RunnerOutput, result: StepResult) -> tuple[int, bool]:
+    def _verification_bitmasks(self, batch: ScheduledBatch) -> dict[int, torch.Tensor]:
+        """Grammar masks of the constrained sequences that sample in this step, at their committed tokens and
+        along their drafts (`constrain.verification_bitmasks`): host work before the forward pass."""
+        if self.grammar is None:
+            return {}
+        sampling = [
+            (seq, d)
+            for seq, n, d in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens, strict=True)
+            if seq.grammar is not None and seq.num_computed_tokens + n - d == seq.num_tokens
+        ]
+        if not sampling:
+            return {}
+        return verification_bitmasks(self.grammar, [s for s, _ in sampling], [d for _, d in sampling])
+
+    def _decide(
+        self, batch: ScheduledBatch, out: RunnerOutput, result: StepResult, bitmasks: dict[int, torch.Tensor]
+    ) -> tuple[int, bool]:
         """Decide and append the sampled sequences' tokens; -> (tokens emitted, whether drafts were proposed)."""
         seqs = [batch.seqs[i] for i in out.sampled]
         num_drafts = [batch.num_draft_tokens[i] for i in out.sampled]
@@ -261,7 +308,12 @@ class LLMEngine:
             for s, d in zip(seqs, num_drafts, strict=True)
         ]
         generators = [self._seq_generators.get(s.seq_id, self._generator) for s in seqs]
-        decided = decide(seqs, num_drafts, num_next, out, generators, self.drafter)
+        allowed = None
+        if bitmasks:
+            assert out.logits is not None
+            allowed = target_allowed(seqs, out.num_rows, bitmasks, out.logits.shape[-1], out.logits.device)
+        decided = decide(seqs, num_drafts, num_next, out, generators, self.drafter, allowed)
+        constrained_next: list[tuple[Sequence, int, torch.Tensor]] = []
         stats = result.speculation
         now = self.clock()
         num_emitted = 0
@@ -281,9 +333,17 @@ class LLMEngine:
             appended: list[int] = []
             reason = None
             for token in choice.tokens:
+                if seq.grammar is not None and not seq.grammar.consume(token):
+                    seq.error = seq.grammar.error or "the grammar allows no token here"
+                    reason = FinishReason.ERROR
+                    break
                 seq.token_ids.append(token)
                 appended.append(token)
                 reason = self._stop_reason(seq, token)
+                if reason is None and seq.grammar is not None and seq.grammar.is_stopped:
+                    seq.error = seq.grammar.error
+                    # Complete: only EOS could follow. Or failed (a limit of the parser was reached).
+                    reason = FinishReason.STOP if seq.error is None else FinishReason.ERROR
                 if reason is not None:
                     break
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
@@ -296,12 +356,31 @@ class LLMEngine:
                 continue
             remaining = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
             keep = max(0, min(len(choice.next_drafts), remaining - 1))
+            if choice.draft_uniforms is not None and remaining > 1:
+                constrained_next.append((seq, min(len(choice.draft_uniforms), remaining - 1), choice.draft_uniforms))
             if keep:
                 seq.draft_token_ids = choice.next_drafts[:keep]
                 assert choice.next_draft_probs is not None
                 seq.draft_probs = choice.next_draft_probs[:keep]
             result.outputs.append(self._output(seq, appended))
+        if constrained_next:
+            self._propose_constrained(constrained_next)
         return num_emitted, any(num_next)
+
+    def _propose_constrained(self, pending: list[tuple[Sequence, int, torch.Tensor]]) -> None:
+        """Drafts of constrained sequences, drawn under their grammars now that this step's tokens are consumed."""
+        assert self.drafter is not None and self.grammar is not None
+        seqs = [seq for seq, _, _ in pending]
+        num_next = [n for _, n, _ in pending]
+        width = max(num_next)
+        uniforms = torch.stack([torch.nn.functional.pad(u[:n], (0, width - n)) for _, n, u in pending])
+        device = self.model.device
+        for seq, (drafts, probs) in zip(
+            seqs, propose_constrained(self.drafter, self.grammar, seqs, num_next, uniforms, device), strict=True
+        ):
+            if drafts:
+                seq.draft_token_ids = drafts
+                seq.draft_probs = probs
 
     def check_invariants(self) -> None:
         """Block accounting holds (tests call this after every step): every block is free xor referenced."""

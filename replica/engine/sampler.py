@@ -74,7 +74,10 @@ def probabilities(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor
     onehot = torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     if params.is_all_greedy:
         return onehot
-    scaled = logits.float() / torch.where(greedy, 1.0, params.temperature).unsqueeze(-1)
+    # At least float32 (float64 stays float64, so exactness tests can run the same code at 1e-12).
+    scaled = logits.to(torch.promote_types(logits.dtype, torch.float32)) / torch.where(
+        greedy, 1.0, params.temperature
+    ).unsqueeze(-1)
     if params.has_filter:
         scaled = _filter_top_k_top_p(scaled, params.top_k, params.top_p)
     return torch.where(greedy.unsqueeze(-1), onehot, scaled.softmax(-1))

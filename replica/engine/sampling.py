@@ -23,6 +23,8 @@ class SamplingParams:
     """Stop strings, matched on the detokenised text by the server; not included in the output."""
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False
+    grammar: str | None = None
+    """An llguidance grammar (`replica.grammar.formats`) the output must follow; None: unconstrained."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -11,6 +11,8 @@ from replica.engine.sampling import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from replica.grammar.matcher import GrammarMatcher
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -24,6 +26,8 @@ class FinishReason(enum.Enum):
     LENGTH = "length"
     """max_tokens, or the model's context length."""
     ABORT = "abort"
+    ERROR = "error"
+    """The request's grammar allowed no token (`Sequence.error` says why); the batch goes on without it."""
 
 
 @dataclass
@@ -57,6 +61,10 @@ class Sequence:
     """Accepted drafts, decayed per verification round (`SpeculationPolicy`)."""
     draft_trials: float = 0.0
     """Drafts tried (accepted ones plus rejections), decayed alike: their ratio estimates the acceptance rate."""
+    grammar: GrammarMatcher | None = None
+    """The request's grammar, at the state after its committed output tokens (between steps)."""
+    error: str | None = None
+    """Why the sequence finished with `FinishReason.ERROR`."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:

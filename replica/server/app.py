@@ -7,6 +7,12 @@ Errors are OpenAI-shaped JSON bodies: 400 for a bad body or parameters, 404 for 
 Retry-After when the waiting queue is full, 503 once the engine has failed. A handler cancelled by its client's
 disconnect aborts its request, so the engine frees the request's blocks at its next step.
 
+Constrained outputs (`replica.grammar`): the replica's llguidance tokenizer is built once here. A request whose
+grammar dead-ends (no token allowed) finishes with an error while the batch goes on: streamed, an error event
+follows the text already sent; not streamed, a 500 that says so (the output cannot be completed, and the client
+asked for output that fits). Chat tool calls are parsed only when tools were offered and tool_choice is not none;
+streamed, they come as `delta.tool_calls` (`replica.server.tool_stream`).
+
 With `capture_dir` set, every request that reached the engine (finished, stopped at a stop string, or aborted) is
 handed to a `CaptureWriter` as the handler ends, with the ids the engine emitted (`replica.capture`).
 """
@@ -27,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from replica.capture import CaptureSource, CaptureWriter, fingerprint_model, fingerprint_tokenizer
 from replica.engine.engine import LLMEngine, RequestError, RequestOutput, StepResult
+from replica.grammar.matcher import GrammarCompiler
 from replica.model.model import MoEForCausalLM
 from replica.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from replica.server.kv_events import KVEventHub
@@ -41,6 +48,7 @@ from replica.server.protocol import (
     parse_completion,
     usage,
 )
+from replica.server.tool_stream import ToolCallStream
 from replica.settings import ReplicaSettings
 from replica.spec.checkpoint import DrafterModel, default_num_speculative_tokens, drafter_runtime
 from replica.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
@@ -61,6 +69,7 @@ class ReplicaState:
     metrics: ReplicaMetrics
     events: KVEventHub
     model_name: str
+    grammars: GrammarCompiler | None = None
     capture: CaptureWriter | None = None
     capture_source: CaptureSource | None = None
     created_s: int = field(default_factory=now_s)
@@ -142,6 +151,8 @@ class _Generation:
         self.detok = IncrementalDetokenizer(state.tokenizer)
         self.stops = StopChecker(list(parsed.params.stop)) if parsed.params.stop else None
         self.finish_reason: str | None = None
+        self.error: str | None = None
+        """With finish_reason "error": why the engine ended the request."""
         self.num_prompt_tokens = len(parsed.prompt_token_ids)
         self.num_cached_tokens = 0
         self.num_output_tokens = 0
@@ -166,6 +177,8 @@ class _Generation:
         self.output_token_ids.extend(out.new_token_ids)
         self.num_cached_tokens = out.num_cached_tokens
         self.num_output_tokens = out.num_output_tokens
+        if out.error is not None:
+            self.error = out.error
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
@@ -238,7 +251,11 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
             return wrong_model
         parse = parse_chat if chat else parse_completion
         parsed = parse(
-            body, state.tokenizer, model=state.model_name, default_max_tokens=state.settings.max_tokens_default
+            body,
+            state.tokenizer,
+            model=state.model_name,
+            default_max_tokens=state.settings.max_tokens_default,
+            grammars=state.grammars,
         )
         stream = state.engine.submit(parsed.prompt_token_ids, parsed.params)
     except ProtocolError as exc:
@@ -270,6 +287,8 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
 async def _complete(gen: _Generation, request_id: str, *, chat: bool) -> web.Response:
     text = "".join([t async for t in gen.texts()])
     state = gen.state
+    if gen.finish_reason == "error":
+        return _error(500, f"generation failed: {gen.error}", kind="InternalServerError")
     choice: dict[str, Any]
     if chat:
         message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -304,28 +323,52 @@ async def _stream(request: web.Request, gen: _Generation, request_id: str, *, ch
     obj = "chat.completion.chunk" if chat else "text_completion"
     model = gen.state.model_name
 
-    def chunk(delta_text: str | None, finish: str | None, *, role: bool = False) -> bytes:
+    calls = ToolCallStream() if chat and gen.parsed.has_tools else None
+
+    def chunk(
+        delta_text: str | None, finish: str | None, *, role: bool = False, delta: dict[str, Any] | None = None
+    ) -> bytes:
         if chat:
-            delta: dict[str, Any] = (
-                {"role": "assistant", "content": ""}
-                if role
-                else ({"content": delta_text} if delta_text is not None else {})
-            )
+            if delta is None:
+                delta = (
+                    {"role": "assistant", "content": ""}
+                    if role
+                    else ({"content": delta_text} if delta_text is not None else {})
+                )
             choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
         body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice]}
         return b"data: " + orjson.dumps(body) + b"\n\n"
 
+    async def write_text(text: str) -> None:
+        if calls is None:
+            await response.write(chunk(text, None))
+            return
+        for delta in calls.feed(text):
+            await response.write(chunk(None, None, delta=delta))
+
     try:
         if chat:
             await response.write(chunk(None, None, role=True))
         if first:
-            await response.write(chunk(first, None))
+            await write_text(first)
         async for text in texts:
             if text:
-                await response.write(chunk(text, None))
-        await response.write(chunk(None, gen.finish_reason))
+                await write_text(text)
+        finish = gen.finish_reason
+        if calls is not None:
+            for delta in calls.finish():
+                await response.write(chunk(None, None, delta=delta))
+            if calls.num_calls and finish == "stop":
+                finish = "tool_calls"
+        if finish == "error":
+            error = {
+                "error": {"message": f"generation failed: {gen.error}", "type": "InternalServerError", "code": 500}
+            }
+            await response.write(b"data: " + orjson.dumps(error) + b"\n\n")
+        else:
+            await response.write(chunk(None, finish))
         if gen.parsed.include_usage:
             body = {
                 "id": request_id,
@@ -419,14 +462,23 @@ def create_app(
     runtime = None
     if drafter is not None and k:
         runtime = drafter_runtime(drafter, num_blocks=config.num_blocks, block_size=config.block_size, max_tokens=k)
-    engine = LLMEngine(model, config, eos_token_ids=tokenizer.eos_token_ids, drafter=runtime)
+    grammars = GrammarCompiler(
+        tokenizer.to_json(), vocab_size=model.config.vocab_size, eos_token_ids=tokenizer.eos_token_ids
+    )
+    engine = LLMEngine(model, config, eos_token_ids=tokenizer.eos_token_ids, drafter=runtime, grammar=grammars)
     metrics_ = ReplicaMetrics(model_name)
     metrics_.cache_config.labels(model_name, str(settings.block_size), str(settings.num_blocks)).set(1)
     hub = KVEventHub(settings.replica_id or f"{settings.host}:{settings.port}")
     state_holder: list[ReplicaState] = []
     async_engine = AsyncEngine(engine, max_waiting=settings.max_waiting, on_step=lambda r: state_holder[0].on_step(r))
     state = ReplicaState(
-        settings=settings, tokenizer=tokenizer, engine=async_engine, metrics=metrics_, events=hub, model_name=model_name
+        settings=settings,
+        tokenizer=tokenizer,
+        engine=async_engine,
+        metrics=metrics_,
+        events=hub,
+        model_name=model_name,
+        grammars=grammars,
     )
     state_holder.append(state)
     if settings.capture_dir is not None:

@@ -2,7 +2,13 @@
 
 Parsing turns a JSON body into (prompt token ids, SamplingParams, options) or raises `ProtocolError` with a message
 naming the offending field; nothing reaches the engine unchecked. Fields Shoal does not implement (n > 1, logprobs,
-echo, best_of, response formats other than text) are refused by name rather than silently ignored.
+echo, best_of) are refused by name rather than silently ignored.
+
+Constrained output (`replica.grammar`): `response_format` json_object or json_schema (strict or not: both enforced)
+on both endpoints, and chat `tools` with `tool_choice` auto, none, required or a named function, and
+`parallel_tool_calls`. The grammar is built and validated here, so a bad schema is a 400 that names the problem
+before anything is queued. tool_choice none offers no tools to the chat template and parses no call. vLLM's
+`structured_outputs: {"grammar": ...}` (a Lark grammar, llguidance's dialect) is taken too.
 """
 
 from __future__ import annotations
@@ -15,8 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import llguidance
+
 from replica.engine.sampling import SamplingError, SamplingParams
-from replica.tokenizer import Tokenizer
+from replica.grammar.formats import json_object_grammar, json_schema_grammar, tool_call_grammar
+from replica.grammar.matcher import GrammarCompiler, GrammarError
+from replica.tokenizer import TOOL_CALL_END, TOOL_CALL_START, Tokenizer
 
 
 class ProtocolError(ValueError):
@@ -35,6 +45,7 @@ class ParsedRequest:
     include_usage: bool
     model: str
     has_tools: bool
+    """Tools were offered and tool_choice is not none: tool calls are parsed out of the output."""
     prompt_text: str | None = None
     """The prompt as text: the chat template's rendering, or a completion's string prompt; None for token ids."""
 
@@ -62,7 +73,9 @@ def _get(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default
     return value
 
 
-def _sampling(body: dict[str, Any], *, default_max_tokens: int, chat: bool) -> SamplingParams:
+def _sampling(
+    body: dict[str, Any], *, default_max_tokens: int, chat: bool, grammar: str | None = None
+) -> SamplingParams:
     for name, is_unsupported in _UNSUPPORTED.items():
         if name in body and is_unsupported(body[name]):
             raise ProtocolError(f"'{name}' is not supported by this server", name)
@@ -89,6 +102,7 @@ def _sampling(body: dict[str, Any], *, default_max_tokens: int, chat: bool) -> S
             stop=stops,
             stop_token_ids=frozenset(stop_ids),
             ignore_eos=bool(_get(body, "ignore_eos", bool, False)),
+            grammar=grammar,
         )
     except SamplingError as exc:
         raise ProtocolError(str(exc)) from None
@@ -101,7 +115,109 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def parse_completion(body: Any, tokenizer: Tokenizer, *, model: str, default_max_tokens: int) -> ParsedRequest:
+def _response_format_grammar(body: dict[str, Any]) -> str | None:
+    """The grammar of `response_format`, or of vLLM's `structured_outputs: {"grammar": <Lark>}` extension."""
+    extension = body.get("structured_outputs")
+    if extension is not None:
+        if (
+            not isinstance(extension, dict)
+            or set(extension) != {"grammar"}
+            or not isinstance(extension["grammar"], str)
+        ):
+            raise ProtocolError(
+                "structured_outputs supports only {'grammar': <Lark grammar>} on this server", "structured_outputs"
+            )
+        if body.get("response_format") not in (None, {"type": "text"}):
+            raise ProtocolError("send response_format or structured_outputs, not both", "structured_outputs")
+        return str(llguidance.LLMatcher.grammar_from_lark(extension["grammar"]))
+    response_format = body.get("response_format")
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_object_grammar()
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ProtocolError(
+                "response_format json_schema needs 'json_schema': {'name': ..., 'schema': {...}}", "response_format"
+            )
+        if "strict" in spec and not isinstance(spec["strict"], bool | None):
+            raise ProtocolError("response_format.json_schema.strict must be a boolean", "response_format")
+        try:
+            return json_schema_grammar(spec["schema"], "response_format.json_schema.schema")
+        except GrammarError as exc:
+            raise ProtocolError(str(exc), "response_format") from None
+    raise ProtocolError("response_format.type must be 'text', 'json_object' or 'json_schema'", "response_format")
+
+
+def _tool_grammar(
+    body: dict[str, Any], tools: list[Any] | None, tokenizer: Tokenizer
+) -> tuple[str | None, list[Any] | None]:
+    """(the grammar tool_choice asks for, the tools to offer the chat template)."""
+    choice = body.get("tool_choice")
+    parallel = _get(body, "parallel_tool_calls", bool, True)
+    if not tools:
+        if choice not in (None, "none"):
+            raise ProtocolError("tool_choice needs 'tools'", "tool_choice")
+        return None, None
+    if choice is None:
+        choice = "auto"
+    if choice == "none":
+        return None, None
+    functions = [t.get("function") if isinstance(t, dict) else None for t in tools]
+    for index, function in enumerate(functions):
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ProtocolError(f"tools[{index}] must be {{'type': 'function', 'function': {{'name': ...}}}}", "tools")
+    if choice in ("auto", "required"):
+        chosen = functions
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        chosen = [f for f in functions if f is not None and f.get("name") == name]
+        if not chosen:
+            raise ProtocolError(f"tool_choice names the function {name!r}, which is not in 'tools'", "tool_choice")
+    else:
+        raise ProtocolError(
+            "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}",
+            "tool_choice",
+        )
+    start_id, end_id = tokenizer.token_to_id(TOOL_CALL_START), tokenizer.token_to_id(TOOL_CALL_END)
+    assert start_id is not None and end_id is not None
+    try:
+        grammar = tool_call_grammar(
+            [f for f in chosen if f is not None],
+            call_start_id=start_id,
+            call_end_id=end_id,
+            is_forced=choice != "auto",
+            is_parallel=parallel,
+        )
+    except GrammarError as exc:
+        raise ProtocolError(str(exc), "tools") from None
+    return grammar, tools
+
+
+def _validated(grammar: str | None, grammars: GrammarCompiler | None, param: str) -> str | None:
+    if grammar is None:
+        return None
+    if grammars is None:
+        raise ProtocolError("this replica serves no constrained outputs (it has no grammar tokenizer)", param)
+    try:
+        grammars.validate(grammar)
+    except GrammarError as exc:
+        raise ProtocolError(f"{param}: {exc}", param) from None
+    return grammar
+
+
+def parse_completion(
+    body: Any,
+    tokenizer: Tokenizer,
+    *,
+    model: str,
+    default_max_tokens: int,
+    grammars: GrammarCompiler | None = None,
+) -> ParsedRequest:
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
     prompt = body.get("prompt")
@@ -117,9 +233,10 @@ def parse_completion(body: Any, tokenizer: Tokenizer, *, model: str, default_max
     else:
         raise ProtocolError("'prompt' must be a non-empty string or a list of token ids", "prompt")
     stream, include_usage = _stream_options(body)
+    grammar = _validated(_response_format_grammar(body), grammars, "response_format")
     return ParsedRequest(
         prompt_token_ids=ids,
-        params=_sampling(body, default_max_tokens=default_max_tokens, chat=False),
+        params=_sampling(body, default_max_tokens=default_max_tokens, chat=False, grammar=grammar),
         stream=stream,
         include_usage=include_usage,
         model=model,
@@ -128,7 +245,14 @@ def parse_completion(body: Any, tokenizer: Tokenizer, *, model: str, default_max
     )
 
 
-def parse_chat(body: Any, tokenizer: Tokenizer, *, model: str, default_max_tokens: int) -> ParsedRequest:
+def parse_chat(
+    body: Any,
+    tokenizer: Tokenizer,
+    *,
+    model: str,
+    default_max_tokens: int,
+    grammars: GrammarCompiler | None = None,
+) -> ParsedRequest:
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
     messages = body.get("messages")
@@ -137,21 +261,27 @@ def parse_chat(body: Any, tokenizer: Tokenizer, *, model: str, default_max_token
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise ProtocolError("'tools' must be a list", "tools")
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise ProtocolError("only response_format {'type': 'text'} is supported", "response_format")
+    format_grammar = _response_format_grammar(body)
+    tool_grammar, offered = _tool_grammar(body, tools, tokenizer)
+    if format_grammar is not None and tool_grammar is not None:
+        raise ProtocolError(
+            "response_format json_object/json_schema together with tools is not supported; send tool_choice 'none' "
+            "or no response_format",
+            "response_format",
+        )
+    grammar = _validated(format_grammar, grammars, "response_format") or _validated(tool_grammar, grammars, "tools")
     try:
-        text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tools=offered, add_generation_prompt=True)
     except ValueError as exc:
         raise ProtocolError(str(exc), "messages") from None
     stream, include_usage = _stream_options(body)
     return ParsedRequest(
         prompt_token_ids=tokenizer.encode(text),
-        params=_sampling(body, default_max_tokens=default_max_tokens, chat=True),
+        params=_sampling(body, default_max_tokens=default_max_tokens, chat=True, grammar=grammar),
         stream=stream,
         include_usage=include_usage,
         model=model,
-        has_tools=bool(tools),
+        has_tools=bool(offered),
         prompt_text=text,
     )
 

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replica.engine.drafting import Proposal, ProposeRequest
+from replica.engine.drafting import Proposal, ProposeRequest, masked_scores
 from replica.engine.runner import StepInputs, allocate_kv_caches
 from replica.engine.sampler import SamplingTensors, draw
 from replica.model.attention import Attention, KVCache, gather_slots
@@ -232,14 +232,18 @@ class BlockDrafterModel(nn.Module):
         num_tokens: int,
         sampling: SamplingTensors,
         uniforms: torch.Tensor,
+        request: ProposeRequest | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Walk the path head over the first `num_tokens` positions -> (drafts [N, k], their distributions
-        [N, k, V])."""
+        [N, k, V]); with a `request` that has grammar masks, each position is drawn under its mask."""
         previous = anchors
         projected = self.path.proj(hidden)  # [N, k, r]
         drafts, probs = [], []
         for j in range(num_tokens):
-            previous, q = draw(self.path.scores(unary[:, j], projected[:, j], previous), sampling, uniforms[:, j])
+            scores = self.path.scores(unary[:, j], projected[:, j], previous)
+            if request is not None:
+                scores = masked_scores(request, j, previous, scores)
+            previous, q = draw(scores, sampling, uniforms[:, j])
             drafts.append(previous)
             probs.append(q)
         return torch.stack(drafts, dim=1), torch.stack(probs, dim=1)
@@ -295,6 +299,6 @@ class BlockDrafter:
             request.anchor_tokens, request.anchor_positions, context_kv, mask, request.num_tokens
         )
         tokens, probs = self.model.draft(
-            hidden, unary, request.anchor_tokens, request.num_tokens, request.sampling, request.uniforms
+            hidden, unary, request.anchor_tokens, request.num_tokens, request.sampling, request.uniforms, request
         )
         return Proposal(tokens, probs)

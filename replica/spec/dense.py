@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from replica.engine.drafting import Proposal, ProposeRequest, slots_at
+from replica.engine.drafting import Proposal, ProposeRequest, masked_scores, slots_at
 from replica.engine.runner import StepInputs, allocate_kv_caches
 from replica.engine.sampler import draw
 from replica.model.attention import Attention, AttentionBatch, BatchedQueries, KVCache, dense_causal_attention
@@ -201,7 +201,8 @@ class ModelDrafter:
                 ),
             )
             hidden = self.model(tokens, positions, self.kv_caches, batch)
-            tokens, q = draw(self.model.compute_logits(hidden), request.sampling, request.uniforms[:, j])
+            scores = masked_scores(request, j, tokens, self.model.compute_logits(hidden))
+            tokens, q = draw(scores, request.sampling, request.uniforms[:, j])
             drafts.append(tokens)
             probs.append(q)
             positions = positions + 1

@@ -4,6 +4,7 @@ the official openai client, and vLLM's speculative-decoding metrics."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -66,12 +67,19 @@ async def answers(url: str, *, stream: bool) -> list[str]:
             messages = [{"role": "user", "content": q}]
             if stream:
                 chunks = await c.chat.completions.create(
-                    model="shoal-demo", messages=messages, max_tokens=24, temperature=0, stream=True  # type: ignore[arg-type]
+                    model="shoal-demo",
+                    messages=messages,
+                    max_tokens=24,
+                    temperature=0,
+                    stream=True,  # type: ignore[arg-type]
                 )
                 out.append("".join([ch.choices[0].delta.content or "" async for ch in chunks if ch.choices]))
             else:
                 r = await c.chat.completions.create(
-                    model="shoal-demo", messages=messages, max_tokens=24, temperature=0  # type: ignore[arg-type]
+                    model="shoal-demo",
+                    messages=messages,
+                    max_tokens=24,
+                    temperature=0,  # type: ignore[arg-type]
                 )
                 out.append(r.choices[0].message.content or "")
     return out
@@ -126,3 +134,37 @@ def test_train_drafter_without_captures_says_so(tmp_path: Path, tiny_checkpoint:
     assert done.returncode == 1
     assert "no request with output" in done.stderr
     assert not (tmp_path / "d").exists()
+
+
+async def test_greedy_constrained_answers_are_byte_identical_with_and_without_speculation(
+    start_replica: StartReplica, checkpoint_with_drafter: Path
+) -> None:
+    from tests.integration.test_constrained_replica import ASK, TOOLS, json_schema_format
+
+    plain = await start_replica(model=str(checkpoint_with_drafter), drafter="none")
+    spec = await start_replica(model=str(checkpoint_with_drafter))
+    requests: list[dict[str, object]] = [
+        {"response_format": json_schema_format(True)},
+        {"response_format": {"type": "json_object"}},
+        {"tools": TOOLS, "tool_choice": "required"},
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "book_room"}}},
+    ]
+
+    async def raw(url: str) -> list[bytes]:
+        out = []
+        async with aiohttp.ClientSession() as http:
+            for extra in requests:
+                body = {"model": "shoal-demo", "messages": ASK, "max_tokens": 120, "temperature": 0, **extra}
+                async with http.post(url + "/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 200
+                    choice = (await resp.json())["choices"][0]
+                message = choice["message"]
+                calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
+                out.append(json.dumps([message["content"], calls, choice["finish_reason"]]).encode())
+        return out
+
+    expected = await raw(plain.url)
+    assert await raw(spec.url) == expected
+    async with aiohttp.ClientSession() as http, http.get(spec.url + "/metrics") as resp:
+        drafts = metric_value(await resp.text(), "vllm:spec_decode_num_drafts_total", {"model_name": "shoal-demo"})
+    assert drafts

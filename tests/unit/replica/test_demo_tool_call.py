@@ -1,0 +1,82 @@
+"""`make demo`'s tool-call request gives a valid call of the named tool on the packaged demo model and on other
+builds of it (stand-ins: copies with noise on every weight, decoding greedily and sampled), and no tool call is
+parsed from a chat that offered no tools, whatever its text looks like."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from replica.demo.build import ensure_demo_model
+from replica.demo.corpus import TOOLS
+from replica.demo.requests import tool_call_request
+from replica.engine.engine import EngineConfig, LLMEngine
+from replica.grammar.matcher import GrammarCompiler
+from replica.model.loader import load_model
+from replica.model.model import MoEForCausalLM
+from replica.server.protocol import extract_tool_calls, parse_chat
+from replica.tokenizer import Tokenizer
+
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def demo() -> tuple[MoEForCausalLM, Tokenizer]:
+    path = ensure_demo_model()
+    return load_model(path), Tokenizer.from_file(path / "tokenizer.json")
+
+
+def other_build(model: MoEForCausalLM, seed: int) -> MoEForCausalLM:
+    other = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=gen).to(p.dtype) * 0.3 * p.float().std().to(p.dtype))
+    return other
+
+
+def answer(model: MoEForCausalLM, tokenizer: Tokenizer, body: dict[str, object]) -> tuple[str, bool]:
+    grammars = GrammarCompiler(
+        tokenizer.to_json(), vocab_size=model.config.vocab_size, eos_token_ids=tokenizer.eos_token_ids
+    )
+    parsed = parse_chat(body, tokenizer, model="shoal-demo", default_max_tokens=80, grammars=grammars)
+    engine = LLMEngine(model, EngineConfig(num_blocks=64), eos_token_ids=tokenizer.eos_token_ids, grammar=grammars)
+    engine.add_request(parsed.prompt_token_ids, parsed.params)
+    ids: list[int] = []
+    while engine.has_work:
+        for out in engine.step().outputs:
+            ids.extend(out.new_token_ids)
+    return tokenizer.decode(ids), parsed.has_tools
+
+
+@pytest.mark.parametrize("build", [None, 1, 2])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_demo_tool_call_is_a_valid_call_of_the_named_tool(
+    demo: tuple[MoEForCausalLM, Tokenizer], build: int | None, temperature: float
+) -> None:
+    model, tokenizer = demo
+    if build is not None:
+        model = other_build(model, build)
+    body = {**tool_call_request("shoal-demo"), "temperature": temperature, "seed": 3}
+    text, has_tools = answer(model, tokenizer, body)
+    content, calls = extract_tool_calls(text)
+    assert has_tools and content is None and len(calls) == 1, text
+    assert calls[0]["function"]["name"] == "get_order_status"
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), PARAMETERS["get_order_status"])
+
+
+def test_a_chat_without_tools_never_returns_a_tool_call(demo: tuple[MoEForCausalLM, Tokenizer]) -> None:
+    model, tokenizer = demo
+    body = {
+        "messages": [{"role": "user", "content": "来週の火曜日に打ち合わせの時間をいただけますか。"}],
+        "temperature": 0,
+    }
+    _, has_tools = answer(model, tokenizer, body)
+    assert not has_tools  # the server parses calls only when has_tools
+    assert not parse_chat(
+        {**body, "tools": TOOLS, "tool_choice": "none"}, tokenizer, model="shoal-demo", default_max_tokens=8
+    ).has_tools
