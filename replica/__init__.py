@@ -1,1 +1,1 @@
-"""Shoal's bundled serving engine (arrives with its own issue). Importing this package never imports torch."""
+"""Shoal's bundled serving engine. Importing this package never imports torch."""

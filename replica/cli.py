@@ -147,9 +147,8 @@ def sleeping_omp_threads() -> None:
     """Idle OpenMP threads sleep instead of spinning (`OMP_WAIT_POLICY=PASSIVE`), unless the environment already says.
 
     On shared or quota-limited CPUs (a busy 2-core machine, a pod with a CPU limit) a spinning worker takes the
-    cycles the working thread needs: on this project's sandbox a 256-token prefill on 2 threads took 1.5 s with
-    torch's default and 31 ms with passive threads. OpenMP reads the variable once, when torch loads it, so this
-    runs before anything imports torch.
+    cycles the working thread needs, and a short prefill can take tens of times longer than with passive threads.
+    OpenMP reads the variable once, when torch loads it, so this runs before anything imports torch.
     """
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
