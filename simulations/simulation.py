@@ -208,7 +208,7 @@ class Simulation:
         if ticket is None:
             return False
         self.recorder.branches[ticket.decision.branch.value] += 1
-        self._members[ticket.replica].replica.submit(Seq(request, ticket))
+        self._members[ticket.replica_id].replica.submit(Seq(request, ticket))
         return True
 
     def _hold_expired(self, request: Request) -> None:
@@ -225,12 +225,15 @@ class Simulation:
 
     def _first_token(self, seq: Seq) -> None:
         ticket: Ticket = seq.ticket
-        self.router.first_token(ticket, self.sim.now)
+        if seq.request.is_stream:
+            self.router.first_byte(ticket, self.sim.now, is_stream=True)
         self._window_hit += seq.hit_tokens or 0
         self._window_prompt += seq.request.prompt_tokens
 
     def _finish(self, seq: Seq) -> None:
         ticket: Ticket = seq.ticket
+        if not seq.request.is_stream:  # the router's first byte of a whole answer is its end
+            self.router.first_byte(ticket, self.sim.now, is_stream=False)
         self.router.finish(ticket)
         now = self.sim.now
         request = seq.request
@@ -249,7 +252,7 @@ class Simulation:
         if self._on_finished is not None:
             self._on_finished(1)
         self._release_held()
-        member = self._members[ticket.replica]
+        member = self._members[ticket.replica_id]
         if member.is_draining:
             # The finishing sequence leaves the replica's running list when this step has been applied: look again
             # then.

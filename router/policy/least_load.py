@@ -12,14 +12,17 @@ replica). Source: join-the-shortest-queue, the textbook load-only baseline.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Literal
 
 from router.policy.decisions import decision
 from router.policy.round_robin import next_after
-from router.policy.types import Branch, Decision, ReplicaState, RouteRequest
+from router.policy.types import Branch, Decision, PolicyConfigModel, ReplicaState, RouteRequest
 
-if TYPE_CHECKING:
-    from router.policy.config import LeastLoadConfig
+
+class LeastLoadConfig(PolicyConfigModel):
+    """Join the shortest queue (see `least_load`)."""
+
+    kind: Literal["least_load"] = "least_load"
 
 
 class LeastLoad:

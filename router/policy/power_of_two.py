@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Literal
 
 from router.policy.decisions import decision
-from router.policy.types import Branch, Decision, ReplicaState, RouteRequest
+from router.policy.types import Branch, Decision, PolicyConfigModel, ReplicaState, RouteRequest
 
-if TYPE_CHECKING:
-    from router.policy.config import PowerOfTwoConfig
+
+class PowerOfTwoConfig(PolicyConfigModel):
+    """The better of two random choices (see `power_of_two`)."""
+
+    kind: Literal["power_of_two"] = "power_of_two"
 
 
 class PowerOfTwo:

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Literal
 
 from router.policy.decisions import decision
-from router.policy.types import Branch, Decision, ReplicaState, RouteRequest
+from router.policy.types import Branch, Decision, PolicyConfigModel, ReplicaState, RouteRequest
 
-if TYPE_CHECKING:
-    from router.policy.config import RandomConfig
+
+class RandomConfig(PolicyConfigModel):
+    """A uniformly random replica, from the policy's seeded generator (see `random_choice`)."""
+
+    kind: Literal["random"] = "random"
 
 
 class RandomChoice:

@@ -13,13 +13,16 @@ count, which jumps when a worker joins or leaves; the id cursor keeps the rotati
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Literal
 
 from router.policy.decisions import decision
-from router.policy.types import Branch, Decision, ReplicaState, RouteRequest
+from router.policy.types import Branch, Decision, PolicyConfigModel, ReplicaState, RouteRequest
 
-if TYPE_CHECKING:
-    from router.policy.config import RoundRobinConfig
+
+class RoundRobinConfig(PolicyConfigModel):
+    """Cycle through replicas in id order (see `round_robin`)."""
+
+    kind: Literal["round_robin"] = "round_robin"
 
 
 def next_after(ids: Sequence[str], cursor: str | None) -> str:
