@@ -23,6 +23,7 @@ from typing import Any
 from router.policy.config import build_policy
 from router.policy.kv_events import KVEvent
 from router.policy.prefix_index import PrefixIndex
+from router.policy.types import Decision
 from simulations.events import Simulator
 from simulations.metrics import Recorder, Sample
 from simulations.replica import Seq, SimReplica
@@ -62,7 +63,9 @@ class Simulation:
         workload: Workload,
         *,
         on_finished: Callable[[int], None] | None = None,
+        on_routed: Callable[[Request, Decision], None] | None = None,
     ) -> None:
+        """`on_finished(n)`: n more requests ended; `on_routed(request, decision)`: the router sent a request."""
         self.scenario = scenario
         self.label = policy.label
         if scenario.fleet.prefill_only and not isinstance(workload, PrefillOnlyWorkload):
@@ -106,6 +109,7 @@ class Simulation:
         self._window_prompt = 0
         self._end_s = 0.0
         self._on_finished = on_finished
+        self._on_routed = on_routed
         self._scrape_interval_s = scenario.router.scrape_interval_s or 0.0
 
     # Fleet ----------------------------------------------------------------------------------------------------
@@ -208,6 +212,8 @@ class Simulation:
         if ticket is None:
             return False
         self.recorder.branches[ticket.decision.branch.value] += 1
+        if self._on_routed is not None:
+            self._on_routed(request, ticket.decision)
         self._members[ticket.replica_id].replica.submit(Seq(request, ticket))
         return True
 

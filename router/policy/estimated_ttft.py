@@ -51,7 +51,7 @@ term is a cost, not a latency).
 Speed. The router decides once per request over every replica, so `select` keeps, between decisions, each
 replica's terms that do not depend on the request (`ttft_terms.FleetTerms`: backlog, decode and pressure
 seconds, the cap test, the tie key), re-derived only for the replicas whose `ReplicaState.version` moved. Every
-cost, cached terms or not, is summed by `ttft_terms.ttft_s`, so `estimate_s` and `select` give the same floats;
+cost, cached terms or not, is summed by `ttft_terms.ttfts_s`, so `estimate_s` and `select` give the same floats;
 tests/unit/test_estimated_ttft_fast_path.py holds `select` to a plain reference of the formula, bit for bit.
 
 Parameters: `EstimatedTTFTConfig` below.
@@ -60,12 +60,14 @@ Parameters: `EstimatedTTFTConfig` below.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress, repeat
+from operator import le
 from typing import Literal
 
 from pydantic import Field
 
 from router.policy.decisions import branch_for_blocks, decision
-from router.policy.ttft_terms import FleetTerms, floored_rate, rate_pooling, replica_row, ttft_s
+from router.policy.ttft_terms import FleetTerms, floored_rate, rate_pooling, replica_row, ttfts_s
 from router.policy.types import Branch, Decision, PolicyConfigModel, ReplicaState, RouteRequest
 
 
@@ -164,9 +166,8 @@ class EstimatedTTFT:
             rate = floored_rate(replica)
         uncached = request.prompt_tokens - request.cached_tokens(replica.id)
         own_s = self.own_prefill_s(request, replica, rate)
-        return ttft_s(
-            replica_row(replica, self.config), rate, own_s, uncached, 1.0 / self.config.prefill_tokens_per_step
-        )
+        inv_step_tokens = 1.0 / self.config.prefill_tokens_per_step
+        return ttfts_s([replica_row(replica, self.config)], [rate], [own_s], [uncached], inv_step_tokens)[0]
 
     def costs_s(self, request: RouteRequest, replicas: Sequence[ReplicaState]) -> list[tuple[float, float]]:
         """(ttft, cost) of each replica in seconds, as `select` weighs them."""
@@ -196,7 +197,10 @@ class EstimatedTTFT:
         # Every replica computes the whole prompt, except those that hold part of it (few: found by id).
         uncached = [prompt_tokens] * n
         whole_attn_s = attn * prompt_tokens * (0 + prompt_tokens / 2)
-        owns = [prompt_tokens / rate + whole_attn_s for rate in rates]
+        if pooled is None:  # one rate for all: one own prefill for all that match nothing
+            owns = [prompt_tokens / mean_rate + whole_attn_s] * n
+        else:
+            owns = [prompt_tokens / rate + whole_attn_s for rate in rates]
         best_blocks = 0  # the longest match among `replicas`, for the branch
         for rid, blocks in matched.items():
             i = positions.get(rid)
@@ -211,14 +215,17 @@ class EstimatedTTFT:
             owns[i] = own_prefill_s(cached, prompt_tokens - cached, rates[i], attn)
         floor_s = min(owns)
         weight = cfg.fleet_cost_weight
-        ttfts = list(map(ttft_s, terms.rows, rates, owns, uncached, [inv_step_tokens] * n))
+        ttfts = ttfts_s(terms.rows, rates, owns, uncached, inv_step_tokens)
         costs = [ttft + weight * (own - floor_s) for ttft, own in zip(ttfts, owns, strict=True)]
-        candidates: Sequence[int] = range(n)
-        if 0 < terms.num_under_cap < n:
-            candidates = [i for i in candidates if terms.is_under_cap[i]]
-        best_s = min([costs[i] for i in candidates])
-        tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
-        tied = [i for i in candidates if costs[i] <= tied_below_s]
+        if 0 < terms.num_under_cap < n:  # skip the replicas at the cap
+            candidates = list(compress(range(n), terms.is_under_cap))
+            best_s = min([costs[i] for i in candidates])
+            tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
+            tied = [i for i in candidates if costs[i] <= tied_below_s]
+        else:
+            best_s = min(costs)
+            tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
+            tied = list(compress(range(n), map(le, costs, repeat(tied_below_s))))
         best = tied[0] if len(tied) == 1 else min(tied, key=terms.tie_keys.__getitem__)
         chosen_id = replicas[best].id
         is_overloaded = not terms.num_under_cap

@@ -6,7 +6,7 @@ terms each replica's cost needs whatever the prompt (backlog, decode and KV-pres
 the tie key) are kept by position in the replica list and re-derived only for the replicas that are another
 object than last time or whose `ReplicaState.version` moved (its methods bump it on every change).
 
-A replica's estimate from its terms `(W, decode_s, attention_s, pressure_s)` (`ttft_s`, the one place of the sum),
+A replica's estimate from its terms `(W, decode_s, attention_s, pressure_s)` (`ttfts_s`, the one place of the sum),
 with its pooled prefill `rate`, its own prefill `own` and `u` uncached tokens:
 
     W / rate + own + decode_s * (1 + (W + u) / prefill_tokens_per_step) + attention_s + pressure_s
@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from functools import reduce
-from operator import add, is_, mul
+from itertools import compress, count
+from operator import add, attrgetter, is_, mul, ne
 from typing import TYPE_CHECKING
 
 from router.policy.types import ReplicaState
@@ -33,6 +34,8 @@ _VAR_ROUNDING_PER_REPLICA = 1e-14
 below 3.4e-16 * n * max**2): `rate_pooling` adds it to the bound var <= (max - min)**2 / 4, so that a fleet the
 bound calls homogeneous is one by the policy's own float arithmetic too."""
 
+_version_of = attrgetter("version")
+
 Row = tuple[int, float, float, float]
 """A replica's request-independent terms: (backlog tokens W, decode s per engine step, the backlog's attention s,
 KV pressure s)."""
@@ -45,7 +48,7 @@ def replica_row(r: ReplicaState, config: EstimatedTTFTConfig) -> Row:
     streaming = r.streaming
     decode_s = config.decode_s_per_seq_step * (streaming if streaming > running else running)
     waiting = r.waiting
-    # A 0.0 term leaves a sum of non-negative terms unchanged, bit for bit: `ttft_s` adds these always.
+    # A 0.0 term leaves a sum of non-negative terms unchanged, bit for bit: `ttfts_s` adds these always.
     attention_s = config.attention_s_per_token_pair * backlog * backlog / (2 * waiting) if waiting > 0 else 0.0
     threshold = config.kv_pressure_threshold
     kv = r.kv_usage
@@ -54,11 +57,19 @@ def replica_row(r: ReplicaState, config: EstimatedTTFTConfig) -> Row:
     return (backlog, decode_s, attention_s, pressure_s)
 
 
-def ttft_s(row: Row, rate: float, own_s: float, uncached: int, inv_step_tokens: float) -> float:
-    """The estimate of a replica with terms `row` at pooled `rate` (tokens/s), for a prompt whose own prefill
-    there is `own_s` seconds over `uncached` tokens; `inv_step_tokens` is 1 / prefill_tokens_per_step."""
-    w, decode_s, attention_s, pressure_s = row
-    return w / rate + own_s + decode_s * (1.0 + (w + uncached) * inv_step_tokens) + attention_s + pressure_s
+def ttfts_s(
+    rows: Sequence[Row],
+    rates: Sequence[float],
+    owns_s: Sequence[float],
+    uncached: Sequence[int],
+    inv_step_tokens: float,
+) -> list[float]:
+    """The estimate of each replica, the one place of the sum: terms `rows`, pooled `rates` (tokens/s), the prompt's
+    own prefill there `owns_s` over `uncached` tokens; `inv_step_tokens` is 1 / prefill_tokens_per_step."""
+    return [
+        w / rate + own_s + decode_s * (1.0 + (w + u) * inv_step_tokens) + attention_s + pressure_s
+        for (w, decode_s, attention_s, pressure_s), rate, own_s, u in zip(rows, rates, owns_s, uncached, strict=True)
+    ]
 
 
 def floored_rate(r: ReplicaState) -> float:
@@ -92,14 +103,17 @@ class FleetTerms:
 
     def update(self, replicas: Sequence[ReplicaState]) -> None:
         """Make the terms those of `replicas`, re-deriving what changed since the last call."""
-        versions = [r.version for r in replicas]
+        versions = list(map(_version_of, replicas))
         n = len(replicas)
         changed: Iterable[int]
         if len(self.states) == n:
-            if versions == self.versions and all(map(is_, replicas, self.states)):
-                return
             before, held = self.versions, self.states
-            changed = [i for i in range(n) if versions[i] != before[i] or replicas[i] is not held[i]]
+            if all(map(is_, replicas, held)):  # the same replicas (a router's usual case): compare versions in C
+                if versions == before:
+                    return
+                changed = list(compress(count(), map(ne, versions, before)))
+            else:
+                changed = [i for i in range(n) if versions[i] != before[i] or replicas[i] is not held[i]]
         else:
             changed = range(n)
             self.rows = [(0, 0.0, 0.0, 0.0)] * n
