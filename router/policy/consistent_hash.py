@@ -11,7 +11,7 @@ share a first block, such as a system prompt, land together), else a constant (p
 all go to one replica). The ring is built over the eligible replicas passed in, and rebuilt only when that set
 changes.
 
-Parameters (`config.ConsistentHashConfig`): virtual_nodes, default 160 (ketama's). Load-blind; the branch is
+Parameters (`ConsistentHashConfig` below): virtual_nodes, default 160 (ketama's). Load-blind; the branch is
 CONSISTENT_HASH (ONLY_REPLICA for a single replica). Source: Karger et al., "Consistent Hashing and Random
 Trees" (STOC 1997); ketama's point layout; SGLang router's and vLLM router's `consistent_hash`.
 """

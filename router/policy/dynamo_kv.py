@@ -23,7 +23,7 @@ draws come from the policy's own `random.Random(seed)`.
 
 Branch: ONLY_REPLICA, else CACHE_HIT / SPILL / CACHE_MISS (`decisions.cache_branch`).
 
-Parameters (`config.DynamoKVConfig`), defaults from Dynamo's frontend: overlap_score_weight 1.0
+Parameters (`DynamoKVConfig` below), defaults from Dynamo's frontend: overlap_score_weight 1.0
 (`--kv-overlap-score-weight`), temperature 0.0 (`--router-temperature`); streaming_seq_tokens 1024 (Shoal's
 estimate, see above).
 """

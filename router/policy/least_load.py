@@ -5,7 +5,7 @@ plus waiting sequences, so the policy sees other routers' load once a scrape has
 is idle) go round robin: to the first tied id after the last replica chosen, in id order, so an idle fleet is
 not funnelled to its smallest id.
 
-No parameters (`config.LeastLoadConfig`). Cache-blind; the branch is LEAST_LOAD (ONLY_REPLICA for a single
+No parameters (`LeastLoadConfig` below). Cache-blind; the branch is LEAST_LOAD (ONLY_REPLICA for a single
 replica). Source: join-the-shortest-queue, the textbook load-only baseline.
 """
 

@@ -16,7 +16,7 @@ The replica with the largest weighted sum wins; ties are broken at random, from 
 
 Branch: ONLY_REPLICA, else CACHE_HIT / SPILL / CACHE_MISS (`decisions.cache_branch`).
 
-Parameters (`config.LLMDWeightedConfig`): queue_weight 2, kv_cache_weight 2, prefix_weight 3 (llm-d's
+Parameters (`LLMDWeightedConfig` below): queue_weight 2, kv_cache_weight 2, prefix_weight 3 (llm-d's
 default scheduler profile).
 """
 

@@ -6,7 +6,7 @@ server, and they tolerate stale load figures better than a global minimum does. 
 `power_of_two`: two distinct workers, the one with the lower load wins, the first sampled on a tie. Load is
 `ReplicaState.queue_depth`.
 
-No parameters besides the seed (`config.PowerOfTwoConfig`); the generator is a `random.Random(seed)` owned by
+No parameters besides the seed (`PowerOfTwoConfig` below); the generator is a `random.Random(seed)` owned by
 the policy. Cache-blind; the branch is POWER_OF_TWO (ONLY_REPLICA for a single replica).
 """
 

@@ -5,7 +5,7 @@ set: the next request goes to the smallest id greater than the cursor (wrapping 
 replica takes its turn in id order, and a removed one is simply no longer there. Over any run of requests
 against a fixed set, every replica's count differs from the others' by at most one.
 
-No parameters (`config.RoundRobinConfig`). Cache- and load-blind; the branch is ROUND_ROBIN (ONLY_REPLICA for
+No parameters (`RoundRobinConfig` below). Cache- and load-blind; the branch is ROUND_ROBIN (ONLY_REPLICA for
 a single replica). Source: the classic baseline. SGLang router's `round_robin` keeps an index modulo the worker
 count, which jumps when a worker joins or leaves; the id cursor keeps the rotation instead.
 """

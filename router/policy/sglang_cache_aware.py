@@ -18,7 +18,7 @@ Differences from the source, all forced by Shoal's shared inputs:
   long matches in step 2, after the lower load.
 - SGLang computes min and max load over all its workers; here over the eligible replicas passed in.
 
-Parameters (`config.SGLangCacheAwareConfig`), defaults from sglang-router's CLI: cache_threshold 0.3,
+Parameters (`SGLangCacheAwareConfig` below), defaults from sglang-router's CLI: cache_threshold 0.3,
 balance_abs_threshold 64, balance_rel_threshold 1.5.
 """
 
