@@ -215,6 +215,9 @@ def test_select_equals_the_reference_over_changing_fleets(
         if len(eligible) > 1:
             expected = reference_select(cfg, request, eligible)
             assert exactly(policy.select(request, eligible, now=float(step))) == exactly(expected)
+            # The uncached path (no terms kept) sums the same floats.
+            uncached = [(t.hex(), c.hex()) for t, c in policy.costs_s(request, eligible)]
+            assert uncached == [(t.hex(), c.hex()) for t, c in reference_costs(cfg, request, eligible)]
         eligible = apply(change, replicas)
 
 
