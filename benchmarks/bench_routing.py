@@ -242,7 +242,7 @@ class Side:
 
 
 class Load:
-    """The router's load bookkeeping (router/service/routing.py: begin, first_byte, finish) over `states`."""
+    """The router's load bookkeeping (router/policy/routing_core.py: begin, first_byte, finish) over `states`."""
 
     def __init__(self, states: list[ReplicaState], rng: random.Random, in_flight: int) -> None:
         self.by_id = {s.id: s for s in states}
@@ -254,22 +254,16 @@ class Load:
     def step(self, decision: Decision, prompt_tokens: int, now: float) -> None:
         s = self.by_id[decision.replica]
         uncached = max(0, prompt_tokens - decision.predicted_cached_tokens)
-        s.in_flight += 1
-        s.waiting += 1
-        s.waiting_prompt_tokens += uncached
-        s.last_selected = now
+        s.begin(uncached, now)
         self.waiting.append((s, uncached))
         if len(self.waiting) > self.in_flight // 2:
             s, uncached = self.waiting.popleft()
-            s.waiting -= 1
-            s.waiting_prompt_tokens -= uncached
-            s.streaming += 1
-            s.prefill_tokens_per_s *= self.rng.uniform(0.97, 1.03)
+            s.first_byte(uncached)
+            s.set_prefill_rate(s.prefill_tokens_per_s * self.rng.uniform(0.97, 1.03))
             self.streaming.append(s)
         if len(self.streaming) > self.in_flight // 2:
             s = self.streaming.popleft()
-            s.in_flight -= 1
-            s.streaming -= 1
+            s.finish(0, is_waiting=False)
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ from typing import Any
 from router.policy.config import build_policy
 from router.policy.kv_events import KVEvent
 from router.policy.prefix_index import PrefixIndex
+from router.policy.types import Decision
 from simulations.events import Simulator
 from simulations.metrics import Recorder, Sample
 from simulations.replica import Seq, SimReplica
@@ -62,7 +63,9 @@ class Simulation:
         workload: Workload,
         *,
         on_finished: Callable[[int], None] | None = None,
+        on_routed: Callable[[Request, Decision], None] | None = None,
     ) -> None:
+        """`on_finished(n)`: n more requests ended; `on_routed(request, decision)`: the router sent a request."""
         self.scenario = scenario
         self.label = policy.label
         if scenario.fleet.prefill_only and not isinstance(workload, PrefillOnlyWorkload):
@@ -106,6 +109,7 @@ class Simulation:
         self._window_prompt = 0
         self._end_s = 0.0
         self._on_finished = on_finished
+        self._on_routed = on_routed
         self._scrape_interval_s = scenario.router.scrape_interval_s or 0.0
 
     # Fleet ----------------------------------------------------------------------------------------------------
@@ -208,7 +212,9 @@ class Simulation:
         if ticket is None:
             return False
         self.recorder.branches[ticket.decision.branch.value] += 1
-        self._members[ticket.replica].replica.submit(Seq(request, ticket))
+        if self._on_routed is not None:
+            self._on_routed(request, ticket.decision)
+        self._members[ticket.replica_id].replica.submit(Seq(request, ticket))
         return True
 
     def _hold_expired(self, request: Request) -> None:
@@ -225,12 +231,15 @@ class Simulation:
 
     def _first_token(self, seq: Seq) -> None:
         ticket: Ticket = seq.ticket
-        self.router.first_token(ticket, self.sim.now)
+        if seq.request.is_stream:
+            self.router.first_byte(ticket, self.sim.now, is_stream=True)
         self._window_hit += seq.hit_tokens or 0
         self._window_prompt += seq.request.prompt_tokens
 
     def _finish(self, seq: Seq) -> None:
         ticket: Ticket = seq.ticket
+        if not seq.request.is_stream:  # the router's first byte of a whole answer is its end
+            self.router.first_byte(ticket, self.sim.now, is_stream=False)
         self.router.finish(ticket)
         now = self.sim.now
         request = seq.request
@@ -249,7 +258,7 @@ class Simulation:
         if self._on_finished is not None:
             self._on_finished(1)
         self._release_held()
-        member = self._members[ticket.replica]
+        member = self._members[ticket.replica_id]
         if member.is_draining:
             # The finishing sequence leaves the replica's running list when this step has been applied: look again
             # then.

@@ -50,6 +50,9 @@ class Request:
     session: str | None = None
     """Conversation or agent episode the request belongs to, when the workload has them: the key a client would send
     in the router's session header (read with `router.session_affinity` on)."""
+    is_stream: bool = True
+    """The client streams the answer, so the router sees its first token (and learns the replica's prefill rate
+    from it); False: the router's first byte is the whole answer, at its end."""
 
 
 class Workload(Protocol):

@@ -11,7 +11,7 @@ share a first block, such as a system prompt, land together), else a constant (p
 all go to one replica). The ring is built over the eligible replicas passed in, and rebuilt only when that set
 changes.
 
-Parameters (`config.ConsistentHashConfig`): virtual_nodes, default 160 (ketama's). Load-blind; the branch is
+Parameters (`ConsistentHashConfig` below): virtual_nodes, default 160 (ketama's). Load-blind; the branch is
 CONSISTENT_HASH (ONLY_REPLICA for a single replica). Source: Karger et al., "Consistent Hashing and Random
 Trees" (STOC 1997); ketama's point layout; SGLang router's and vLLM router's `consistent_hash`.
 """
@@ -21,13 +21,23 @@ from __future__ import annotations
 import bisect
 import hashlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Literal
+
+from pydantic import Field
 
 from router.policy.decisions import decision
-from router.policy.types import Branch, Decision, ReplicaState, RouteRequest
+from router.policy.types import Branch, Decision, PolicyConfigModel, ReplicaState, RouteRequest
 
-if TYPE_CHECKING:
-    from router.policy.config import ConsistentHashConfig
+
+class ConsistentHashConfig(PolicyConfigModel):
+    """A ketama hash ring over the session key or the first block hash (see `consistent_hash`)."""
+
+    kind: Literal["consistent_hash"] = "consistent_hash"
+
+    virtual_nodes: int = Field(default=160, ge=1)
+    """Points on the ring per replica. 160 is ketama's (and vllm-router's) default: 40 MD5 digests of 4 points
+    each, which keeps the load spread within a few percent."""
+
 
 _POINTS_PER_DIGEST = 4
 """An MD5 digest is 16 bytes: four uint32 ring points (ketama)."""

@@ -23,7 +23,7 @@ draws come from the policy's own `random.Random(seed)`.
 
 Branch: ONLY_REPLICA, else CACHE_HIT / SPILL / CACHE_MISS (`decisions.cache_branch`).
 
-Parameters (`config.DynamoKVConfig`), defaults from Dynamo's frontend: overlap_score_weight 1.0
+Parameters (`DynamoKVConfig` below), defaults from Dynamo's frontend: overlap_score_weight 1.0
 (`--kv-overlap-score-weight`), temperature 0.0 (`--router-temperature`); streaming_seq_tokens 1024 (Shoal's
 estimate, see above).
 """
@@ -33,13 +33,30 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Literal
+
+from pydantic import Field
 
 from router.policy.decisions import cache_branch, decision
-from router.policy.types import Branch, Decision, ReplicaState, RouteRequest
+from router.policy.types import Branch, Decision, PolicyConfigModel, ReplicaState, RouteRequest
 
-if TYPE_CHECKING:
-    from router.policy.config import DynamoKVConfig
+
+class DynamoKVConfig(PolicyConfigModel):
+    """NVIDIA Dynamo's KV router cost (see `dynamo_kv`). Defaults are Dynamo's frontend defaults."""
+
+    kind: Literal["dynamo_kv"] = "dynamo_kv"
+
+    overlap_score_weight: float = Field(default=1.0, ge=0.0)
+    """Weight of the prefill blocks against the active (decode) blocks, `--kv-overlap-score-weight`, default
+    1.0. 0 ignores the prefix cache (pure load balancing)."""
+
+    temperature: float = Field(default=0.0, ge=0.0)
+    """Softmax sampling temperature over normalised costs, `--router-temperature`, default 0 (argmin)."""
+
+    streaming_seq_tokens: int = Field(default=1024, ge=0)
+    """Tokens of KV one streaming request is assumed to hold when a replica's KV usage or capacity is unknown.
+    Dynamo tracks each active sequence's blocks itself; Shoal's router knows only counts, so it charges a round
+    figure for a chat turn's prompt plus output."""
 
 
 class DynamoKV:

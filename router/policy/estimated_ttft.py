@@ -50,38 +50,87 @@ term is a cost, not a latency).
 
 Speed. The router decides once per request over every replica, so `select` keeps, between decisions, each
 replica's terms that do not depend on the request (`ttft_terms.FleetTerms`: backlog, decode and pressure
-seconds, the cap test, the tie key), re-derived only for the replicas whose fields were written since
-(`ReplicaState.stamp`). Per decision it ranks the replicas that match nothing by a line in the prompt's length,
-computes the few that hold part of the prompt apart, and sums a cost in the documented order only where the
-line's roundings could move it across the tie band's edge, and for the chosen replica's estimate. Decisions are
-those of the plain reference in tests/unit/test_estimated_ttft_fast_path.py, to the last bit. A fleet of at most
-`DIRECT_MAX_REPLICAS` is costed directly from the fields instead, in one pass: with a few replicas, nearly every
-decision follows a write to one of them, and keeping terms costs more than it saves (`benchmarks/bench_routing.py
---replicas N --baseline REV` against a revision without this path: a third less `select` time at 2 replicas, some
-15% less at 8).
+seconds, the cap test, the tie key), re-derived only for the replicas whose `ReplicaState.version` moved. Every
+cost, cached terms or not, is summed by `ttft_terms.ttfts_s`, so `estimate_s` and `select` give the same floats;
+tests/unit/test_estimated_ttft_fast_path.py holds `select` to a plain reference of the formula, bit for bit.
 
-Parameters (`config.EstimatedTTFTConfig`): decode_s_per_seq_step, prefill_tokens_per_step,
-attention_s_per_token_pair, rate_noise_cv, fleet_cost_weight, kv_pressure_s, kv_pressure_threshold,
-tie_epsilon_s, tie_rel_epsilon, max_queue_per_replica.
+Parameters: `EstimatedTTFTConfig` below.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from itertools import compress
-from typing import TYPE_CHECKING
+from itertools import compress, repeat
+from operator import le
+from typing import Literal
+
+from pydantic import Field
 
 from router.policy.decisions import branch_for_blocks, decision
-from router.policy.ttft_terms import MIN_PREFILL_TOKENS_PER_S, FleetTerms, rate_pooling
-from router.policy.types import Branch, Decision, ReplicaState, RouteRequest
+from router.policy.ttft_terms import FleetTerms, floored_rate, rate_pooling, replica_row, ttfts_s
+from router.policy.types import Branch, Decision, PolicyConfigModel, ReplicaState, RouteRequest
 
-if TYPE_CHECKING:
-    from router.policy.config import EstimatedTTFTConfig
 
-DIRECT_MAX_REPLICAS = 8
-"""Fleets up to this size are costed directly from the replicas' fields (`_select_directly`); larger ones keep
-their request-independent terms between decisions (`ttft_terms.FleetTerms`)."""
+class EstimatedTTFTConfig(PolicyConfigModel):
+    """Shoal's default: minimise the predicted time to first token (see `estimated_ttft`)."""
+
+    kind: Literal["estimated_ttft"] = "estimated_ttft"
+
+    decode_s_per_seq_step: float = Field(default=0.00055, ge=0.0)
+    """Seconds one decoding sequence adds to each engine step. A chunked-prefill engine runs every running
+    sequence's next token in the same steps as the prefill chunks: one token of compute plus reading its KV. On
+    the LLaMA-70B / 8 x A100 preset that is 0.11 ms + 15k tokens of context x 29 ns = ~0.55 ms; a smaller model
+    or shorter contexts cost less. Multiplied by the steps the request waits (see `prefill_tokens_per_step`)."""
+
+    prefill_tokens_per_step: int = Field(default=8192, gt=0)
+    """Prompt tokens an engine prefills per step (vLLM V1's default `max_num_batched_tokens` for the online
+    server), so that a request waits about 1 + (backlog + uncached) / this many steps, each lengthened by every
+    decoding sequence."""
+
+    attention_s_per_token_pair: float = Field(default=2.1e-9, ge=0.0)
+    """Seconds of prefill per (query, key) token pair: causal attention, which a per-token rate cannot express
+    and which makes a 64k-token prompt ~1.5x its linear prefill time. 4 x layers x hidden FLOPs per pair over the
+    GPUs' attention throughput: for LLaMA-70B (80 x 8192) on 8 x A100 at ~50% of peak, 2.6 MFLOP / 1.25 PFLOPS =
+    2.1 ns, the simulator preset's figure. Scale it with the model (about 0.3 ns for an 8B model on one GPU);
+    0 turns the term off."""
+
+    rate_noise_cv: float = Field(default=0.25, ge=0.0)
+    """Coefficient of variation (fraction of the mean) that learned prefill rates show between identical
+    replicas. Each rate is shrunk towards the fleet mean by the share of the fleet's variance this much noise
+    explains (James-Stein). Simulated Mooncake runs on 16 identical replicas: the learned rates' CV averages
+    0.19-0.20 (5.4k-9.8k tokens/s around 7.8k); 0.25 pools such a fleet entirely almost always, while a 5k and a
+    20k replica keep 83% of their difference. 0 uses each replica's own rate."""
+
+    fleet_cost_weight: float = Field(default=1.5, ge=0.0)
+    """Seconds of cost per second of prefill a placement adds beyond the cheapest placement (dimensionless).
+    Recomputed prefix work delays the requests queued after it: by about rho / (1 - rho) times the work at
+    utilisation rho, 1.5 at rho = 0.6, the load at which affinity starts to decide the tail (near saturation on
+    the Mooncake trace prefill needs ~57% of the fleet). On simulated Mooncake runs, 1 to 2 keep the hit ratio
+    within 10% of the ceiling at both loads; 0 is the greedy per-request TTFT."""
+
+    kv_pressure_s: float = Field(default=1.0, ge=0.0)
+    """Seconds added when the KV cache is full (kv_usage 1.0). A request then waits for running sequences to
+    finish and free blocks, or causes a preemption; 1 s is of the order of a sequence's remaining decode time,
+    yet below a moderate prefill backlog, so pressure steers traffic away without vetoing a replica."""
+
+    kv_pressure_threshold: float = Field(default=0.8, ge=0.0, lt=1.0)
+    """KV usage fraction (0..1) below which the pressure term is 0. vLLM and SGLang count only blocks held by
+    running requests as used (cached, unreferenced blocks are free), so below ~80% new work fits without
+    preemption; above it the term grows quadratically to `kv_pressure_s` at 1.0."""
+
+    tie_epsilon_s: float = Field(default=0.005, ge=0.0)
+    """Seconds within which estimates count as tied. About one engine step: a smaller difference is not
+    observable in TTFT, and spreading tied cache misses over idle replicas is worth more than it."""
+
+    tie_rel_epsilon: float = Field(default=0.0, ge=0.0)
+    """Fraction of the minimum cost added to `tie_epsilon_s`. 0: the noise of learned prefill rates, which this
+    margin used to absorb, is pooled away (`rate_noise_cv`), and a relative margin would hand a long prompt to a
+    replica with up to that fraction more backlog (2% of an 8 s prefill: 160 ms) for a smaller in-flight count."""
+
+    max_queue_per_replica: int = Field(default=256, ge=1)
+    """Hard cap on a replica's queue depth (requests): a replica at or past it is skipped while another is
+    under it. vLLM's long-standing default max_num_seqs: past it new requests queue in the engine whatever
+    their cache, so affinity has stopped paying."""
 
 
 def own_prefill_s(cached: int, uncached: int, rate: float, attention_s_per_token_pair: float) -> float:
@@ -101,7 +150,7 @@ class EstimatedTTFT:
 
     def pooled_rates(self, replicas: Sequence[ReplicaState]) -> list[float]:
         """Each replica's learned prefill rate shrunk towards the fleet mean (tokens/s), see the module docstring."""
-        rates = [max(r.prefill_tokens_per_s, MIN_PREFILL_TOKENS_PER_S) for r in replicas]
+        rates = [floored_rate(r) for r in replicas]
         mean, shrink = rate_pooling(rates, self.config.rate_noise_cv)
         return [mean + shrink * (x - mean) for x in rates]
 
@@ -113,25 +162,15 @@ class EstimatedTTFT:
     def estimate_s(self, request: RouteRequest, replica: ReplicaState, rate: float | None = None) -> float:
         """Predicted time to first token of `request` on `replica`, in seconds, at `rate` tokens/s (default: the
         replica's learned rate; `select` passes the pooled one)."""
-        cfg = self.config
         if rate is None:
-            rate = max(replica.prefill_tokens_per_s, MIN_PREFILL_TOKENS_PER_S)
-        backlog = replica.waiting_prompt_tokens
-        prefill_s = backlog / rate + self.own_prefill_s(request, replica, rate)
-        if replica.waiting > 0:
-            prefill_s += cfg.attention_s_per_token_pair * backlog * backlog / (2 * replica.waiting)
+            rate = floored_rate(replica)
         uncached = request.prompt_tokens - request.cached_tokens(replica.id)
-        steps = 1.0 + (backlog + uncached) / cfg.prefill_tokens_per_step
-        decode_s = cfg.decode_s_per_seq_step * max(replica.streaming, replica.num_running or 0) * steps
-        pressure_s = 0.0
-        if replica.kv_usage is not None and replica.kv_usage > cfg.kv_pressure_threshold:
-            excess = (min(replica.kv_usage, 1.0) - cfg.kv_pressure_threshold) / (1.0 - cfg.kv_pressure_threshold)
-            pressure_s = cfg.kv_pressure_s * excess * excess
-        return prefill_s + decode_s + pressure_s
+        own_s = self.own_prefill_s(request, replica, rate)
+        inv_step_tokens = 1.0 / self.config.prefill_tokens_per_step
+        return ttfts_s([replica_row(replica, self.config)], [rate], [own_s], [uncached], inv_step_tokens)[0]
 
     def costs_s(self, request: RouteRequest, replicas: Sequence[ReplicaState]) -> list[tuple[float, float]]:
-        """(ttft, cost) of each replica in seconds, term by term as documented (`select` takes some sums in another
-        order, so its figures may differ from these in the last bits)."""
+        """(ttft, cost) of each replica in seconds, as `select` weighs them."""
         rates = self.pooled_rates(replicas)
         own = [self.own_prefill_s(request, r, rate) for r, rate in zip(replicas, rates, strict=True)]
         floor_s = min(own)
@@ -143,191 +182,42 @@ class EstimatedTTFT:
         if len(replicas) == 1:
             only = replicas[0]
             return decision(request, only.id, Branch.ONLY_REPLICA, self.estimate_s(request, only))
-        if len(replicas) <= DIRECT_MAX_REPLICAS:
-            return self._select_directly(request, replicas)
-        # The router's hot path (module docstring, Speed).
+        cfg = self.config
         terms = self._terms
         terms.update(replicas)
         mean_rate, pooled = terms.pool_rates()
+        n = len(replicas)
+        rates = [mean_rate] * n if pooled is None else pooled
         prompt_tokens = request.prompt_tokens
         tokens_per_block = request.tokens_per_block
-        attn = self.config.attention_s_per_token_pair
+        attn = cfg.attention_s_per_token_pair
+        inv_step_tokens = terms.inv_step_tokens
         matched = request.matched_blocks
         positions = terms.positions
-        # (position, cached tokens, own prefill s) of each replica among `replicas` that matches
-        hits: list[tuple[int, int, float]] = []
+        # Every replica computes the whole prompt, except those that hold part of it (few: found by id).
+        uncached = [prompt_tokens] * n
+        whole_attn_s = attn * prompt_tokens * (0 + prompt_tokens / 2)
+        if pooled is None:  # one rate for all: one own prefill for all that match nothing
+            owns = [prompt_tokens / mean_rate + whole_attn_s] * n
+        else:
+            owns = [prompt_tokens / rate + whole_attn_s for rate in rates]
         best_blocks = 0  # the longest match among `replicas`, for the branch
         for rid, blocks in matched.items():
             i = positions.get(rid)
             if i is None:
-                continue
+                continue  # held by a replica that is not eligible
             if blocks > best_blocks:
                 best_blocks = blocks
             cached = int(blocks * tokens_per_block)  # request.cached_tokens
             if cached > prompt_tokens:
                 cached = prompt_tokens
-            rate = mean_rate if pooled is None else pooled[i]
-            hits.append((i, cached, own_prefill_s(cached, prompt_tokens - cached, rate, attn)))
-        chosen = None
-        if pooled is None and not terms.num_irregular:
-            chosen = self._choose_by_lines(prompt_tokens, hits, mean_rate)
-        if chosen is None:
-            chosen = self._choose_exactly(prompt_tokens, hits, mean_rate, pooled)
-        best, ttft_s = chosen
-        chosen_id = replicas[best].id
-        is_overloaded = not terms.num_under_cap
-        branch = Branch.OVERLOADED if is_overloaded else branch_for_blocks(best_blocks, matched.get(chosen_id, 0))
-        return decision(request, chosen_id, branch, ttft_s)
-
-    def _select_directly(self, request: RouteRequest, replicas: Sequence[ReplicaState]) -> Decision:
-        """`select` for a few replicas: every term from the fields, in the documented order, in one pass after
-        the rates' pooling. Below `DIRECT_MAX_REPLICAS` this costs less than keeping `FleetTerms` (whose every
-        write re-derives a replica's terms anyway) and gives the same floats."""
-        cfg = self.config
-        rates = [max(r.prefill_tokens_per_s, MIN_PREFILL_TOKENS_PER_S) for r in replicas]
-        mean, shrink = rate_pooling(rates, cfg.rate_noise_cv)
-        prompt_tokens = request.prompt_tokens
-        tokens_per_block = request.tokens_per_block
-        matched = request.matched_blocks
-        attn = cfg.attention_s_per_token_pair
-        step_s = cfg.decode_s_per_seq_step
-        inv_step_tokens = 1.0 / cfg.prefill_tokens_per_step
-        threshold = cfg.kv_pressure_threshold
-        pressure_scale = cfg.kv_pressure_s / ((1.0 - threshold) ** 2)
-        cap = cfg.max_queue_per_replica
-        owns: list[float] = []
-        ttfts: list[float] = []
-        cached_tokens: list[int] = []
-        under_cap: list[int] = []
-        best_blocks = 0
-        for i, r in enumerate(replicas):
-            rate = mean + shrink * (rates[i] - mean)
-            blocks = matched.get(r.id, 0)
-            if blocks > best_blocks:
-                best_blocks = blocks
-            cached = int(blocks * tokens_per_block)  # request.cached_tokens
-            if cached > prompt_tokens:
-                cached = prompt_tokens
-            uncached = prompt_tokens - cached
-            own = own_prefill_s(cached, uncached, rate, attn)
-            backlog = r.waiting_prompt_tokens
-            running = r.num_running or 0
-            streaming = r.streaming
-            decode_s = step_s * (streaming if streaming > running else running)
-            ttft = backlog / rate + own + decode_s * (1.0 + (backlog + uncached) * inv_step_tokens)
-            waiting = r.waiting
-            if waiting > 0:
-                ttft += attn * backlog * backlog / (2 * waiting)
-            kv = r.kv_usage
-            if kv is not None and kv > threshold:
-                excess = (kv if kv < 1.0 else 1.0) - threshold
-                ttft += pressure_scale * excess * excess
-            owns.append(own)
-            ttfts.append(ttft)
-            cached_tokens.append(cached)
-            in_flight = r.in_flight
-            engine_depth = running + (r.num_waiting or 0)
-            if (in_flight if in_flight > engine_depth else engine_depth) < cap:
-                under_cap.append(i)
+            uncached[i] = prompt_tokens - cached
+            owns[i] = own_prefill_s(cached, prompt_tokens - cached, rates[i], attn)
         floor_s = min(owns)
         weight = cfg.fleet_cost_weight
+        ttfts = ttfts_s(terms.rows, rates, owns, uncached, inv_step_tokens)
         costs = [ttft + weight * (own - floor_s) for ttft, own in zip(ttfts, owns, strict=True)]
-        candidates = under_cap if under_cap else range(len(replicas))
-        best_s = min([costs[i] for i in candidates])
-        tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
-        tied = [i for i in candidates if costs[i] <= tied_below_s]
-        if len(tied) == 1:
-            best = tied[0]
-        else:
-            best = min(tied, key=lambda i: (replicas[i].in_flight, replicas[i].last_selected, replicas[i].id))
-        chosen_id = replicas[best].id
-        blocks = matched.get(chosen_id, 0)
-        branch = branch_for_blocks(best_blocks, blocks) if under_cap else Branch.OVERLOADED
-        return Decision(chosen_id, branch, blocks, cached_tokens[best], ttfts[best])
-
-    def _choose_by_lines(
-        self, prompt_tokens: int, hits: list[tuple[int, int, float]], rate: float
-    ) -> tuple[int, float] | None:
-        """(position, ttft) of the choice, ranking the replicas that match nothing by their line form (a few
-        roundings off the exact cost, module docstring of `ttft_terms`); None when a replica's cost lies so near
-        the edge of the tie band that those roundings could move it across, for `_choose_exactly` to decide.
-
-        Every fleet rate is `rate` (pooled to the mean) and no term is negative, so every cost is a sum of
-        non-negative terms and both forms are within ~20 float roundings (~5e-15) of its real value; a replica
-        further than 1e-12 of the costs from the band's edge is in or out of it whichever form is used."""
-        cfg = self.config
-        terms = self._terms
-        weight = cfg.fleet_cost_weight
-        own_s = prompt_tokens / rate + cfg.attention_s_per_token_pair * prompt_tokens * (0 + prompt_tokens / 2)
-        floor_s = own_s if len(hits) < len(terms.rows) else math.inf
-        for _, _, own in hits:
-            if own < floor_s:
-                floor_s = own
-        base_s = own_s + weight * (own_s - floor_s)  # the terms that a replica matching nothing adds to its line
-        inv_rate = 1.0 / rate
-        costs = [
-            w * inv_rate + fixed_s + prompt_tokens * per_token_s
-            for w, fixed_s, per_token_s in zip(
-                terms.line_backlogs, terms.line_fixed_s, terms.line_per_token_s, strict=True
-            )
-        ]
-        ttfts: dict[int, float] = {}
-        for i, cached, own in hits:
-            ttfts[i] = ttft_s = self._ttft_s(i, rate, own, prompt_tokens - cached)
-            costs[i] = ttft_s + weight * (own - floor_s) - base_s
-        n = len(costs)
-        candidates: Sequence[int] = range(n)
-        if 0 < terms.num_under_cap < n:
-            candidates = list(compress(candidates, terms.is_under_cap))
-            best_s = min([costs[i] for i in candidates]) + base_s
-        else:
-            best_s = min(costs) + base_s
-        tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
-        band_s = 1e-12 * (1.0 + cfg.tie_rel_epsilon) * (abs(tied_below_s) + base_s)
-        if not band_s < math.inf:
-            return None
-        above_s = tied_below_s - base_s + band_s
-        tied = [i for i in candidates if costs[i] <= above_s]
-        below_s = above_s - 2.0 * band_s
-        for i in tied:
-            if costs[i] > below_s:
-                return None
-        best = tied[0] if len(tied) == 1 else min(tied, key=terms.tie_keys.__getitem__)
-        predicted_s = ttfts.get(best)
-        if predicted_s is None:
-            predicted_s = self._ttft_s(best, rate, own_s, prompt_tokens)
-        return best, predicted_s
-
-    def _choose_exactly(
-        self, prompt_tokens: int, hits: list[tuple[int, int, float]], mean_rate: float, pooled: list[float] | None
-    ) -> tuple[int, float]:
-        """(position, ttft) of the choice, from every replica's exact cost."""
-        cfg = self.config
-        terms = self._terms
-        inv_step_tokens = terms.inv_step_tokens
-        weight = cfg.fleet_cost_weight
-        # A replica that matches nothing computes the whole prompt: the attention term is the same for all of them.
-        uncached_attn_s = cfg.attention_s_per_token_pair * prompt_tokens * (0 + prompt_tokens / 2)
-        n = len(terms.rows)
-        rates = [mean_rate] * n if pooled is None else pooled
-        owns = [prompt_tokens / rate + uncached_attn_s for rate in rates]
-        for i, _, own in hits:
-            owns[i] = own
-        floor_s = min(owns)
-        costs = [
-            w / rate
-            + own
-            + decode_s * (1.0 + (w + prompt_tokens) * inv_step_tokens)
-            + attn_s
-            + kv_s
-            + weight * (own - floor_s)
-            for (w, decode_s, attn_s, kv_s), rate, own in zip(terms.rows, rates, owns, strict=True)
-        ]
-        ttfts: dict[int, float] = {}
-        for i, cached, own in hits:
-            ttfts[i] = ttft_s = self._ttft_s(i, rates[i], own, prompt_tokens - cached)
-            costs[i] = ttft_s + weight * (own - floor_s)
-        if 0 < terms.num_under_cap < n:
+        if 0 < terms.num_under_cap < n:  # skip the replicas at the cap
             candidates = list(compress(range(n), terms.is_under_cap))
             best_s = min([costs[i] for i in candidates])
             tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
@@ -335,16 +225,9 @@ class EstimatedTTFT:
         else:
             best_s = min(costs)
             tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
-            tied = [i for i, cost in enumerate(costs) if cost <= tied_below_s]
+            tied = list(compress(range(n), map(le, costs, repeat(tied_below_s))))
         best = tied[0] if len(tied) == 1 else min(tied, key=terms.tie_keys.__getitem__)
-        predicted_s = ttfts.get(best)
-        if predicted_s is None:
-            rate = mean_rate if pooled is None else pooled[best]
-            predicted_s = self._ttft_s(best, rate, prompt_tokens / rate + uncached_attn_s, prompt_tokens)
-        return best, predicted_s
-
-    def _ttft_s(self, i: int, rate: float, own_s: float, uncached: int) -> float:
-        """The estimate of replica `i` of the last `select` at pooled `rate`, with its own prefill `own_s` (its
-        cost less the fleet term), summed as `_choose_exactly` sums the others'."""
-        w, decode_s, attn_s, kv_s = self._terms.rows[i]
-        return w / rate + own_s + decode_s * (1.0 + (w + uncached) * self._terms.inv_step_tokens) + attn_s + kv_s
+        chosen_id = replicas[best].id
+        is_overloaded = not terms.num_under_cap
+        branch = Branch.OVERLOADED if is_overloaded else branch_for_blocks(best_blocks, matched.get(chosen_id, 0))
+        return decision(request, chosen_id, branch, ttfts[best])

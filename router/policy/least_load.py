@@ -5,21 +5,24 @@ plus waiting sequences, so the policy sees other routers' load once a scrape has
 is idle) go round robin: to the first tied id after the last replica chosen, in id order, so an idle fleet is
 not funnelled to its smallest id.
 
-No parameters (`config.LeastLoadConfig`). Cache-blind; the branch is LEAST_LOAD (ONLY_REPLICA for a single
+No parameters (`LeastLoadConfig` below). Cache-blind; the branch is LEAST_LOAD (ONLY_REPLICA for a single
 replica). Source: join-the-shortest-queue, the textbook load-only baseline.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Literal
 
 from router.policy.decisions import decision
 from router.policy.round_robin import next_after
-from router.policy.types import Branch, Decision, ReplicaState, RouteRequest
+from router.policy.types import Branch, Decision, PolicyConfigModel, ReplicaState, RouteRequest
 
-if TYPE_CHECKING:
-    from router.policy.config import LeastLoadConfig
+
+class LeastLoadConfig(PolicyConfigModel):
+    """Join the shortest queue (see `least_load`)."""
+
+    kind: Literal["least_load"] = "least_load"
 
 
 class LeastLoad:

@@ -16,7 +16,7 @@ The replica with the largest weighted sum wins; ties are broken at random, from 
 
 Branch: ONLY_REPLICA, else CACHE_HIT / SPILL / CACHE_MISS (`decisions.cache_branch`).
 
-Parameters (`config.LLMDWeightedConfig`): queue_weight 2, kv_cache_weight 2, prefix_weight 3 (llm-d's
+Parameters (`LLMDWeightedConfig` below): queue_weight 2, kv_cache_weight 2, prefix_weight 3 (llm-d's
 default scheduler profile).
 """
 
@@ -24,13 +24,27 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Literal
+
+from pydantic import Field
 
 from router.policy.decisions import cache_branch, decision
-from router.policy.types import Branch, Decision, ReplicaState, RouteRequest
+from router.policy.types import Branch, Decision, PolicyConfigModel, ReplicaState, RouteRequest
 
-if TYPE_CHECKING:
-    from router.policy.config import LLMDWeightedConfig
+
+class LLMDWeightedConfig(PolicyConfigModel):
+    """llm-d inference scheduler's default scorer weights (see `llmd_weighted`)."""
+
+    kind: Literal["llmd_weighted"] = "llmd_weighted"
+
+    queue_weight: float = Field(default=2.0, ge=0.0)
+    """Weight of queue-scorer (waiting queue, min-max normalised). llm-d's default profile: 2."""
+
+    kv_cache_weight: float = Field(default=2.0, ge=0.0)
+    """Weight of kv-cache-utilization-scorer (1 - KV usage). llm-d's default profile: 2."""
+
+    prefix_weight: float = Field(default=3.0, ge=0.0)
+    """Weight of prefix-cache-scorer (matched fraction of the request's blocks). llm-d's default profile: 3."""
 
 
 def _queue_size(replica: ReplicaState) -> int:

@@ -6,7 +6,7 @@ server, and they tolerate stale load figures better than a global minimum does. 
 `power_of_two`: two distinct workers, the one with the lower load wins, the first sampled on a tie. Load is
 `ReplicaState.queue_depth`.
 
-No parameters besides the seed (`config.PowerOfTwoConfig`); the generator is a `random.Random(seed)` owned by
+No parameters besides the seed (`PowerOfTwoConfig` below); the generator is a `random.Random(seed)` owned by
 the policy. Cache-blind; the branch is POWER_OF_TWO (ONLY_REPLICA for a single replica).
 """
 
@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Literal
 
 from router.policy.decisions import decision
-from router.policy.types import Branch, Decision, ReplicaState, RouteRequest
+from router.policy.types import Branch, Decision, PolicyConfigModel, ReplicaState, RouteRequest
 
-if TYPE_CHECKING:
-    from router.policy.config import PowerOfTwoConfig
+
+class PowerOfTwoConfig(PolicyConfigModel):
+    """The better of two random choices (see `power_of_two`)."""
+
+    kind: Literal["power_of_two"] = "power_of_two"
 
 
 class PowerOfTwo:

@@ -25,7 +25,7 @@ The estimate is an exponentially weighted moving average in rate space:
   non-positive TTFB after `overhead_s`.
 - The result always lies within [min_tokens_per_s, max_tokens_per_s], so it is never 0 or negative.
 
-The state of one replica is a `PrefillRate` value, kept by the driver beside that replica; `update` is pure.
+The state of one replica is a `PrefillRate` value, kept by the routing core (`routing_core`); `update` is pure.
 """
 
 from __future__ import annotations

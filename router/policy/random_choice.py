@@ -4,7 +4,7 @@ The generator is a `random.Random(seed)` owned by the policy object, so a simula
 the same inputs makes the same choices. (The module is not called `random`, which would shadow the standard
 library; the policy's name is still "random".)
 
-No parameters besides the seed (`config.RandomConfig`). Cache- and load-blind; the branch is RANDOM
+No parameters besides the seed (`RandomConfig` below). Cache- and load-blind; the branch is RANDOM
 (ONLY_REPLICA for a single replica). Source: the baseline of SGLang router's and vLLM router's `random`.
 """
 
@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Literal
 
 from router.policy.decisions import decision
-from router.policy.types import Branch, Decision, ReplicaState, RouteRequest
+from router.policy.types import Branch, Decision, PolicyConfigModel, ReplicaState, RouteRequest
 
-if TYPE_CHECKING:
-    from router.policy.config import RandomConfig
+
+class RandomConfig(PolicyConfigModel):
+    """A uniformly random replica, from the policy's seeded generator (see `random_choice`)."""
+
+    kind: Literal["random"] = "random"
 
 
 class RandomChoice:

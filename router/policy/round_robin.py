@@ -5,7 +5,7 @@ set: the next request goes to the smallest id greater than the cursor (wrapping 
 replica takes its turn in id order, and a removed one is simply no longer there. Over any run of requests
 against a fixed set, every replica's count differs from the others' by at most one.
 
-No parameters (`config.RoundRobinConfig`). Cache- and load-blind; the branch is ROUND_ROBIN (ONLY_REPLICA for
+No parameters (`RoundRobinConfig` below). Cache- and load-blind; the branch is ROUND_ROBIN (ONLY_REPLICA for
 a single replica). Source: the classic baseline. SGLang router's `round_robin` keeps an index modulo the worker
 count, which jumps when a worker joins or leaves; the id cursor keeps the rotation instead.
 """
@@ -13,13 +13,16 @@ count, which jumps when a worker joins or leaves; the id cursor keeps the rotati
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Literal
 
 from router.policy.decisions import decision
-from router.policy.types import Branch, Decision, ReplicaState, RouteRequest
+from router.policy.types import Branch, Decision, PolicyConfigModel, ReplicaState, RouteRequest
 
-if TYPE_CHECKING:
-    from router.policy.config import RoundRobinConfig
+
+class RoundRobinConfig(PolicyConfigModel):
+    """Cycle through replicas in id order (see `round_robin`)."""
+
+    kind: Literal["round_robin"] = "round_robin"
 
 
 def next_after(ids: Sequence[str], cursor: str | None) -> str:

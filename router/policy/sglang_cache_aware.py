@@ -18,20 +18,36 @@ Differences from the source, all forced by Shoal's shared inputs:
   long matches in step 2, after the lower load.
 - SGLang computes min and max load over all its workers; here over the eligible replicas passed in.
 
-Parameters (`config.SGLangCacheAwareConfig`), defaults from sglang-router's CLI: cache_threshold 0.3,
+Parameters (`SGLangCacheAwareConfig` below), defaults from sglang-router's CLI: cache_threshold 0.3,
 balance_abs_threshold 64, balance_rel_threshold 1.5.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Literal
+
+from pydantic import Field
 
 from router.policy.decisions import decision
-from router.policy.types import Branch, Decision, ReplicaState, RouteRequest
+from router.policy.types import Branch, Decision, PolicyConfigModel, ReplicaState, RouteRequest
 
-if TYPE_CHECKING:
-    from router.policy.config import SGLangCacheAwareConfig
+
+class SGLangCacheAwareConfig(PolicyConfigModel):
+    """SGLang router's `cache_aware` policy (see `sglang_cache_aware`). Defaults are sglang-router's CLI."""
+
+    kind: Literal["sglang_cache_aware"] = "sglang_cache_aware"
+
+    cache_threshold: float = Field(default=0.3, ge=0.0, le=1.0)
+    """Prefix match ratio (matched / prompt tokens) above which the best-matching replica is chosen.
+    `--cache-threshold`, default 0.3."""
+
+    balance_abs_threshold: int = Field(default=64, ge=0)
+    """Requests: the load is imbalanced only if max - min load exceeds this. `--balance-abs-threshold`, 64."""
+
+    balance_rel_threshold: float = Field(default=1.5, ge=0.0)
+    """Ratio: the load is imbalanced only if max load exceeds this times min load. `--balance-rel-threshold`,
+    1.5."""
 
 
 def _least_loaded(replicas: Sequence[ReplicaState]) -> ReplicaState:

@@ -3,36 +3,28 @@
 The router decides once per request over every replica, and between two decisions only a few replicas' fields
 change (the chosen one's counts, a first byte, a finish; every replica's gauges once a scrape interval). So the
 terms each replica's cost needs whatever the prompt (backlog, decode and KV-pressure seconds, the queue-cap test,
-the tie key) are kept by position in the replica list and re-derived only for the replicas whose
-`ReplicaState.stamp`, a new object on every write to a field, is not the one they were derived at. Reading the
-stamps is one attribute per replica; a list of other replicas, or in another order, is re-derived where it
-differs.
+the tie key) are kept by position in the replica list and re-derived only for the replicas that are another
+object than last time or whose `ReplicaState.version` moved (its methods bump it on every change).
 
-Two forms of the terms, for estimated_ttft's two ways of costing a replica that matches nothing (`rate` is the
-fleet's pooled prefill rate, `P` the prompt's tokens):
+A replica's estimate from its terms `(W, decode_s, attention_s, pressure_s)` (`ttfts_s`, the one place of the sum),
+with its pooled prefill `rate`, its own prefill `own` and `u` uncached tokens:
 
-    exact (summed as the policy's reference sums it):
-        W / rate + own + decode_s * (1 + (W + P) / prefill_tokens_per_step) + attention_s + pressure_s
-    line (the same sum in another order, a few float roundings apart, for ranking):
-        W * (1 / rate) + fixed_s + P * per_token_s + own,
-        fixed_s = decode_s * (1 + W / prefill_tokens_per_step) + attention_s + pressure_s
-        per_token_s = decode_s / prefill_tokens_per_step
+    W / rate + own + decode_s * (1 + (W + u) / prefill_tokens_per_step) + attention_s + pressure_s
 """
 
 from __future__ import annotations
 
 import math
-from array import array
 from collections.abc import Iterable, Sequence
 from functools import reduce
 from itertools import compress, count
-from operator import add, is_not, mul
+from operator import add, attrgetter, is_, mul, ne
 from typing import TYPE_CHECKING
 
 from router.policy.types import ReplicaState
 
 if TYPE_CHECKING:
-    from router.policy.config import EstimatedTTFTConfig
+    from router.policy.estimated_ttft import EstimatedTTFTConfig
 
 MIN_PREFILL_TOKENS_PER_S = 1.0
 """Floor on a replica's prefill rate, so a corrupt rate cannot divide by zero."""
@@ -42,6 +34,48 @@ _VAR_ROUNDING_PER_REPLICA = 1e-14
 below 3.4e-16 * n * max**2): `rate_pooling` adds it to the bound var <= (max - min)**2 / 4, so that a fleet the
 bound calls homogeneous is one by the policy's own float arithmetic too."""
 
+_version_of = attrgetter("version")
+
+Row = tuple[int, float, float, float]
+"""A replica's request-independent terms: (backlog tokens W, decode s per engine step, the backlog's attention s,
+KV pressure s)."""
+
+
+def replica_row(r: ReplicaState, config: EstimatedTTFTConfig) -> Row:
+    """The terms of `r` (estimated_ttft's module docstring: W, decode, the backlog's attention, pressure)."""
+    backlog = r.waiting_prompt_tokens
+    running = r.num_running or 0
+    streaming = r.streaming
+    decode_s = config.decode_s_per_seq_step * (streaming if streaming > running else running)
+    waiting = r.waiting
+    # A 0.0 term leaves a sum of non-negative terms unchanged, bit for bit: `ttfts_s` adds these always.
+    attention_s = config.attention_s_per_token_pair * backlog * backlog / (2 * waiting) if waiting > 0 else 0.0
+    threshold = config.kv_pressure_threshold
+    kv = r.kv_usage
+    excess = ((kv if kv < 1.0 else 1.0) - threshold) if kv is not None and kv > threshold else 0.0
+    pressure_s = config.kv_pressure_s / ((1.0 - threshold) ** 2) * excess * excess
+    return (backlog, decode_s, attention_s, pressure_s)
+
+
+def ttfts_s(
+    rows: Sequence[Row],
+    rates: Sequence[float],
+    owns_s: Sequence[float],
+    uncached: Sequence[int],
+    inv_step_tokens: float,
+) -> list[float]:
+    """The estimate of each replica, the one place of the sum: terms `rows`, pooled `rates` (tokens/s), the prompt's
+    own prefill there `owns_s` over `uncached` tokens; `inv_step_tokens` is 1 / prefill_tokens_per_step."""
+    return [
+        w / rate + own_s + decode_s * (1.0 + (w + u) * inv_step_tokens) + attention_s + pressure_s
+        for (w, decode_s, attention_s, pressure_s), rate, own_s, u in zip(rows, rates, owns_s, uncached, strict=True)
+    ]
+
+
+def floored_rate(r: ReplicaState) -> float:
+    rate = r.prefill_tokens_per_s
+    return MIN_PREFILL_TOKENS_PER_S if rate < MIN_PREFILL_TOKENS_PER_S else rate
+
 
 class FleetTerms:
     """The request-independent terms of the replicas of the last decision, by position in its replica list."""
@@ -49,17 +83,11 @@ class FleetTerms:
     def __init__(self, config: EstimatedTTFTConfig) -> None:
         self.config = config
         self.inv_step_tokens = 1.0 / config.prefill_tokens_per_step
-        self.stamps: list[object] = []
-        """Each replica's `ReplicaState.stamp` when its terms were derived."""
-        self.rows: list[tuple[int, float, float, float]] = []
-        """Exact form: (backlog tokens W, decode s per engine step, the backlog's attention s, KV pressure s)."""
-        # Line form, in flat arrays (read on every decision, they stay in few cache lines):
-        self.line_backlogs = array("d")
-        """Backlog tokens W."""
-        self.line_fixed_s = array("d")
-        self.line_per_token_s = array("d")
-        self.num_irregular = 0
-        """Replicas with a negative backlog or decode count (a driver's miscount): their line form may cancel."""
+        self.states: list[ReplicaState] = []
+        """The replicas the terms were derived from (held, so that an identity test cannot see a reused id)."""
+        self.versions: list[int] = []
+        """Each replica's `ReplicaState.version` when its terms were derived."""
+        self.rows: list[Row] = []
         self.rates: list[float] = []
         """Learned prefill rates (tokens/s), floored."""
         self.pooled: tuple[float, list[float] | None] | None = None
@@ -75,63 +103,40 @@ class FleetTerms:
 
     def update(self, replicas: Sequence[ReplicaState]) -> None:
         """Make the terms those of `replicas`, re-deriving what changed since the last call."""
-        stamps = [r.stamp for r in replicas]
-        if stamps == self.stamps:
-            return
+        versions = list(map(_version_of, replicas))
         n = len(replicas)
         changed: Iterable[int]
-        if len(self.stamps) == n:
-            changed = list(compress(count(), map(is_not, stamps, self.stamps)))
+        if len(self.states) == n:
+            before, held = self.versions, self.states
+            if all(map(is_, replicas, held)):  # the same replicas (a router's usual case): compare versions in C
+                if versions == before:
+                    return
+                changed = list(compress(count(), map(ne, versions, before)))
+            else:
+                changed = [i for i in range(n) if versions[i] != before[i] or replicas[i] is not held[i]]
         else:
             changed = range(n)
             self.rows = [(0, 0.0, 0.0, 0.0)] * n
-            self.line_backlogs = array("d", bytes(8 * n))
-            self.line_fixed_s = array("d", bytes(8 * n))
-            self.line_per_token_s = array("d", bytes(8 * n))
             self.rates = [math.nan] * n
             self.is_under_cap = [False] * n
             self.tie_keys = [(0, 0.0, "")] * n
             self.positions = {}
-            self.num_irregular = 0
-        self.stamps = stamps
+        self.states = list(replicas)
+        self.versions = versions
         cfg = self.config
         rows, rates, is_under_cap, tie_keys = self.rows, self.rates, self.is_under_cap, self.tie_keys
-        line_backlogs, line_fixed_s, line_per_token_s = self.line_backlogs, self.line_fixed_s, self.line_per_token_s
-        step_s = cfg.decode_s_per_seq_step
-        inv_step_tokens = self.inv_step_tokens
-        attn = cfg.attention_s_per_token_pair
-        threshold = cfg.kv_pressure_threshold
-        pressure_scale = cfg.kv_pressure_s / ((1.0 - threshold) ** 2)
         cap = cfg.max_queue_per_replica
         for i in changed:
             r = replicas[i]
-            backlog = r.waiting_prompt_tokens
-            running = r.num_running or 0
-            streaming = r.streaming
-            decoding = streaming if streaming > running else running
-            decode_s = step_s * decoding
-            waiting = r.waiting
-            # A 0.0 term leaves a sum of non-negative terms unchanged, bit for bit: the policy adds these always.
-            attention_s = attn * backlog * backlog / (2 * waiting) if waiting > 0 else 0.0
-            kv = r.kv_usage
-            excess = ((kv if kv < 1.0 else 1.0) - threshold) if kv is not None and kv > threshold else 0.0
-            pressure_s = pressure_scale * excess * excess
-            self.num_irregular += (backlog < 0 or decode_s < 0.0) - (rows[i][0] < 0 or rows[i][1] < 0.0)
-            rows[i] = (backlog, decode_s, attention_s, pressure_s)
-            line_backlogs[i] = backlog
-            line_fixed_s[i] = decode_s * (1.0 + backlog * inv_step_tokens) + attention_s + pressure_s
-            line_per_token_s[i] = decode_s * inv_step_tokens
-            rate = r.prefill_tokens_per_s
-            rate = MIN_PREFILL_TOKENS_PER_S if rate < MIN_PREFILL_TOKENS_PER_S else rate
+            rows[i] = replica_row(r, cfg)
+            rate = floored_rate(r)
             if rate != rates[i]:
                 rates[i] = rate
                 self.pooled = None
-            in_flight = r.in_flight
-            engine_depth = running + (r.num_waiting or 0)
-            is_under_cap[i] = (in_flight if in_flight > engine_depth else engine_depth) < cap
+            is_under_cap[i] = r.queue_depth < cap
             if tie_keys[i][2] != r.id:
                 self.positions = {}
-            tie_keys[i] = (in_flight, r.last_selected, r.id)
+            tie_keys[i] = (r.in_flight, r.last_selected, r.id)
         if not self.positions:
             self.positions = {r.id: i for i, r in enumerate(replicas)}
         self.num_under_cap = is_under_cap.count(True)

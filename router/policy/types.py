@@ -14,9 +14,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-_set_slot = object.__setattr__
+from pydantic import BaseModel, ConfigDict
 
 
 class Branch(enum.StrEnum):
@@ -72,17 +72,50 @@ class ReplicaState:
     """KV cache size in index blocks, when known (from settings or the engine)."""
     last_selected: float = float("-inf")
     """`now` of the last time a policy chose this replica (least-recently-chosen tie break)."""
-    stamp: object = field(default=None, init=False, repr=False, compare=False)
-    """A new object after every write to a field: a policy that derives terms from the fields keeps them with
-    the stamp they were derived at and, while the stamp is the same object, need not read the fields again."""
+    version: int = field(default=0, repr=False, compare=False)
+    """Bumped by every method below that changes a field. A policy that derives terms from the fields keeps them
+    with the state object and the version they were derived at, and need not read the fields again while both are
+    the same. Code that writes a field directly calls `touch()` after it."""
 
-    if not TYPE_CHECKING:  # hidden from mypy, which would otherwise accept writes to any attribute name
+    def touch(self) -> None:
+        """Say that fields were written directly: what was derived from them is stale."""
+        self.version += 1
 
-        def __setattr__(self, name: str, value: object) -> None:
-            # Every write, `+=` included, invalidates what was derived from the fields. ~0.3 us a write, against
-            # the ~1 us a decision would spend re-reading each replica's fields.
-            _set_slot(self, name, value)
-            _set_slot(self, "stamp", object())
+    def begin(self, uncached_tokens: int, now: float) -> None:
+        """A request was sent here: it waits for its first byte with `uncached_tokens` of prefill."""
+        self.in_flight += 1
+        self.waiting += 1
+        self.waiting_prompt_tokens += uncached_tokens
+        self.last_selected = now
+        self.version += 1
+
+    def first_byte(self, uncached_tokens: int) -> None:
+        """A request `begin` counted got its first byte: it moves from waiting to streaming."""
+        self.waiting -= 1
+        self.waiting_prompt_tokens -= uncached_tokens
+        self.streaming += 1
+        self.version += 1
+
+    def finish(self, uncached_tokens: int, *, is_waiting: bool) -> None:
+        """A request `begin` counted ended, still waiting for its first byte or streaming."""
+        self.in_flight -= 1
+        if is_waiting:
+            self.waiting -= 1
+            self.waiting_prompt_tokens -= uncached_tokens
+        else:
+            self.streaming -= 1
+        self.version += 1
+
+    def set_gauges(self, num_running: int | None, num_waiting: int | None, kv_usage: float | None) -> None:
+        """The engine's gauges, as a scrape of its metrics read them."""
+        self.num_running = num_running
+        self.num_waiting = num_waiting
+        self.kv_usage = kv_usage
+        self.version += 1
+
+    def set_prefill_rate(self, tokens_per_s: float) -> None:
+        self.prefill_tokens_per_s = tokens_per_s
+        self.version += 1
 
     @property
     def queue_depth(self) -> int:
@@ -133,6 +166,13 @@ class Decision:
     predicted_cached_tokens: int = 0
     predicted_ttft_s: float | None = None
     """The policy's estimate of time to first token on the chosen replica, when it makes one."""
+
+
+class PolicyConfigModel(BaseModel):
+    """Base of every policy's configuration (each beside its policy): frozen, unknown fields an error, every field
+    documented by its docstring. `router.policy.config` gathers them into one union discriminated by `kind`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 
 class Policy(Protocol):

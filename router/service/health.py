@@ -119,8 +119,7 @@ class MetricsScraper:
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             log.debug("scrape of %s failed: %s", replica.id, exc)
             return
-        s = replica.state
         running, waiting, kv = gauges.get("num_running"), gauges.get("num_waiting"), gauges.get("kv_usage")
-        s.num_running = int(running) if running is not None else None
-        s.num_waiting = int(waiting) if waiting is not None else None
-        s.kv_usage = kv
+        replica.state.set_gauges(
+            int(running) if running is not None else None, int(waiting) if waiting is not None else None, kv
+        )

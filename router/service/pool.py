@@ -11,9 +11,9 @@ and leaving the pool, whoever adds or removes them (the static list, the admin A
 replica's lifecycle, such as its KV-event stream, hooks in there.
 
 Every routing decision needs the eligible replicas' load views (`eligible_states`). The pool keeps those lists by
-model between requests and drops them when a replica joins or leaves, or when one of the fields eligibility reads
-(`is_healthy`, `is_draining`, `circuit_open_until`, `model_cards`) is assigned a different value: `Replica`
-tells the pool from `__setattr__`, so `model_cards` is replaced, never changed in place.
+model between requests and drops them when a replica joins or leaves, or when one of the properties eligibility
+reads (`is_healthy`, `is_draining`, `circuit_open_until`, `model_cards`) is set to a different value: their setters
+tell the pool, so `model_cards` is replaced, never changed in place.
 """
 
 from __future__ import annotations
@@ -24,20 +24,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
-from router.policy.prefill_rate import PrefillRate
 from router.policy.types import ReplicaState
 
 if TYPE_CHECKING:
     from router.service.settings import BreakerSettings, HealthSettings
 
-_ELIGIBILITY_FIELDS = frozenset({"is_healthy", "is_draining", "circuit_open_until", "model_cards"})
-"""The `Replica` fields `ReplicaPool.eligible` reads."""
-
 _MAX_CACHED_MODELS = 64
 """Models whose eligible lists the pool keeps at once (clients name the model, so the set is not bounded)."""
-
-_set_slot = object.__setattr__
-_UNSET = object()
 
 
 class Status(enum.StrEnum):
@@ -66,50 +59,84 @@ def split_url(url: str) -> tuple[str, int, str]:
     return parts.hostname, port, parts.path.rstrip("/")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Replica:
     url: str
     id: str
     state: ReplicaState
+    """The load view the policies see (in-flight split, scraped gauges, learned prefill rate)."""
     host: str
     port: int
     base_path: str
     """Path prefix of the replica's API, usually empty (requests go to base_path + /v1/...)."""
-    """The load view the policies see (in-flight split, scraped gauges, learned prefill rate)."""
-    model_cards: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """The replica's /v1/models entries by model id; empty until known (then it is assumed to serve any)."""
-    is_healthy: bool = False
-    """False until the first good probe: a replica joins rotation only once it answers."""
-    is_draining: bool = False
     consecutive_probe_failures: int = 0
     consecutive_probe_successes: int = 0
     consecutive_request_failures: int = 0
-    circuit_open_until: float | None = None
-    """Set while the circuit is open: the earliest `now` at which a good probe may close it."""
     last_error: str | None = None
     probe_now: bool = False
     """Set by passive failure marking: the prober checks this replica on its next tick."""
     next_probe_at: float = 0.0
     probes_since_models: int = 0
-    prefill_rate: PrefillRate = field(default_factory=lambda: PrefillRate(tokens_per_s=10_000.0))
-    """Learned prefill rate (its `tokens_per_s` is mirrored into `state` for the policies)."""
     has_live_kv_events: bool = False
     """True while the replica's KV-event stream is connected and in sync: its `stored` events will confirm what
     the router sends it, so the router records its own guesses as short-lived predictions only."""
-    on_eligibility_change: Callable[[], None] | None = field(default=None, repr=False, compare=False)
-    """Called when an eligibility field (`_ELIGIBILITY_FIELDS`) takes a different value; the pool's hook."""
+    on_eligibility_change: Callable[[], None] | None = field(default=None, repr=False)
+    """Called when an eligibility property takes a different value; the pool's hook."""
+    _model_cards: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
+    _is_healthy: bool = field(default=False, repr=False)
+    _is_draining: bool = field(default=False, repr=False)
+    _circuit_open_until: float | None = field(default=None, repr=False)
 
-    if not TYPE_CHECKING:  # hidden from mypy, which would otherwise accept writes to any attribute name
+    # --- what eligibility reads: set through these, so the pool hears of a change -------------------------
 
-        def __setattr__(self, name: str, value: object) -> None:
-            if name in _ELIGIBILITY_FIELDS:
-                before = getattr(self, name, _UNSET)
-                _set_slot(self, name, value)
-                notify = getattr(self, "on_eligibility_change", None)
-                if notify is not None and (before is _UNSET or before != value):
-                    notify()
-            else:
-                _set_slot(self, name, value)
+    @property
+    def model_cards(self) -> dict[str, dict[str, Any]]:
+        """The replica's /v1/models entries by model id; empty until known (then it is assumed to serve any).
+        Replaced, never changed in place."""
+        return self._model_cards
+
+    @model_cards.setter
+    def model_cards(self, value: dict[str, dict[str, Any]]) -> None:
+        is_changed = value != self._model_cards
+        self._model_cards = value
+        if is_changed:
+            self._eligibility_changed()
+
+    @property
+    def is_healthy(self) -> bool:
+        """False until the first good probe: a replica joins rotation only once it answers."""
+        return self._is_healthy
+
+    @is_healthy.setter
+    def is_healthy(self, value: bool) -> None:
+        if value != self._is_healthy:
+            self._is_healthy = value
+            self._eligibility_changed()
+
+    @property
+    def is_draining(self) -> bool:
+        return self._is_draining
+
+    @is_draining.setter
+    def is_draining(self, value: bool) -> None:
+        if value != self._is_draining:
+            self._is_draining = value
+            self._eligibility_changed()
+
+    @property
+    def circuit_open_until(self) -> float | None:
+        """Set while the circuit is open: the earliest `now` at which a good probe may close it."""
+        return self._circuit_open_until
+
+    @circuit_open_until.setter
+    def circuit_open_until(self, value: float | None) -> None:
+        if value != self._circuit_open_until:
+            self._circuit_open_until = value
+            self._eligibility_changed()
+
+    def _eligibility_changed(self) -> None:
+        if self.on_eligibility_change is not None:
+            self.on_eligibility_change()
 
     @property
     def models(self) -> frozenset[str]:
@@ -256,16 +283,16 @@ class ReplicaPool:
 
     def eligible(self, model: str | None, exclude: Iterable[str] = ()) -> list[Replica]:
         """Replicas that may take a request for `model` (`Replica.is_eligible` and `Replica.serves`), except
-        `exclude`. The two predicates are inlined: this runs per replica on every request, and two calls per
-        replica cost some 10 us a request with 64 replicas."""
+        `exclude`. The two predicates are inlined, on the properties' own fields: this runs per replica on every
+        retry and after every change of eligibility."""
         excluded = set(exclude) if exclude else ()
         return [
             r
             for r in self._replicas.values()
-            if r.is_healthy
-            and not r.is_draining
-            and r.circuit_open_until is None
-            and (model is None or not r.model_cards or model in r.model_cards)
+            if r._is_healthy
+            and not r._is_draining
+            and r._circuit_open_until is None
+            and (model is None or not r._model_cards or model in r._model_cards)
             and r.id not in excluded
         ]
 

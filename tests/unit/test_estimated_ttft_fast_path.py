@@ -1,8 +1,9 @@
 """estimated_ttft's `select` against a plain reference of its formula, bit for bit, over random fleets.
 
-`select` keeps each replica's request-independent terms between decisions and re-derives them only when the
-replica's fields are written (`ReplicaState.stamp`), so these tests run sequences of decisions on one policy
-object while loads, rates and the set of eligible replicas change, as a router's do. The reference below follows
+`select` keeps each replica's request-independent terms between decisions and re-derives them only for a replica
+that is another object or whose `ReplicaState.version` moved, so these tests run sequences of decisions on one
+policy object while loads, rates and the set of eligible replicas change, as a router's do (through the state's
+methods, or field writes followed by `touch()`). The reference below follows
 the module docstring one replica at a time and takes every sum in the order the policy takes it; floats are
 compared exactly (`float.hex`), so a cached term that went stale, a near-tie decided differently or a sum
 reordered all fail.
@@ -111,7 +112,22 @@ configs = st.builds(
 # What happens to a fleet between two decisions.
 changes = st.lists(
     st.tuples(
-        st.sampled_from(["load", "scrape", "rate", "uniform_rates", "subset", "swap", "replace", "copy", "none"]),
+        st.sampled_from(
+            [
+                "load",
+                "begin",
+                "first_byte",
+                "finish",
+                "scrape",
+                "rate",
+                "uniform_rates",
+                "subset",
+                "swap",
+                "replace",
+                "copy",
+                "none",
+            ]
+        ),
         st.integers(0, 2**16),
         replica_rows,
     ),
@@ -145,15 +161,20 @@ def apply(change: tuple[str, int, dict[str, object]], replicas: list[ReplicaStat
             r.waiting_prompt_tokens += 1 + k % 5_000
             r.streaming = int(row["streaming"])  # type: ignore[call-overload]
             r.last_selected = float(k)
+            r.touch()
+        case "begin":
+            r.begin(k % 5_000, float(k))
+        case "first_byte" if r.waiting > 0:
+            r.first_byte(min(r.waiting_prompt_tokens, k % 5_000))
+        case "finish" if r.in_flight > 0:
+            r.finish(0, is_waiting=r.waiting > 0 and k % 2 == 0)
         case "scrape":
-            r.num_running = row["num_running"]  # type: ignore[assignment]
-            r.num_waiting = row["num_waiting"]  # type: ignore[assignment]
-            r.kv_usage = row["kv_usage"]  # type: ignore[assignment]
+            r.set_gauges(row["num_running"], row["num_waiting"], row["kv_usage"])  # type: ignore[arg-type]
         case "rate":
-            r.prefill_tokens_per_s = float(row["prefill_tokens_per_s"])  # type: ignore[arg-type]
+            r.set_prefill_rate(float(row["prefill_tokens_per_s"]))  # type: ignore[arg-type]
         case "uniform_rates":
             for other in replicas:
-                other.prefill_tokens_per_s = 9_000.0 + k % 3
+                other.set_prefill_rate(9_000.0 + k % 3)
         case "subset":  # a replica drains, or a retry excludes one
             return [other for other in replicas if other is not r] if len(replicas) > 2 else replicas
         case "swap":  # the same replicas in another order (the pool lists them in the order they joined)
@@ -194,6 +215,9 @@ def test_select_equals_the_reference_over_changing_fleets(
         if len(eligible) > 1:
             expected = reference_select(cfg, request, eligible)
             assert exactly(policy.select(request, eligible, now=float(step))) == exactly(expected)
+            # The uncached path (no terms kept) sums the same floats.
+            uncached = [(t.hex(), c.hex()) for t, c in policy.costs_s(request, eligible)]
+            assert uncached == [(t.hex(), c.hex()) for t, c in reference_costs(cfg, request, eligible)]
         eligible = apply(change, replicas)
 
 
@@ -263,19 +287,42 @@ def test_identical_idle_replicas_tie_and_take_turns() -> None:
         assert exactly(d) == exactly(reference_select(policy.config, request, replicas))
         replica = next(r for r in replicas if r.id == d.replica)
         replica.last_selected = float(step)
+        replica.touch()
         chosen.append(d.replica)
     assert sorted(chosen) == sorted(r.id for r in replicas)
 
 
-def test_a_write_to_any_field_renews_the_stamp() -> None:
+def test_every_changing_method_moves_the_version() -> None:
     state = ReplicaState(id="a")
-    stamps = [state.stamp]
-    state.in_flight += 1
-    stamps.append(state.stamp)
-    state.kv_usage = 0.5
-    stamps.append(state.stamp)
-    state.kv_usage = 0.5  # the same value: still a write
-    stamps.append(state.stamp)
-    assert len({id(s) for s in stamps}) == len(stamps)
-    twin = copy.copy(state)  # copied field by field, through __setattr__
-    assert twin == state and twin.stamp is not state.stamp
+    versions = [state.version]
+    for change in (
+        lambda: state.begin(100, 1.0),
+        lambda: state.first_byte(100),
+        lambda: state.finish(0, is_waiting=False),
+        lambda: state.set_gauges(1, 0, 0.5),
+        lambda: state.set_gauges(1, 0, 0.5),  # the same values: still a change to say
+        lambda: state.set_prefill_rate(9_000.0),
+        state.touch,
+    ):
+        change()
+        versions.append(state.version)
+    assert len(set(versions)) == len(versions)
+    assert (state.in_flight, state.waiting, state.streaming, state.waiting_prompt_tokens) == (0, 0, 0, 0)
+
+
+def test_a_state_written_without_touch_is_not_seen_but_another_object_is() -> None:
+    # What the version buys, and its contract: the policy re-reads a replica whose version moved or that is
+    # another object; a bare field write (no `touch()`) is the caller's bug and goes unseen.
+    policy = EstimatedTTFT(EstimatedTTFTConfig())
+    replicas = [ReplicaState(id="a"), ReplicaState(id="b")]
+    request = route_request(4_000, {}, 2)
+    assert policy.select(request, replicas, now=0.0).replica == "a"
+    replicas[0].waiting_prompt_tokens = 200_000  # no touch(): still the old terms
+    replicas[0].waiting = 1
+    assert policy.select(request, replicas, now=0.0).replica == "a"
+    replicas[0].touch()
+    assert policy.select(request, replicas, now=0.0).replica == "b"
+    replicas[1] = copy.copy(replicas[1])
+    replicas[1].waiting_prompt_tokens = 400_000
+    replicas[1].waiting = 1
+    assert policy.select(request, replicas, now=0.0).replica == "a"  # a new object is re-read whatever its version

@@ -71,10 +71,7 @@ def route(policy: Policy, req: RouteRequest, replicas: Sequence[ReplicaState], n
 
 def record(replicas: Sequence[ReplicaState], chosen: str, now: float) -> None:
     """What a driver does after a decision: the request is in flight, waiting for its first byte."""
-    replica = by_id(replicas)[chosen]
-    replica.in_flight += 1
-    replica.waiting += 1
-    replica.last_selected = now
+    by_id(replicas)[chosen].begin(0, now)
 
 
 # estimated_ttft ------------------------------------------------------------------------------------------------

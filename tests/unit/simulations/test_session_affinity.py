@@ -55,8 +55,8 @@ def replicas_by(policy: str, *, is_session_affinity: bool) -> tuple[dict[str, se
         ticket = sim_router.route(request.hashes, request.prompt_tokens, request.arrival_s, request.session)
         assert ticket is not None and request.session is not None
         sim_router.finish(ticket)
-        by_session[request.session].add(ticket.replica)
-        by_kind[request.hashes[0]].add(ticket.replica)
+        by_session[request.session].add(ticket.replica_id)
+        by_kind[request.hashes[0]].add(ticket.replica_id)
     return by_session, by_kind
 
 
@@ -76,17 +76,17 @@ def test_a_session_returns_to_its_replica_while_it_is_eligible() -> None:
     again = sim_router.route([1, 2, 3], 48, 1.0, "a0")
     other = sim_router.route([9], 16, 1.5, "a1")
     assert first is not None and again is not None and other is not None
-    assert again.replica == first.replica and again.decision.branch is Branch.SESSION
-    assert other.replica != first.replica and other.decision.branch is Branch.ROUND_ROBIN
-    sim_router.set_eligible(first.replica, False)
+    assert again.replica_id == first.replica_id and again.decision.branch is Branch.SESSION
+    assert other.replica_id != first.replica_id and other.decision.branch is Branch.ROUND_ROBIN
+    sim_router.set_eligible(first.replica_id, False)
     moved = sim_router.route([1, 2, 3, 4], 64, 2.0, "a0")
-    assert moved is not None and moved.replica != first.replica and moved.decision.branch is Branch.ROUND_ROBIN
-    sim_router.set_eligible(first.replica, True)
+    assert moved is not None and moved.replica_id != first.replica_id and moved.decision.branch is Branch.ROUND_ROBIN
+    sim_router.set_eligible(first.replica_id, True)
     back = sim_router.route([1, 2, 3, 4, 5], 80, 3.0, "a0")
-    assert back is not None and back.replica == moved.replica  # remembered where it went last
+    assert back is not None and back.replica_id == moved.replica_id  # remembered where it went last
     blind = router("round_robin", is_session_affinity=False)
     tickets = [blind.route([1], 16, float(t), "a0") for t in range(4)]
-    assert len({t.replica for t in tickets if t is not None}) == 4
+    assert len({t.replica_id for t in tickets if t is not None}) == 4
 
 
 def test_agentic_runs_through_the_simulation_with_and_without_affinity() -> None:

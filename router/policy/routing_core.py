@@ -1,0 +1,345 @@
+"""The routing core: from a prompt to a chosen replica, and the load bookkeeping around it.
+
+The router's service (router/service/routing.py) and the simulator (simulations/routing.py) both drive this one
+object, so the simulator's verdicts are those of the router's own steps. Per attempt:
+
+    prepared = core.prepare(key, model, session_key, max_output_tokens)   # hashes as far as a match can go
+               core.prepare_hashes(hashes, prompt_tokens, session_key)     # or the caller's own hashes
+    decision = core.choose(prepared, eligible, now)    # None: no eligible replica with room; the caller holds it
+    ticket   = core.begin(decision, prepared, now)     # waiting for its first byte, uncached tokens on the backlog
+    core.commit(prepared, decision, now, has_live_kv_events=...)   # once the request is on its way
+    core.first_byte(ticket, now, is_stream=...)        # waiting -> streaming; a stream teaches the prefill rate
+    core.finish(ticket)
+
+- choose: the replicas under `max_in_flight_per_replica` (`admission.with_room`); a session's pin while it holds
+  (`session.SessionTable`); ONLY_REPLICA without asking the policy when one is left; else `policy.select` over
+  the match of the prompt's hashes in the prefix index.
+- commit: the prompt's record in the index, all of its hashes (`prepare` hashes only up to the first block no
+  replica holds: chained hashes cannot match past it). Approximate mode records the router's own decision. A
+  token-id prompt sent to a replica whose KV events are live is recorded as a short-lived prediction that the
+  engine's `stored` events confirm (or, with `records_predictions` off, not at all: the events alone fill the
+  index). A text prompt is hashed over bytes no engine event names, so its record stays approximate.
+- first_byte: the replica's prefill-rate estimate (`prefill_rate`) learns from the time to first byte and the
+  backlog ahead at routing time, only for a stream: the first byte of a whole answer comes after its decode, and
+  says nothing of the prefill. A replica's first observation re-seeds the replicas never observed with the fleet's
+  mean, so that cache misses do not all go to the one replica that learned a higher rate than the prior.
+
+Eligibility (health, draining, models) is the driver's: it passes the eligible replicas' states to `choose`. Pure:
+`now` comes from the caller; no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from router.policy.admission import free_slots, with_room
+from router.policy.hashing import (
+    DEFAULT_TEXT_BLOCK_SIZE,
+    DEFAULT_TOKEN_BLOCK_SIZE,
+    ChainMemo,
+    PromptChain,
+    namespace_seed,
+)
+from router.policy.kv_events import KVEvent
+from router.policy.prefill_rate import PrefillRate, PrefillRateEstimator
+from router.policy.prefix_index import PrefixIndex
+from router.policy.routing_text import RoutingKey
+from router.policy.session import SessionAffinityConfig, SessionTable
+from router.policy.types import Branch, Decision, Policy, ReplicaState, RouteRequest
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    """What the core needs of its driver's settings (the router's `RouterSettings`, a scenario's `router`)."""
+
+    text_block_size: int = DEFAULT_TEXT_BLOCK_SIZE
+    """Bytes per block of routing text (text mode)."""
+    token_block_size: int = DEFAULT_TOKEN_BLOCK_SIZE
+    """Tokens per block of a token-id prompt; the engines' KV block size."""
+    bytes_per_token: float = 4.0
+    """Average UTF-8 bytes per token, to estimate a text prompt's tokens."""
+    memo_entries: int = 16384
+    """Chunks of hashes `ChainMemo` remembers; 0 turns it off."""
+    max_blocks: int = 8192
+    """Leading blocks of a prompt that are hashed, matched and recorded."""
+    max_in_flight_per_replica: int = 0
+    """Replicas at this many requests in flight are not offered to the policy; 0: no limit."""
+    session: SessionAffinityConfig = field(default_factory=SessionAffinityConfig)
+    prefill_rate: PrefillRateEstimator = field(default_factory=PrefillRateEstimator)
+    use_index: bool = True
+    """Match and record prompts in the prefix index. Off only for a policy that reads neither the match nor the
+    backlog it feeds (the simulator's index-blind baselines), whose choices do not depend on it."""
+    records_predictions: bool = True
+    """With a replica's KV events live, record a token-id prompt sent there as a short-lived prediction (True), or
+    leave the index to the events alone (False)."""
+
+    def __post_init__(self) -> None:
+        for name in ("text_block_size", "token_block_size", "max_blocks"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"RoutingConfig.{name} must be positive, got {getattr(self, name)}")
+        if not self.bytes_per_token > 0:
+            raise ValueError(f"RoutingConfig.bytes_per_token must be positive, got {self.bytes_per_token}")
+        if self.memo_entries < 0 or self.max_in_flight_per_replica < 0:
+            raise ValueError("RoutingConfig.memo_entries and max_in_flight_per_replica must be >= 0")
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A request's routing inputs, computed once and reused across retries."""
+
+    hashes: list[int]
+    """The block hashes computed so far: as far as a decision needs, all of them once committed."""
+    num_blocks: int
+    """Blocks of the whole routing key (at most `max_blocks`), hashed or not."""
+    prompt_tokens: int
+    tokens_per_block: float
+    model: str | None = None
+    session_key: str | None = None
+    """Read by session affinity; None unless the driver reads sessions (the router's `session_header`)."""
+    max_output_tokens: int | None = None
+    is_tokens: bool = True
+    """Hashed over token ids (token mode), the units engines' KV events name."""
+    chain: PromptChain | None = None
+    """Hashes the rest on `commit`; None when `hashes` are all of them."""
+
+    def complete(self) -> list[int]:
+        """All of the routing key's hashes."""
+        return self.hashes if self.chain is None else self.chain.complete()
+
+
+@dataclass(slots=True)
+class Ticket:
+    """One attempt in flight on one replica."""
+
+    replica_id: str
+    state: ReplicaState
+    decision: Decision
+    uncached_tokens: int
+    started: float
+    tokens_ahead: int
+    """Prefill backlog on the replica when this request joined it: part of what its first byte waited for."""
+    is_waiting: bool = True
+    is_done: bool = False
+    ttfb_s: float | None = None
+    """Time to the replica's first byte (its whole answer when not streamed), once it came."""
+
+
+@dataclass(slots=True)
+class _Tracked:
+    state: ReplicaState
+    rate: PrefillRate
+
+
+class RoutingCore:
+    """Routing decisions and load bookkeeping over the replicas that joined (`add_replica`)."""
+
+    def __init__(self, config: RoutingConfig, index: PrefixIndex, policy: Policy) -> None:
+        self.config = config
+        self.index = index
+        self.policy = policy
+        self.sessions = SessionTable(config.session)
+        self._memo = ChainMemo(max_entries=config.memo_entries)
+        self._seeds: dict[str | None, bytes] = {}
+        self._replicas: dict[str, _Tracked] = {}
+
+    # --- replicas --------------------------------------------------------------------------------------------
+
+    def add_replica(self, state: ReplicaState) -> None:
+        """A replica joined: its load view is `state` (the driver's object, which policies will be shown); it
+        starts at the fleet's mean observed prefill rate, or the prior."""
+        rate = self._unobserved_rate()
+        self._replicas[state.id] = _Tracked(state, rate)
+        state.set_prefill_rate(rate.tokens_per_s)
+        self.index.add_replica(state.id, state.kv_capacity_blocks)
+
+    def remove_replica(self, replica_id: str) -> None:
+        """The replica left: its index entries and learned rate go."""
+        self._replicas.pop(replica_id, None)
+        self.index.remove_replica(replica_id)
+
+    def drop_cache(self, replica_id: str) -> None:
+        """The replica went away unexpectedly (a crash loses its KV cache): forget what it held. Its learned
+        prefill rate is kept: a restarted replica runs on the same hardware."""
+        tracked = self._replicas.get(replica_id)
+        self.index.remove_replica(replica_id)
+        if tracked is not None:
+            self.index.add_replica(replica_id, tracked.state.kv_capacity_blocks)
+
+    def state(self, replica_id: str) -> ReplicaState:
+        return self._replicas[replica_id].state
+
+    def prefill_rate(self, replica_id: str) -> PrefillRate:
+        """The replica's learned prefill rate (`prefill_rate.PrefillRate`)."""
+        return self._replicas[replica_id].rate
+
+    def apply_kv_events(self, replica_id: str, events: Sequence[KVEvent], seed: bytes, now: float) -> None:
+        """A replica's KV events reached the router (exact mode): they update its entries in the index."""
+        if replica_id not in self._replicas or not self.config.use_index:
+            return
+        for event in events:
+            self.index.apply(replica_id, event, seed=seed, now=now)
+
+    # --- decisions ---------------------------------------------------------------------------------------------
+
+    def prepare(
+        self,
+        key: RoutingKey,
+        model: str | None,
+        session_key: str | None = None,
+        max_output_tokens: int | None = None,
+    ) -> Prepared:
+        """Hash a request's routing key (tokens or text) as far as any replica could match it."""
+        seed = self._seeds.get(model)
+        if seed is None:
+            seed = self._seeds[model] = namespace_seed(model or "")
+        cfg = self.config
+        if key.token_ids is not None:
+            chain = self._memo.chain_tokens(
+                key.token_ids, seed, cfg.token_block_size, max_blocks=cfg.max_blocks, packed=key.packed
+            )
+            prompt_tokens = len(key.token_ids)
+            tokens_per_block = float(cfg.token_block_size)
+            is_tokens = True
+        else:
+            text = key.text or b""
+            chain = self._memo.chain_text(text, seed, cfg.text_block_size, max_blocks=cfg.max_blocks)
+            prompt_tokens = math.ceil(len(text) / cfg.bytes_per_token)
+            tokens_per_block = cfg.text_block_size / cfg.bytes_per_token
+            is_tokens = False
+        if cfg.use_index:
+            chain.prefix(self.index.holds)
+        return Prepared(
+            chain.hashes,
+            chain.num_blocks,
+            prompt_tokens,
+            tokens_per_block,
+            model,
+            session_key,
+            max_output_tokens,
+            is_tokens,
+            chain,
+        )
+
+    def prepare_hashes(
+        self,
+        hashes: Sequence[int],
+        prompt_tokens: int,
+        session_key: str | None = None,
+        *,
+        model: str | None = None,
+        max_output_tokens: int | None = None,
+    ) -> Prepared:
+        """A token-id prompt whose block hashes (`config.token_block_size` tokens each) the caller computed."""
+        routed = list(hashes[: self.config.max_blocks])
+        return Prepared(
+            routed,
+            len(routed),
+            prompt_tokens,
+            float(self.config.token_block_size),
+            model,
+            session_key,
+            max_output_tokens,
+        )
+
+    def choose(
+        self, prepared: Prepared, eligible: Sequence[ReplicaState], now: float, *, within_limit: bool = True
+    ) -> Decision | None:
+        """Pick a replica among `eligible` (joined replicas' states), or None when there is none; `within_limit`:
+        only among those under `max_in_flight_per_replica`. The caller `begin`s and `commit`s a decision it acts
+        on."""
+        states = with_room(eligible, self.config.max_in_flight_per_replica) if within_limit else eligible
+        if not states:
+            return None
+        hashes = prepared.hashes
+        matched = self.index.match(hashes, now=now) if hashes and self.config.use_index else {}
+        request = RouteRequest(
+            hashes=hashes,
+            prompt_tokens=prepared.prompt_tokens,
+            tokens_per_block=prepared.tokens_per_block,
+            matched_blocks=matched,
+            session_key=prepared.session_key,
+            max_output_tokens=prepared.max_output_tokens,
+            num_blocks=prepared.num_blocks,
+        )
+        session_key = prepared.session_key
+        decision = self.sessions.decide(request, states) if session_key is not None else None
+        if decision is None:
+            if len(states) == 1:
+                only = states[0].id
+                decision = Decision(only, Branch.ONLY_REPLICA, matched.get(only, 0), request.cached_tokens(only))
+            else:
+                decision = self.policy.select(request, states, now=now)
+        if session_key is not None:
+            self.sessions.remember(session_key, decision.replica)
+        return decision
+
+    def free_slots(self, eligible: Sequence[ReplicaState]) -> int:
+        """Requests `eligible` can take now without passing the in-flight limit (`admission.free_slots`); 0 means
+        a first attempt would be held."""
+        return free_slots(eligible, self.config.max_in_flight_per_replica)
+
+    def commit(self, prepared: Prepared, decision: Decision, now: float, *, has_live_kv_events: bool = False) -> None:
+        """Record the prompt on the replica `decision` sent it to (module docstring), hashing what `prepare` left
+        unhashed. Once per attempt, `now` as given to `choose`; `has_live_kv_events`: that replica's KV-event
+        stream is connected and in sync."""
+        if not self.config.use_index:
+            return
+        hashes = prepared.complete()
+        if not hashes:
+            return
+        is_predicted = prepared.is_tokens and has_live_kv_events
+        if is_predicted and not self.config.records_predictions:
+            return
+        self.index.record(decision.replica, hashes, now=now, predicted=is_predicted)
+
+    # --- load bookkeeping ----------------------------------------------------------------------------------------
+
+    def begin(self, decision: Decision, prepared: Prepared, now: float) -> Ticket:
+        """The request goes to `decision.replica` (a joined replica): count it as waiting for its first byte."""
+        state = self._replicas[decision.replica].state
+        uncached = max(0, prepared.prompt_tokens - decision.predicted_cached_tokens)
+        ticket = Ticket(decision.replica, state, decision, uncached, now, state.waiting_prompt_tokens)
+        state.begin(uncached, now)
+        return ticket
+
+    def first_byte(self, ticket: Ticket, now: float, *, is_stream: bool) -> float:
+        """The replica answered; returns the time to first byte. A stream teaches the prefill-rate estimate."""
+        ttfb_s = now - ticket.started
+        ticket.ttfb_s = ttfb_s
+        if ticket.is_waiting and not ticket.is_done:
+            ticket.is_waiting = False
+            ticket.state.first_byte(ticket.uncached_tokens)
+            tracked = self._replicas.get(ticket.replica_id)
+            if is_stream and tracked is not None and tracked.state is ticket.state:
+                self._learn(tracked, ticket, ttfb_s)
+        return ttfb_s
+
+    def finish(self, ticket: Ticket) -> None:
+        """The attempt is over (answered, failed or abandoned); once per ticket, later calls do nothing."""
+        if ticket.is_done:
+            return
+        ticket.is_done = True
+        ticket.state.finish(ticket.uncached_tokens, is_waiting=ticket.is_waiting)
+        ticket.is_waiting = False
+
+    def _learn(self, tracked: _Tracked, ticket: Ticket, ttfb_s: float) -> None:
+        before = tracked.rate
+        tracked.rate = self.config.prefill_rate.update(
+            before, uncached_tokens=ticket.uncached_tokens, ttfb_s=ttfb_s, queue_tokens_ahead=ticket.tokens_ahead
+        )
+        if tracked.rate is before:
+            return
+        tracked.state.set_prefill_rate(tracked.rate.tokens_per_s)
+        if before.num_observations == 0:
+            # A replica's first observation moves the fleet mean the most: re-seed the unobserved replicas then,
+            # not on every stream (that walk over the replicas is O(replicas)).
+            start = self._unobserved_rate()
+            for other in self._replicas.values():
+                if other.rate.num_observations == 0:
+                    other.rate = start
+                    other.state.set_prefill_rate(start.tokens_per_s)
+
+    def _unobserved_rate(self) -> PrefillRate:
+        return self.config.prefill_rate.initial(t.rate for t in self._replicas.values())
