@@ -20,8 +20,8 @@ r.waiting requests) and `c(r)` = cached_tokens(r) (predicted prefix match, from 
   attention adds `attn` seconds per (query, key) pair, which makes a 64k-token prefill ~1.5x its linear time: a
   prompt with prefix c computes u * (c + u / 2) pairs, and the backlog's k prompts at least W**2 / (2k) (equal
   sizes minimise the sum of squares; their cached prefixes are unknown and left out, so it is a lower bound).
-- rate: the learned rates of identical replicas scatter by ~20% (the simulator's Mooncake runs: 5.4k-9.8k
-  tokens/s around 7.8k), as much as the backlog differences the policy must resolve. Each rate is shrunk towards
+- rate: the learned rates of identical replicas scatter (noisy first-byte observations), often by as much as
+  the backlog differences the policy must resolve. Each rate is shrunk towards
   the fleet mean (James-Stein): by all of its deviation when the fleet's spread is no larger than
   `rate_noise_cv`, by little when the replicas really differ (a 5k and a 20k replica keep 83% of it).
 - decode: a chunked-prefill engine runs one token of every decoding sequence in each step beside the prefill
@@ -34,8 +34,8 @@ r.waiting requests) and `c(r)` = cached_tokens(r) (predicted prefix match, from 
   capacity, and every request that queues behind that work pays for it: in a queue at utilisation rho, work x
   delays the requests after it by about x * rho / (1 - rho) in total. So a placement is charged its prefill time
   beyond the cheapest placement's (0 on the replica with the longest match when rates are equal), times the
-  weight. Without it, near saturation 656 of 3,993 Mooncake requests left the replica holding their prefix and the
-  hit ratio fell to 0.49 (0.61 with it), which the saturated fleet paid in queueing (see simulations/README.md).
+  weight. Without it, near saturation requests leave the replica holding their prefix for a slightly shorter
+  queue, the hit ratio falls, and the saturated fleet pays for the recomputation in queueing.
 
 Choice. A replica whose queue depth is at or past `max_queue_per_replica` is skipped while another is under
 the cap; when every replica is at it, the smallest cost over all wins and the branch is OVERLOADED. Every
