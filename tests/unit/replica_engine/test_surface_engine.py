@@ -10,7 +10,6 @@ import random
 from dataclasses import replace
 
 import pytest
-import torch
 
 from replica.engine.engine import EngineConfig, LLMEngine
 from replica.engine.sampling import SamplingParams
@@ -163,10 +162,13 @@ def test_a_stop_token_mid_draft_commits_nothing_after_it(model: MoEForCausalLM, 
     assert stored_hashes(r.steps) == stored_hashes(drive(plain).steps)
 
 
+WORDS = "the cat sat on a mat and then the dog ran far away from home while birds sang"
+
+
 @pytest.fixture(scope="module")
 def text_model() -> tuple[MoEForCausalLM, Tokenizer]:
-    words = "the cat sat on a mat and then the dog ran far away from home while birds sang".split()
     rng = random.Random(0)
+    words = WORDS.split(" ")
     texts = [" ".join(rng.choice(words) for _ in range(40)) for _ in range(50)]
     tokenizer = train_bpe(texts, vocab_size=512)
     m = MoEForCausalLM(replace(TINY, vocab_size=tokenizer.vocab_size))
