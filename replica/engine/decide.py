@@ -12,6 +12,16 @@ Each sequence draws its uniforms from its own generator (a seeded request's, or 
 one per draft it verifies, one for the token after them, one per draft it will propose. So a seeded request's
 output depends on its own drafts and not on the batch's largest k.
 
+Penalties apply to the target's logits at every verified row, from that row's history: the committed output plus
+the drafts before the row, so speculation changes nothing about which tokens a penalised greedy request emits. The
+drafter proposes without penalties (a worse proposal, still exact: acceptance only needs the q it drew from).
+
+Log-probabilities, for the requests that ask, are the model's raw distribution at each emitted token's position
+(`sampler.raw_logprobs`: before penalties, grammar masks and temperature, as vLLM reports by default). An accepted
+draft's logprob is the target's at its verified row, so the values are those of decoding without speculation. The
+chosen tokens' logprobs and a top-k of each row travel in the same single transfer as the tokens (everything cast
+to float64 for it, exact for token ids).
+
 S = sampled sequences, k = most drafts verified by any, k' = most drafts proposed for any, V = vocabulary.
 """
 
@@ -25,8 +35,24 @@ from replica.engine.constrain import apply_allowed
 from replica.engine.drafting import Drafter, ProposeRequest
 from replica.engine.rejection import verify
 from replica.engine.runner import RunnerOutput
-from replica.engine.sampler import SamplingTensors, probabilities
+from replica.engine.sampler import (
+    Penalties,
+    SamplingTensors,
+    apply_penalties,
+    gather_logprobs,
+    probabilities,
+    raw_logprobs,
+)
 from replica.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the model, and the most likely tokens at its position."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+    """(token id, logprob), most likely first; as many as the request asked for."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +62,8 @@ class Decided:
     next_drafts: list[int]
     next_draft_probs: torch.Tensor | None
     """[len(next_drafts), V] on the device."""
+    logprobs: list[TokenLogprob] | None = None
+    """With `params.logprobs` set: one per emitted token."""
     draft_uniforms: torch.Tensor | None = None
     """A constrained sequence that drafts next: the uniforms of its drafts, for `constrain.propose_constrained`
     once its tokens are consumed by its grammar (its drafts are not proposed here)."""
@@ -73,14 +101,17 @@ def decide(
     k, k_next = max(num_drafts), max(num_next)
     uniforms = _uniforms(generators, num_drafts, num_next, k, k_next).to(device)
     sampling = SamplingTensors.build([s.params for s in seqs], device)
-    probs = probabilities(apply_allowed(out.logits, allowed), sampling.repeat(out.num_rows))  # [R, V]
+    penalties = _penalties(seqs, out.num_rows, vocab, device)
+    logits = apply_allowed(apply_penalties(out.logits, penalties), allowed)
+    probs = probabilities(logits, sampling.repeat(out.num_rows))  # [R, V]
     # Each sequence's rows, padded to k + 1 by repeating its last one (verify never reads past a row's drafts).
     index: list[int] = []
     first = 0
     for rows in out.num_rows:
         index.extend(first + min(j, rows - 1) for j in range(k + 1))
         first += rows
-    target = probs[torch.tensor(index, device=device)].view(num_seqs, k + 1, vocab)
+    row_index = torch.tensor(index, device=device)
+    target = probs[row_index].view(num_seqs, k + 1, vocab)
     draft_probs = torch.zeros(num_seqs, k, vocab, device=device)
     for row, (seq, d) in enumerate(zip(seqs, num_drafts, strict=True)):
         if d:
@@ -120,18 +151,50 @@ def decide(
         )
         parts.append(proposal.tokens.flatten())
         probs_next = proposal.probs
-    host = torch.cat(parts).tolist()  # the step's one device-to-host transfer
+    wanted = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+    num_top = max(wanted, default=0)
+    if wanted:
+        lp = raw_logprobs(out.logits)[row_index].view(num_seqs, k + 1, vocab)
+        chosen, top_values, top_ids = gather_logprobs(lp, tokens, num_top)
+        num_ints = sum(p.numel() for p in parts)
+        host = torch.cat(
+            [p.double() for p in parts]
+            + [chosen.flatten().double(), top_values.flatten().double(), top_ids.flatten().double()]
+        ).tolist()  # the step's one device-to-host transfer
+        ints = [int(x) for x in host[:num_ints]]
+        floats = host[num_ints:]
+    else:
+        ints = torch.cat(parts).tolist()  # the step's one device-to-host transfer
+        floats = []
     split = num_seqs * (k + 1)
-    flat_tokens, emitted, drafted = host[:split], host[split : split + num_seqs], host[split + num_seqs :]
+    flat_tokens, emitted, drafted = (
+        ints[:split],
+        ints[split : split + num_seqs],
+        ints[split + num_seqs : num_ints if wanted else None],
+    )
+    num_cells = num_seqs * (k + 1)
+    chosen_lp = floats[:num_cells]
+    top_lp = floats[num_cells : num_cells + num_cells * num_top]
+    top_tok = floats[num_cells + num_cells * num_top :]
     decided = []
     proposal_row = {row: i for i, row in enumerate(proposing)}
     for row in range(num_seqs):
         n = emitted[row]
         i = proposal_row.get(row)
         nexts = [] if i is None else drafted[i * k_next : i * k_next + num_next[row]]
+        logprobs = None
+        asked = seqs[row].params.logprobs
+        if asked is not None:
+            logprobs = []
+            for j in range(n):
+                cell = row * (k + 1) + j
+                first_top = cell * num_top
+                top = [(int(top_tok[first_top + t]), top_lp[first_top + t]) for t in range(asked)]
+                logprobs.append(TokenLogprob(chosen_lp[cell], top))
         decided.append(
             Decided(
                 tokens=flat_tokens[row * (k + 1) : row * (k + 1) + n],
+                logprobs=logprobs,
                 next_drafts=nexts,
                 next_draft_probs=None if i is None or probs_next is None else probs_next[i, : num_next[row]],
                 draft_uniforms=(
@@ -142,3 +205,18 @@ def decide(
             )
         )
     return decided
+
+
+def _penalties(seqs: list[Sequence], num_rows: list[int], vocab: int, device: torch.device) -> Penalties | None:
+    """Per-row penalty inputs, or None when no sequence of the step is penalised. Row j of a sequence verifies
+    its j-th draft: its history is the committed output and the drafts before it."""
+    if not any(s.params.has_penalties for s in seqs):
+        return None
+    params, prompts, outputs = [], [], []
+    for seq, rows in zip(seqs, num_rows, strict=True):
+        output = seq.output_token_ids if seq.params.has_penalties else []
+        for j in range(rows):
+            params.append(seq.params)
+            prompts.append(seq.prompt_token_ids)
+            outputs.append(output + seq.draft_token_ids[:j] if seq.params.has_penalties else [])
+    return Penalties.build(params, prompts, outputs, vocab, device)

@@ -40,7 +40,9 @@ from replica.model.model import MoEForCausalLM
 from router.policy.kv_events import KVEvent
 
 if TYPE_CHECKING:
+    from replica.engine.decide import TokenLogprob
     from replica.grammar.matcher import GrammarCompiler
+    from replica.tokenizer import Tokenizer
 
 
 class RequestError(ValueError):
@@ -81,6 +83,8 @@ class RequestOutput:
     num_output_tokens: int
     error: str | None = None
     """With finish_reason ERROR: what went wrong (the grammar allowed no token)."""
+    logprobs: list[TokenLogprob] | None = None
+    """With `params.logprobs` set: one per new token."""
 
 
 @dataclass
@@ -113,8 +117,10 @@ class LLMEngine:
         clock: Callable[[], float] = time.monotonic,
         drafter: Drafter | None = None,
         grammar: GrammarCompiler | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
-        """`grammar`: the replica's llguidance tokenizer, needed to serve requests with a grammar."""
+        """`grammar`: the replica's llguidance tokenizer, needed to serve requests with a grammar. `tokenizer`:
+        needed to serve stop strings, which the engine detects on the decoded output."""
         if config.num_speculative_tokens and drafter is None:
             raise ValueError("num_speculative_tokens > 0 needs a drafter")
         if drafter is not None and drafter.vocab_size != model.config.vocab_size:
@@ -125,6 +131,7 @@ class LLMEngine:
         if grammar is not None and grammar.vocab_size != model.config.vocab_size:
             raise ValueError(f"the grammar's vocabulary ({grammar.vocab_size}) is not the model's")
         self.grammar = grammar
+        self.tokenizer = tokenizer
         self.policy = SpeculationPolicy(
             SpeculationConfig(max_tokens=config.num_speculative_tokens, adaptive=config.adaptive_speculation)
         )
@@ -148,6 +155,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self._seq_generators: dict[int, torch.Generator] = {}
+        self._parked: set[int] = set()
+        """Followers of an `n` > 1 request waiting for their first sequence's prompt (`add_group`)."""
         self.num_preemptions = 0
         self.step_timer: Callable[[], float] = time.perf_counter
         """Times steps for the speculation policy (tests may replace it)."""
@@ -168,13 +177,28 @@ class LLMEngine:
             )
         if params.grammar is not None and self.grammar is None:
             raise RequestError("this engine has no grammar tokenizer: constrained outputs are not served")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("this engine has no tokenizer: stop strings are not served")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Queue a request; returns its id. Raises RequestError for a prompt the engine cannot serve."""
-        self.validate(prompt_token_ids, params)
-        seq = Sequence(next(self._ids), list(prompt_token_ids), params, arrival_s=self.clock())
-        self._inbox.append(("add", seq))
-        return seq.seq_id
+        return self.add_group(prompt_token_ids, [params])[0]
+
+    def add_group(self, prompt_token_ids: list[int], params: list[SamplingParams]) -> list[int]:
+        """Queue one request with several choices (OpenAI's `n`), one sequence per entry of `params`; returns their
+        ids. The first sequence is scheduled at once; the others wait until its prompt is computed and its full
+        blocks are in the prefix cache, then take those blocks by reference (the prompt is prefilled once; each
+        choice computes only the prompt's last block, at most `block_size` tokens). Without prefix caching each
+        choice prefills the whole prompt."""
+        if not params:
+            raise RequestError("a request needs at least one choice")
+        for p in params:
+            self.validate(prompt_token_ids, p)
+        now = self.clock()
+        seqs = [Sequence(next(self._ids), list(prompt_token_ids), p, arrival_s=now) for p in params]
+        seqs[0].followers = seqs[1:]
+        self._inbox.append(("add", seqs[0]))
+        return [s.seq_id for s in seqs]
 
     def abort(self, seq_id: int) -> None:
         """Stop a request; its blocks are freed at the start of the next step. Unknown or finished ids are ignored."""
@@ -199,17 +223,40 @@ class LLMEngine:
             kind, item = self._inbox.popleft()
             if kind == "add":
                 assert isinstance(item, Sequence)
-                self._seqs[item.seq_id] = item
-                if item.params.grammar is not None and not self._start_grammar(item, result):
-                    continue
-                if item.params.seed is not None:
-                    self._seq_generators[item.seq_id] = torch.Generator(device="cpu").manual_seed(item.params.seed)
-                self.scheduler.add(item)
+                self._admit(item, result)
+                for follower in item.followers:
+                    self._seqs[follower.seq_id] = follower  # known (abortable), scheduled by `_release_followers`
+                    self._parked.add(follower.seq_id)
             else:
                 assert isinstance(item, int)
                 seq = self._seqs.get(item)
                 if seq is not None and not seq.is_finished:
                     self._finish(seq, FinishReason.ABORT, result, [])
+
+    def _admit(self, seq: Sequence, result: StepResult, *, front: bool = False) -> None:
+        self._seqs[seq.seq_id] = seq
+        if seq.params.grammar is not None and not self._start_grammar(seq, result):
+            return
+        if seq.params.seed is not None:
+            self._seq_generators[seq.seq_id] = torch.Generator(device="cpu").manual_seed(seq.params.seed)
+        if seq.params.stop:
+            from replica.tokenizer import IncrementalDetokenizer, StopChecker
+
+            assert self.tokenizer is not None
+            seq.stop_text = (IncrementalDetokenizer(self.tokenizer), StopChecker(list(seq.params.stop)))
+        if front:
+            self.scheduler.waiting.appendleft(seq)
+        else:
+            self.scheduler.add(seq)
+
+    def _release_followers(self, seq: Sequence, result: StepResult) -> None:
+        """Schedule the other choices of `seq`'s request, ahead of later arrivals (its prompt is now cached, or it
+        ended before that: they prefill on their own). Aborted ones are dropped."""
+        followers, seq.followers = seq.followers, []
+        for follower in reversed(followers):
+            if follower.seq_id in self._parked:
+                self._parked.discard(follower.seq_id)
+                self._admit(follower, result, front=True)
 
     def _start_grammar(self, seq: Sequence, result: StepResult) -> bool:
         """Give `seq` its matcher; a grammar that does not compile (the server validates, so rarely) ends it."""
@@ -224,15 +271,29 @@ class LLMEngine:
             return False
         return True
 
-    def _finish(self, seq: Sequence, reason: FinishReason, result: StepResult, new_tokens: list[int]) -> None:
-        self.scheduler.finish(seq, reason)
+    def _finish(
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        result: StepResult,
+        new_tokens: list[int],
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> None:
+        if seq.seq_id in self._parked:  # a follower never scheduled
+            self._parked.discard(seq.seq_id)
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        else:
+            self.scheduler.finish(seq, reason)
         del self._seqs[seq.seq_id]
         self._seq_generators.pop(seq.seq_id, None)
-        result.outputs.append(self._output(seq, new_tokens))
+        result.outputs.append(self._output(seq, new_tokens, logprobs))
+        if seq.followers:
+            self._release_followers(seq, result)
 
     @staticmethod
-    def _output(seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+    def _output(seq: Sequence, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         return RequestOutput(
+            logprobs=logprobs,
             seq_id=seq.seq_id,
             new_token_ids=new_tokens,
             finished=seq.is_finished,
@@ -247,6 +308,10 @@ class LLMEngine:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return FinishReason.STOP
+        if seq.stop_text is not None:
+            detok, stops = seq.stop_text
+            if stops.check(detok.push(token))[1]:
+                return FinishReason.STOP
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
@@ -332,7 +397,7 @@ class LLMEngine:
             seq.clear_drafts()
             appended: list[int] = []
             reason = None
-            for token in choice.tokens:
+            for token in choice.tokens:  # tokens past a stop are dropped, as rejected drafts are
                 if seq.grammar is not None and not seq.grammar.consume(token):
                     seq.error = seq.grammar.error or "the grammar allows no token here"
                     reason = FinishReason.ERROR
@@ -350,10 +415,14 @@ class LLMEngine:
             num_emitted += len(appended)
             if seq.first_token_s is None:
                 seq.first_token_s = now
+            logprobs = None if choice.logprobs is None else choice.logprobs[: len(appended)]
             if reason is not None:
                 self.block_manager.register_computed(seq)  # its blocks stay cached after it is freed
-                self._finish(seq, reason, result, appended)
+                self._finish(seq, reason, result, appended, logprobs)
                 continue
+            if seq.followers:
+                self.block_manager.register_computed(seq)  # the prompt's full blocks, before the followers look
+                self._release_followers(seq, result)
             remaining = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
             keep = max(0, min(len(choice.next_drafts), remaining - 1))
             if choice.draft_uniforms is not None and remaining > 1:
@@ -362,7 +431,7 @@ class LLMEngine:
                 seq.draft_token_ids = choice.next_drafts[:keep]
                 assert choice.next_draft_probs is not None
                 seq.draft_probs = choice.next_draft_probs[:keep]
-            result.outputs.append(self._output(seq, appended))
+            result.outputs.append(self._output(seq, appended, logprobs))
         if constrained_next:
             self._propose_constrained(constrained_next)
         return num_emitted, any(num_next)

@@ -12,6 +12,9 @@ batched ops, whatever mix of greedy and sampled requests the step has:
 function of its uniform, so a seeded request's draws come from its own generator whatever else is in the batch, and
 tests can enumerate draws exactly. Speculative acceptance (`replica.engine.rejection`) works on these distributions.
 
+`Penalties` (presence, frequency, repetition) adjust the logits before any of that, from each row's own token
+history (`apply_penalties`); `raw_logprobs` and `gather_logprobs` report the model's distribution.
+
 R = rows, V = vocabulary.
 """
 
@@ -66,6 +69,87 @@ class SamplingTensors:
         return SamplingTensors(
             self.temperature[rows], self.top_k[rows], self.top_p[rows], self.has_filter, self.is_all_greedy
         )
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """Per-row penalty inputs on the device: what each row's history holds, and the three penalties."""
+
+    output_counts: torch.Tensor
+    """[R, V] float32: occurrences of each token in the row's generated tokens (drafts before the row included)."""
+    seen: torch.Tensor
+    """[R, V] bool: the token occurs in the prompt or in those generated tokens (for the repetition penalty)."""
+    presence: torch.Tensor
+    """[R] float32."""
+    frequency: torch.Tensor
+    """[R] float32."""
+    repetition: torch.Tensor
+    """[R] float32; 1 is off."""
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompts: list[list[int]],
+        outputs: list[list[int]],
+        vocab: int,
+        device: torch.device,
+    ) -> Penalties:
+        """One row per entry: its parameters, its prompt and its generated tokens so far. The histories are
+        counted on the host into index tensors and scattered on the device (one host-to-device copy each)."""
+        rows = len(params)
+        row_of = [r for r, out in enumerate(outputs) for _ in out]
+        tokens = [t for out in outputs for t in out]
+        counts = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+        if tokens:
+            flat = torch.tensor(row_of, dtype=torch.long) * vocab + torch.tensor(tokens, dtype=torch.long)
+            counts.view(-1).index_add_(0, flat.to(device), torch.ones(len(tokens), device=device))
+        seen = counts > 0
+        prompt_rows = [
+            r for r, (p, prompt) in enumerate(zip(params, prompts, strict=True)) if p.repetition_penalty != 1
+        ]
+        if prompt_rows:
+            flat_prompt = [r * vocab + t for r in prompt_rows for t in prompts[r]]
+            seen.view(-1)[torch.tensor(flat_prompt, dtype=torch.long, device=device)] = True
+        return cls(
+            output_counts=counts,
+            seen=seen,
+            presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device),
+            frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device),
+            repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device),
+        )
+
+
+def apply_penalties(logits: torch.Tensor, penalties: Penalties | None) -> torch.Tensor:
+    """logits [R, V] -> penalised logits (a copy), in vLLM's order: repetition (divide a positive logit of a seen
+    token, multiply a negative one), then frequency (times the count) and presence (once) over generated tokens."""
+    if penalties is None:
+        return logits
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    rep = penalties.repetition.to(x.dtype).unsqueeze(-1)
+    x = torch.where(penalties.seen, torch.where(x > 0, x / rep, x * rep), x)
+    counts = penalties.output_counts.to(x.dtype)
+    x = x - penalties.frequency.to(x.dtype).unsqueeze(-1) * counts
+    return x - penalties.presence.to(x.dtype).unsqueeze(-1) * (counts > 0).to(x.dtype)
+
+
+def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] -> log_softmax in float32: the model's own distribution, before penalties, grammar masks,
+    temperature and top-k/top-p (vLLM's default "raw_logprobs")."""
+    return logits.float().log_softmax(-1)
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, tokens: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logprobs [..., V], tokens [...] -> (the tokens' logprobs [...], the top `num_top` logprobs [..., num_top]
+    and their ids [..., num_top]), all on the device."""
+    chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    top = logprobs.topk(num_top, dim=-1) if num_top else None
+    if top is None:
+        empty = logprobs.new_zeros(*logprobs.shape[:-1], 0)
+        return chosen, empty, empty.long()
+    return chosen, top.values, top.indices
 
 
 def probabilities(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_STOP_STRINGS = 4
+"""OpenAI's limit on `stop`."""
+MAX_TOP_LOGPROBS = 20
+"""OpenAI's limit on `top_logprobs`."""
+
 
 class SamplingError(ValueError):
     """Invalid sampling parameters (the server answers 400 with this message)."""
@@ -25,6 +30,16 @@ class SamplingParams:
     ignore_eos: bool = False
     grammar: str | None = None
     """An llguidance grammar (`replica.grammar.formats`) the output must follow; None: unconstrained."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted from the logit of every token already generated (prompt excluded)."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted once per earlier occurrence of the token in the generated tokens."""
+    repetition_penalty: float = 1.0
+    """vLLM's and HF's: a token seen in the prompt or the output has its logit divided by it when positive,
+    multiplied by it when negative; 1 is off."""
+    logprobs: int | None = None
+    """None: no log-probabilities; n >= 0: each generated token's log-probability and the n most likely
+    alternatives (at most `MAX_TOP_LOGPROBS`), from the model's raw distribution (`replica.engine.decide`)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -35,13 +50,24 @@ class SamplingParams:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise SamplingError(f"top_k must be 0 (off) or positive, got {self.top_k}")
-        if len(self.stop) > 8:
-            raise SamplingError(f"at most 8 stop strings, got {len(self.stop)}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise SamplingError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         if any(not s for s in self.stop):
             raise SamplingError("stop strings must not be empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise SamplingError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise SamplingError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise SamplingError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise SamplingError(f"seed must be in [0, 2**63), got {self.seed}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

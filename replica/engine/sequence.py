@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import torch
 
     from replica.grammar.matcher import GrammarMatcher
+    from replica.tokenizer import IncrementalDetokenizer, StopChecker
 
 
 class SequenceStatus(enum.Enum):
@@ -65,6 +66,12 @@ class Sequence:
     """The request's grammar, at the state after its committed output tokens (between steps)."""
     error: str | None = None
     """Why the sequence finished with `FinishReason.ERROR`."""
+    stop_text: tuple[IncrementalDetokenizer, StopChecker] | None = None
+    """With stop strings (and an engine tokenizer): the output's text so far, checked after every appended token,
+    so a stop string ends the sequence at the token that completes it and later tokens are never committed."""
+    followers: list[Sequence] = field(default_factory=list)
+    """The other choices of an `n` > 1 request, held until this sequence's prompt is computed and registered, so
+    they find it in the prefix cache and compute only their last, partial block (`LLMEngine.add_group`)."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from replica.capture import CaptureSource, CaptureWriter, fingerprint_model, fingerprint_tokenizer
+from replica.engine.decide import TokenLogprob
 from replica.engine.engine import LLMEngine, RequestError, RequestOutput, StepResult
 from replica.grammar.matcher import GrammarCompiler
 from replica.model.model import MoEForCausalLM
@@ -140,10 +141,28 @@ def _check_model(state: ReplicaState, body: Any) -> web.Response | None:
     return None
 
 
-class _Generation:
-    """Detokenises a request's outputs, applies stop strings, records per-request metrics and captures the request."""
+@dataclass
+class _Piece:
+    """A text delta of one choice and the logprobs of the tokens that produced it (with `logprobs` asked)."""
 
-    def __init__(self, state: ReplicaState, parsed: ParsedRequest, stream: RequestStream, arrival_s: float) -> None:
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+
+class _Generation:
+    """One choice: detokenises its outputs, applies stop strings, records per-request metrics and captures it."""
+
+    def __init__(
+        self,
+        state: ReplicaState,
+        parsed: ParsedRequest,
+        stream: RequestStream,
+        arrival_s: float,
+        *,
+        index: int = 0,
+    ) -> None:
+        self.index = index
         self.state = state
         self.parsed = parsed
         self.stream = stream
@@ -169,7 +188,8 @@ class _Generation:
         if self._last_token_s is None:
             self._first_token_s = now
             m.ttft.labels(name).observe(now - self.arrival_s)
-            m.prompt_tokens.labels(name).inc(out.num_prompt_tokens)
+            if self.index == 0:  # the choices share the prompt
+                m.prompt_tokens.labels(name).inc(out.num_prompt_tokens)
         else:
             m.itl.labels(name).observe(now - self._last_token_s)
         self._last_token_s = now
@@ -189,10 +209,16 @@ class _Generation:
 
     async def texts(self) -> AsyncIterator[str]:
         """Yields text deltas (possibly empty); `finish_reason` is set when it ends."""
+        async for piece in self.pieces():
+            yield piece.text
+
+    async def pieces(self) -> AsyncIterator[_Piece]:
+        """Yields text deltas (possibly empty) with their tokens' logprobs; `finish_reason` is set when it ends."""
         try:
             async for out in self.stream:
                 self._observe(out)
                 text = "".join(self.detok.push(t) for t in out.new_token_ids)
+                piece = _Piece("", out.logprobs or [], out.new_token_ids)
                 if out.finished:
                     text += self.detok.flush()
                 if self.stops is not None:
@@ -202,7 +228,8 @@ class _Generation:
                         self._finish("stop")
                         if self.output_texts is not None:
                             self.output_texts.append(text)
-                        yield text
+                        piece.text = text
+                        yield piece
                         return
                     if out.finished:
                         text += self.stops.flush()
@@ -211,12 +238,10 @@ class _Generation:
                     self._finish(out.finish_reason.value)
                 if self.output_texts is not None:
                     self.output_texts.append(text)
-                yield text
+                piece.text = text
+                yield piece
         finally:
             self.stream.close()
-
-    def usage(self) -> dict[str, Any]:
-        return usage(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
 
     def capture(self, request_id: str, *, chat: bool) -> None:
         """Hand the request to the capture writer, if there is one; a request that did not finish is an abort."""
@@ -257,7 +282,7 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
             default_max_tokens=state.settings.max_tokens_default,
             grammars=state.grammars,
         )
-        stream = state.engine.submit(parsed.prompt_token_ids, parsed.params)
+        streams = state.engine.submit_group(parsed.prompt_token_ids, parsed.choice_params())
     except ProtocolError as exc:
         return _error(400, str(exc), kind="BadRequestError", param=exc.param)
     except RequestError as exc:
@@ -271,62 +296,172 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
         )
     except EngineDeadError as exc:
         return _error(503, str(exc), kind="ServiceUnavailableError")
-    gen = _Generation(state, parsed, stream, arrival_s)
+    gens = [_Generation(state, parsed, s, arrival_s, index=i) for i, s in enumerate(streams)]
     request_id = new_id("chatcmpl" if chat else "cmpl")
     try:
         if parsed.stream:
-            return await _stream(request, gen, request_id, chat=chat)
-        return await _complete(gen, request_id, chat=chat)
+            return await _stream(request, gens, request_id, chat=chat)
+        return await _complete(gens, request_id, chat=chat)
     except EngineDeadError as exc:
         return _error(503, str(exc), kind="ServiceUnavailableError")
     finally:
-        stream.close()
-        gen.capture(request_id, chat=chat)  # also when the client went away: the handler is cancelled
+        for gen in gens:
+            gen.stream.close()
+            # Also when the client went away: the handler is cancelled. Choice i > 0 is recorded as "<id>-<i>".
+            gen.capture(request_id if gen.index == 0 else f"{request_id}-{gen.index}", chat=chat)
 
 
-async def _complete(gen: _Generation, request_id: str, *, chat: bool) -> web.Response:
-    text = "".join([t async for t in gen.texts()])
-    state = gen.state
-    if gen.finish_reason == "error":
-        return _error(500, f"generation failed: {gen.error}", kind="InternalServerError")
-    choice: dict[str, Any]
-    if chat:
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        finish = gen.finish_reason
-        if gen.parsed.has_tools:
-            content, calls = extract_tool_calls(text)
-            if calls:
-                message = {"role": "assistant", "content": content, "tool_calls": calls}
-                finish = "tool_calls"
-        choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": gen.finish_reason, "logprobs": None}
+def _usage(gens: list[_Generation]) -> dict[str, Any]:
+    """The prompt counted once, the choices' outputs summed."""
+    return usage(gens[0].num_prompt_tokens, sum(g.num_output_tokens for g in gens), gens[0].num_cached_tokens)
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+_MIN_LOGPROB = -9999.0
+"""What a logprob of -inf is reported as (JSON has no infinity; OpenAI reports -9999.0 likewise)."""
+
+
+def _chat_logprobs(tokenizer: Tokenizer, pieces: list[TokenLogprob], token_ids: list[int]) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(tokenizer, token_id)
+        return {"token": text, "logprob": max(logprob, _MIN_LOGPROB), "bytes": list(text.encode())}
+
+    content = []
+    for token_id, lp in zip(token_ids, pieces, strict=True):
+        item = entry(token_id, lp.logprob)
+        item["top_logprobs"] = [entry(t, v) for t, v in lp.top]
+        content.append(item)
+    return {"content": content, "refusal": None}
+
+
+def _completion_logprobs(
+    tokenizer: Tokenizer, pieces: list[TokenLogprob], token_ids: list[int], offset: int
+) -> tuple[dict[str, Any], int]:
+    """The completions API's logprobs object, text offsets counted from `offset`; -> (it, the offset after it)."""
+    tokens, values, tops, offsets = [], [], [], []
+    for token_id, lp in zip(token_ids, pieces, strict=True):
+        text = _token_text(tokenizer, token_id)
+        tokens.append(text)
+        values.append(max(lp.logprob, _MIN_LOGPROB))
+        top: dict[str, float] = {}
+        for t, v in lp.top:
+            top.setdefault(_token_text(tokenizer, t), max(v, _MIN_LOGPROB))
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def _echo_text(gen: _Generation) -> str:
+    parsed = gen.parsed
+    if not parsed.echo:
+        return ""
+    if parsed.prompt_text is not None:
+        return parsed.prompt_text
+    return gen.state.tokenizer.decode(parsed.prompt_token_ids)
+
+
+async def _collect(gen: _Generation) -> tuple[str, list[TokenLogprob], list[int]]:
+    texts: list[str] = []
+    logprobs: list[TokenLogprob] = []
+    token_ids: list[int] = []
+    async for piece in gen.pieces():
+        texts.append(piece.text)
+        logprobs.extend(piece.logprobs)
+        token_ids.extend(piece.token_ids)
+    return "".join(texts), logprobs, token_ids
+
+
+async def _complete(gens: list[_Generation], request_id: str, *, chat: bool) -> web.Response:
+    results = await asyncio.gather(*(_collect(g) for g in gens))
+    state = gens[0].state
+    failed = next((g for g in gens if g.finish_reason == "error"), None)
+    if failed is not None:
+        return _error(500, f"generation failed: {failed.error}", kind="InternalServerError")
+    wants_logprobs = gens[0].parsed.params.logprobs is not None
+    choices = []
+    for gen, (text, logprobs, token_ids) in zip(gens, results, strict=True):
+        choice: dict[str, Any]
+        if chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            finish = gen.finish_reason
+            if gen.parsed.has_tools:
+                content, calls = extract_tool_calls(text)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    finish = "tool_calls"
+            lp = _chat_logprobs(state.tokenizer, logprobs, token_ids) if wants_logprobs else None
+            choice = {"index": gen.index, "message": message, "finish_reason": finish, "logprobs": lp}
+        else:
+            echo = _echo_text(gen)
+            lp = _completion_logprobs(state.tokenizer, logprobs, token_ids, 0)[0] if wants_logprobs else None
+            choice = {"index": gen.index, "text": echo + text, "finish_reason": gen.finish_reason, "logprobs": lp}
+        choices.append(choice)
     body = {
         "id": request_id,
         "object": "chat.completion" if chat else "text_completion",
         "created": now_s(),
         "model": state.model_name,
-        "choices": [choice],
-        "usage": gen.usage(),
+        "choices": choices,
+        "usage": _usage(gens),
     }
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
-async def _stream(request: web.Request, gen: _Generation, request_id: str, *, chat: bool) -> web.StreamResponse:
+async def _merged(gens: list[_Generation]) -> AsyncGenerator[tuple[int, _Piece | None]]:
+    """The choices' pieces as they come, tagged with the choice's index; (index, None) when a choice ends."""
+    queue: asyncio.Queue[tuple[int, _Piece | BaseException | None]] = asyncio.Queue()
+
+    async def pump(gen: _Generation) -> None:
+        try:
+            async for piece in gen.pieces():
+                await queue.put((gen.index, piece))
+            await queue.put((gen.index, None))
+        except Exception as exc:  # the engine failed: handed to the writer, which reports it
+            await queue.put((gen.index, exc))
+
+    tasks = [asyncio.get_running_loop().create_task(pump(g)) for g in gens]
+    try:
+        remaining = len(gens)
+        while remaining:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                remaining -= 1
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _stream(request: web.Request, gens: list[_Generation], request_id: str, *, chat: bool) -> web.StreamResponse:
     # Nothing is sent before the first token: a router reads the first body byte as the time to first token
     # (it learns each replica's prefill rate from it), and an engine failure before it is still a plain 503.
-    texts = gen.texts()
-    first = await anext(texts, "")
+    merged = _merged(gens)
+    first = await anext(merged, None)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     created = now_s()
     obj = "chat.completion.chunk" if chat else "text_completion"
-    model = gen.state.model_name
-
-    calls = ToolCallStream() if chat and gen.parsed.has_tools else None
+    state = gens[0].state
+    model = state.model_name
+    parsed = gens[0].parsed
+    wants_logprobs = parsed.params.logprobs is not None
+    calls = {g.index: ToolCallStream() for g in gens} if chat and parsed.has_tools else {}
+    offsets = {g.index: len(_echo_text(g)) for g in gens}
 
     def chunk(
-        delta_text: str | None, finish: str | None, *, role: bool = False, delta: dict[str, Any] | None = None
+        index: int,
+        delta_text: str | None,
+        finish: str | None,
+        *,
+        role: bool = False,
+        delta: dict[str, Any] | None = None,
+        logprobs: Any = None,
     ) -> bytes:
         if chat:
             if delta is None:
@@ -335,32 +470,41 @@ async def _stream(request: web.Request, gen: _Generation, request_id: str, *, ch
                     if role
                     else ({"content": delta_text} if delta_text is not None else {})
                 )
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": index, "text": delta_text or "", "finish_reason": finish, "logprobs": logprobs}
         body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice]}
         return b"data: " + orjson.dumps(body) + b"\n\n"
 
-    async def write_text(text: str) -> None:
-        if calls is None:
-            await response.write(chunk(text, None))
-            return
-        for delta in calls.feed(text):
-            await response.write(chunk(None, None, delta=delta))
-
-    try:
+    def logprobs_of(index: int, piece: _Piece) -> Any:
+        if not wants_logprobs or not piece.token_ids:
+            return None
         if chat:
-            await response.write(chunk(None, None, role=True))
-        if first:
-            await write_text(first)
-        async for text in texts:
-            if text:
-                await write_text(text)
+            return _chat_logprobs(state.tokenizer, piece.logprobs, piece.token_ids)
+        lp, offsets[index] = _completion_logprobs(state.tokenizer, piece.logprobs, piece.token_ids, offsets[index])
+        return lp
+
+    async def write_piece(index: int, piece: _Piece) -> None:
+        logprobs = logprobs_of(index, piece)
+        if not piece.text and logprobs is None:
+            return
+        tool_calls = calls.get(index)
+        if tool_calls is None:
+            await response.write(chunk(index, piece.text, None, logprobs=logprobs))
+            return
+        deltas = tool_calls.feed(piece.text)
+        if not deltas and logprobs is not None:
+            await response.write(chunk(index, None, None, delta={}, logprobs=logprobs))
+        for i, delta in enumerate(deltas):
+            await response.write(chunk(index, None, None, delta=delta, logprobs=logprobs if i == 0 else None))
+
+    async def end_choice(gen: _Generation) -> None:
         finish = gen.finish_reason
-        if calls is not None:
-            for delta in calls.finish():
-                await response.write(chunk(None, None, delta=delta))
-            if calls.num_calls and finish == "stop":
+        tool_calls = calls.get(gen.index)
+        if tool_calls is not None:
+            for delta in tool_calls.finish():
+                await response.write(chunk(gen.index, None, None, delta=delta))
+            if tool_calls.num_calls and finish == "stop":
                 finish = "tool_calls"
         if finish == "error":
             error = {
@@ -368,20 +512,37 @@ async def _stream(request: web.Request, gen: _Generation, request_id: str, *, ch
             }
             await response.write(b"data: " + orjson.dumps(error) + b"\n\n")
         else:
-            await response.write(chunk(None, finish))
-        if gen.parsed.include_usage:
+            await response.write(chunk(gen.index, None, finish))
+
+    try:
+        for gen in gens:
+            if chat:
+                await response.write(chunk(gen.index, None, None, role=True))
+            elif parsed.echo:
+                await response.write(chunk(gen.index, _echo_text(gen), None))
+        item = first
+        while item is not None:
+            index, piece = item
+            if piece is None:
+                await end_choice(gens[index])
+            else:
+                await write_piece(index, piece)
+            item = await anext(merged, None)
+        if parsed.include_usage:
             body = {
                 "id": request_id,
                 "object": obj,
                 "created": created,
                 "model": model,
                 "choices": [],
-                "usage": gen.usage(),
+                "usage": _usage(gens),
             }
             await response.write(b"data: " + orjson.dumps(body) + b"\n\n")
     except EngineDeadError as exc:
         error = {"error": {"message": str(exc), "type": "ServiceUnavailableError", "code": 503}}
         await response.write(b"data: " + orjson.dumps(error) + b"\n\n")
+    finally:
+        await merged.aclose()
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
@@ -465,7 +626,9 @@ def create_app(
     grammars = GrammarCompiler(
         tokenizer.to_json(), vocab_size=model.config.vocab_size, eos_token_ids=tokenizer.eos_token_ids
     )
-    engine = LLMEngine(model, config, eos_token_ids=tokenizer.eos_token_ids, drafter=runtime, grammar=grammars)
+    engine = LLMEngine(
+        model, config, eos_token_ids=tokenizer.eos_token_ids, drafter=runtime, grammar=grammars, tokenizer=tokenizer
+    )
     metrics_ = ReplicaMetrics(model_name)
     metrics_.cache_config.labels(model_name, str(settings.block_size), str(settings.num_blocks)).set(1)
     hub = KVEventHub(settings.replica_id or f"{settings.host}:{settings.port}")

@@ -100,15 +100,20 @@ class AsyncEngine:
         self._executor.shutdown(wait=True)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        return self.submit_group(prompt_token_ids, [params])[0]
+
+    def submit_group(self, prompt_token_ids: list[int], params: list[SamplingParams]) -> list[RequestStream]:
+        """One request with a choice per entry of `params` (`LLMEngine.add_group`); a stream per choice."""
         if self.error is not None:
             raise EngineDeadError(f"the engine failed: {self.error!r}")
-        if self.num_waiting >= self.max_waiting + self.engine.config.max_num_seqs - self.engine.num_running:
+        room = self.max_waiting + self.engine.config.max_num_seqs - self.engine.num_running
+        if self.num_waiting + len(params) - 1 >= room:
             raise QueueFullError(f"{self.num_waiting} requests are already waiting")
-        seq_id = self.engine.add_request(prompt_token_ids, params)
-        stream = RequestStream(self, seq_id)
-        self._streams[seq_id] = stream
+        streams = [RequestStream(self, seq_id) for seq_id in self.engine.add_group(prompt_token_ids, params)]
+        for stream in streams:
+            self._streams[stream.seq_id] = stream
         self._wake.set()
-        return stream
+        return streams
 
     def call_between_steps(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the loop while no step runs: now if the engine is idle, else right after the current step."""

@@ -1,8 +1,14 @@
 """OpenAI request parsing and response bodies for `/v1/completions` and `/v1/chat/completions`.
 
 Parsing turns a JSON body into (prompt token ids, SamplingParams, options) or raises `ProtocolError` with a message
-naming the offending field; nothing reaches the engine unchecked. Fields Shoal does not implement (n > 1, logprobs,
-echo, best_of) are refused by name rather than silently ignored.
+naming the offending field; nothing reaches the engine unchecked. A field Shoal does not implement (logit_bias,
+suffix, best_of other than n, service_tier other than auto/default, prompt logprobs, any name it does not know) is
+refused by name rather than silently ignored.
+
+Served: `n` choices (seeded choice i draws with seed + i), `stop` (up to 4) and vLLM's `stop_token_ids`, OpenAI's
+presence/frequency penalties and vLLM's repetition_penalty, `logprobs` (completions: an int, the top alternatives
+per token; chat: a bool with `top_logprobs`), `max_completion_tokens` (chat; equal to max_tokens if both are
+sent), `echo` (completions, without logprobs: prompt logprobs are not computed), `stream_options.include_usage`.
 
 Constrained output (`replica.grammar`): `response_format` json_object or json_schema (strict or not: both enforced)
 on both endpoints, and chat `tools` with `tool_choice` auto, none, required or a named function, and
@@ -18,12 +24,12 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import llguidance
 
-from replica.engine.sampling import SamplingError, SamplingParams
+from replica.engine.sampling import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingError, SamplingParams
 from replica.grammar.formats import json_object_grammar, json_schema_grammar, tool_call_grammar
 from replica.grammar.matcher import GrammarCompiler, GrammarError
 from replica.tokenizer import TOOL_CALL_END, TOOL_CALL_START, Tokenizer
@@ -48,17 +54,84 @@ class ParsedRequest:
     """Tools were offered and tool_choice is not none: tool calls are parsed out of the output."""
     prompt_text: str | None = None
     """The prompt as text: the chat template's rendering, or a completion's string prompt; None for token ids."""
+    n: int = 1
+    echo: bool = False
+    """Completions: the prompt's text comes before the output."""
 
+    def choice_params(self) -> list[SamplingParams]:
+        """The parameters of each of the n choices: a seeded request's choice i draws with seed + i (vLLM's)."""
+        if self.params.seed is None:
+            return [self.params] * self.n
+        return [replace(self.params, seed=(self.params.seed + i) % 2**63) for i in range(self.n)]
+
+
+MAX_N = 16
+"""Most choices per request."""
+
+_COMMON_FIELDS = frozenset(
+    {
+        "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+        "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "n",
+        "best_of", "logprobs", "user", "response_format", "structured_outputs", "logit_bias", "service_tier",
+    }
+)  # fmt: skip
+_CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs", "max_completion_tokens",
+}  # fmt: skip
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
 
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "logprobs": lambda v: v not in (None, False, 0),
-    "top_logprobs": lambda v: v not in (None, 0),
-    "echo": lambda v: v not in (None, False),
-    "best_of": lambda v: v not in (None, 1),
-    "n": lambda v: v not in (None, 1),
     "suffix": lambda v: v is not None,
     "logit_bias": lambda v: v not in (None, {}),
+    "service_tier": lambda v: v not in (None, "auto", "default"),
 }
+
+
+def _check_fields(body: dict[str, Any], known: frozenset[str]) -> None:
+    for name in body:
+        if name not in known:
+            raise ProtocolError(f"'{name}' is not supported by this server", name)
+    for name, is_unsupported in _UNSUPPORTED.items():
+        if name in body and is_unsupported(body[name]):
+            raise ProtocolError(f"'{name}' is not supported by this server", name)
+
+
+def _choices(body: dict[str, Any]) -> int:
+    n = _get(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise ProtocolError(f"'n' must be in [1, {MAX_N}], got {n}", "n")
+    best_of = _get(body, "best_of", int, n)
+    if best_of != n:
+        raise ProtocolError("'best_of' other than n is not supported by this server", "best_of")
+    return int(n)
+
+
+def _logprobs(body: dict[str, Any], *, chat: bool) -> int | None:
+    """The number of alternatives per token, or None for no logprobs."""
+    if chat:
+        wanted = _get(body, "logprobs", bool, False)
+        top = _get(body, "top_logprobs", int)
+        if top is not None and not wanted:
+            raise ProtocolError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if not wanted:
+            return None
+        top = 0 if top is None else top
+        name = "top_logprobs"
+    else:
+        top = _get(body, "logprobs", int)
+        if top is None:
+            return None
+        name = "logprobs"
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ProtocolError(f"'{name}' must be in [0, {MAX_TOP_LOGPROBS}], got {top}", name)
+    return int(top)
+
+
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    value = float(_get(body, name, (int, float), default))
+    if value != value:
+        raise ProtocolError(f"'{name}' must be a number, got NaN", name)
+    return value
 
 
 def _get(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
@@ -76,10 +149,14 @@ def _get(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default
 def _sampling(
     body: dict[str, Any], *, default_max_tokens: int, chat: bool, grammar: str | None = None
 ) -> SamplingParams:
-    for name, is_unsupported in _UNSUPPORTED.items():
-        if name in body and is_unsupported(body[name]):
-            raise ProtocolError(f"'{name}' is not supported by this server", name)
-    max_tokens = _get(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens", int)
+    max_tokens = _get(body, "max_tokens", int)
+    if chat:
+        max_completion = _get(body, "max_completion_tokens", int)
+        if max_completion is not None and max_tokens is not None and max_completion != max_tokens:
+            raise ProtocolError(
+                "'max_tokens' and 'max_completion_tokens' differ; send one of them", "max_completion_tokens"
+            )
+        max_tokens = max_completion if max_completion is not None else max_tokens
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -89,29 +166,49 @@ def _sampling(
         stops = tuple(stop)
     else:
         raise ProtocolError("'stop' must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ProtocolError(f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+    if any(not s for s in stops):
+        raise ProtocolError("'stop' strings must not be empty", "stop")
     stop_ids = _get(body, "stop_token_ids", list, [])
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise ProtocolError("'stop_token_ids' must be a list of integers", "stop_token_ids")
     try:
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-            temperature=float(_get(body, "temperature", (int, float), 1.0)),
-            top_p=float(_get(body, "top_p", (int, float), 1.0)),
+            temperature=_number(body, "temperature", 1.0),
+            top_p=_number(body, "top_p", 1.0),
             top_k=_get(body, "top_k", int, 0) if body.get("top_k") != -1 else 0,
             seed=_get(body, "seed", int),
             stop=stops,
             stop_token_ids=frozenset(stop_ids),
             ignore_eos=bool(_get(body, "ignore_eos", bool, False)),
             grammar=grammar,
+            presence_penalty=_number(body, "presence_penalty", 0.0),
+            frequency_penalty=_number(body, "frequency_penalty", 0.0),
+            repetition_penalty=_number(body, "repetition_penalty", 1.0),
+            logprobs=_logprobs(body, chat=chat),
         )
     except SamplingError as exc:
-        raise ProtocolError(str(exc)) from None
+        param = next((n for n in _PARAM_NAMES if str(exc).startswith(n)), None)
+        raise ProtocolError(str(exc), param) from None
+
+
+_PARAM_NAMES = (
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "top_logprobs",
+)  # fmt: skip
 
 
 def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     stream = bool(_get(body, "stream", bool, False))
     options = _get(body, "stream_options", dict, {})
-    include_usage = bool(options.get("include_usage", False))
+    for name in options:
+        if name != "include_usage":
+            raise ProtocolError(f"stream_options.{name} is not supported by this server", "stream_options")
+    if options and not stream:
+        raise ProtocolError("'stream_options' needs 'stream': true", "stream_options")
+    include_usage = bool(_get(options, "include_usage", bool, False))
     return stream, include_usage
 
 
@@ -220,6 +317,12 @@ def parse_completion(
 ) -> ParsedRequest:
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
+    _check_fields(body, _COMPLETION_FIELDS)
+    echo = bool(_get(body, "echo", bool, False))
+    if echo and body.get("logprobs") is not None:
+        raise ProtocolError(
+            "'echo' with 'logprobs' asks for prompt logprobs, which this server does not compute", "echo"
+        )
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -242,6 +345,8 @@ def parse_completion(
         model=model,
         has_tools=False,
         prompt_text=text,
+        n=_choices(body),
+        echo=echo,
     )
 
 
@@ -255,6 +360,7 @@ def parse_chat(
 ) -> ParsedRequest:
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
+    _check_fields(body, _CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ProtocolError("'messages' must be a non-empty list", "messages")
@@ -283,6 +389,7 @@ def parse_chat(
         model=model,
         has_tools=bool(offered),
         prompt_text=text,
+        n=_choices(body),
     )
 
 

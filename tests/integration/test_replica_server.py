@@ -117,7 +117,7 @@ async def test_stop_string_cuts_output(start_replica: StartReplica) -> None:
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
         ({"messages": [{"role": "user", "content": "hi"}], "temperature": 5}, "temperature"),
-        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "'n'"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 17}, "'n'"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "lots"}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "hi"}], "stop": 3}, "stop"),

@@ -35,7 +35,11 @@ def run_alone(model: MoEForCausalLM, params: SamplingParams, *, eos: tuple[int, 
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k"),
         ({"stop": ("",)}, "empty"),
-        ({"stop": tuple("abcdefghi")}, "at most 8"),
+        ({"stop": tuple("abcde")}, "at most 4"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.1}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logprobs": 21}, "top_logprobs"),
         ({"seed": -1}, "seed"),
         ({"seed": 2**63}, "seed"),
     ],
@@ -46,7 +50,7 @@ def test_invalid_sampling_params(changes: dict[str, object], message: str) -> No
 
 
 def test_boundary_sampling_params_are_valid() -> None:
-    p = SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, top_k=0, stop=tuple("abcdefgh"), seed=0)
+    p = SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, top_k=0, stop=tuple("abcd"), seed=0)
     assert p.is_greedy
     assert not SamplingParams(temperature=2.0, top_p=1e-6, top_k=1, seed=2**63 - 1).is_greedy
 
