@@ -1,13 +1,13 @@
 """The OpenAI-compatible proxy: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, other `/v1/*`.
 
-A request is read under a size and time limit, validated (400s in OpenAI's error shape, never a 500), routed
-by `RoutingCore`, and forwarded. Until a byte has reached the client, a refused connection or a 5xx moves the
-request to another replica (never the one that just failed), within `retry.max_attempts` and
+A request, read by the front under its size and time limits, is validated (400s in OpenAI's error shape, never a
+500), routed by `RoutingCore`, and forwarded. Until a byte has reached the client, a refused connection or a 5xx
+moves the request to another replica (never the one that just failed), within `retry.max_attempts` and
 `retry.total_timeout_s`. Once bytes flow, a replica failure ends the stream with an SSE error event, never a
-hang. A client that goes away cancels the handler (the server runs with handler cancellation), which closes the
-upstream connection at once, so the replica stops generating for nobody.
+hang. A client that goes away cancels the handler (the front cancels its task), which closes the upstream
+connection at once, so the replica stops generating for nobody.
 
-Streams are relayed chunk by chunk as they arrive; TCP_NODELAY is on for both sockets (aiohttp sets it on the
+Streams are relayed chunk by chunk as they arrive; TCP_NODELAY is on for both sockets (the front sets it on the
 client side, `UpstreamPool` on the replica side), so no chunk waits on Nagle's algorithm. Requests that no
 replica can serve yet are held (`hold` settings) until one joins the rotation; with an in-flight limit per replica
 (`hold.max_in_flight_per_replica`), so are requests that find every replica at it, until a slot frees. Held
@@ -63,7 +63,7 @@ _HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
-# Host is the replica's; aiohttp's server has already decoded a compressed request body.
+# Host is the replica's; the front has already decoded a compressed request body.
 _REQUEST_DROP = _HOP_BY_HOP | {"host", "content-encoding"}
 # A replica behind another Shoal router answers with that router's tags: this router's own replace them.
 _RESPONSE_DROP = _HOP_BY_HOP | {"x-shoal-replica", "x-shoal-route-branch"}
@@ -73,7 +73,7 @@ _ROUTED_PATHS = {"/v1/completions": completion_routing_key, "/v1/chat/completion
 
 
 class _Stream(Protocol):
-    """A streamed answer being written: aiohttp's prepared `web.StreamResponse`, or the front's `FrontStream`."""
+    """A streamed answer being written (the front's `FrontStream`)."""
 
     @property
     def status(self) -> int: ...
@@ -101,31 +101,9 @@ class _Inbound(Protocol):
     async def start_stream(self, status: int, headers: CIMultiDict[str]) -> _Stream: ...
 
     def deliver(self, answer: WholeAnswer) -> None:
-        """Write a whole answer now if this inbound can (the front can); otherwise it goes out as the handler's
-        return value (aiohttp's server answers when the handler returns)."""
+        """Write a whole answer now, before the proxy's bookkeeping; the handler's return value is not written
+        again."""
         ...
-
-
-class _AiohttpInbound:
-    """A request aiohttp's server parsed: its answer stream is a `web.StreamResponse`, prepared on it."""
-
-    __slots__ = ("headers", "method", "path", "path_qs", "request", "response")
-
-    def __init__(self, request: web.Request) -> None:
-        self.request = request
-        self.method = request.method
-        self.path = request.path
-        self.path_qs = request.path_qs
-        self.headers = request.headers
-        self.response: web.StreamResponse | None = None
-
-    async def start_stream(self, status: int, headers: CIMultiDict[str]) -> _Stream:
-        response = self.response = web.StreamResponse(status=status, headers=headers)
-        await response.prepare(self.request)
-        return response
-
-    def deliver(self, answer: WholeAnswer) -> None:
-        pass  # aiohttp writes what the handler returns
 
 
 class _Retry(Exception):
@@ -179,17 +157,6 @@ class Proxy:
 
     # --- entry points -----------------------------------------------------------------------------------
 
-    async def handle_routed(self, request: web.Request) -> web.StreamResponse:
-        started = self._clock()
-        if request.content_type != "application/json":
-            return _wrong_content_type(request.content_type)
-        raw = await self._read_body(request)
-        if isinstance(raw, web.Response):
-            return raw
-        inbound = _AiohttpInbound(request)
-        answer = await self._route_json(inbound, raw, started)
-        return _aiohttp_answer(inbound, answer)
-
     async def handle_front(self, request: FrontRequest, raw: bytes) -> web.StreamResponse | WholeAnswer | FrontStream:
         """A routed request the front parsed, its body read: a whole answer to write, or the stream it wrote."""
         started = self._clock()
@@ -214,56 +181,30 @@ class Proxy:
             return error_response(400, str(exc), param=exc.param)
         return await self._route_and_forward(request, body, raw, key, started)
 
-    async def handle_passthrough(self, request: web.Request) -> web.StreamResponse:
+    async def handle_passthrough(
+        self, request: FrontRequest, raw: bytes
+    ) -> web.StreamResponse | WholeAnswer | FrontStream:
         """Any other /v1/* path: no prefix to route on, so the policy balances load alone."""
         started = self._clock()
-        raw = b""
         body: dict[str, Any] = {}
-        if request.can_read_body:
-            read = await self._read_body(request)
-            if isinstance(read, web.Response):
-                return read
-            raw = read
-            if request.content_type == "application/json" and raw:
-                try:
-                    decoded = orjson.loads(raw)
-                except (ValueError, RecursionError):  # RecursionError: nesting too deep for the decoder
-                    return error_response(400, "request body is not valid JSON", code="invalid_json")
-                if isinstance(decoded, dict):
-                    body = decoded
-        inbound = _AiohttpInbound(request)
-        answer = await self._route_and_forward(inbound, body, raw, RoutingKey(text=b""), started)
-        return _aiohttp_answer(inbound, answer)
+        if request.content_type == "application/json" and raw:
+            try:
+                decoded = orjson.loads(raw)
+            except (ValueError, RecursionError):  # RecursionError: nesting too deep for the decoder
+                return error_response(400, "request body is not valid JSON", code="invalid_json")
+            if isinstance(decoded, dict):
+                body = decoded
+        answer = await self._route_and_forward(request, body, raw, RoutingKey(text=b""), started)
+        assert isinstance(answer, (web.StreamResponse, WholeAnswer, FrontStream))  # its streams are the front's
+        return answer
 
-    async def handle_models(self, request: web.Request | FrontRequest) -> web.Response:
+    async def handle_models(self, request: FrontRequest) -> web.Response:
         seen: dict[str, dict[str, Any]] = {}
         for replica in self.pool:
             if replica.is_healthy:
                 for model_id, card in replica.model_cards.items():
                     seen.setdefault(model_id, card)
         return web.json_response({"object": "list", "data": list(seen.values())})
-
-    # --- reading the request ------------------------------------------------------------------------------
-
-    async def _read_body(self, request: web.Request) -> bytes | web.Response:
-        limits = self.settings.limits
-        if request.content_length is not None and request.content_length > limits.max_body_bytes:
-            return error_response(
-                413, f"request body is larger than {limits.max_body_bytes} bytes", code="request_too_large"
-            )
-        try:
-            if request.content.is_eof():  # the whole body came with the headers: no timer needed
-                return await request.read()
-            async with asyncio.timeout(limits.body_read_timeout_s):
-                return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return error_response(
-                413, f"request body is larger than {limits.max_body_bytes} bytes", code="request_too_large"
-            )
-        except TimeoutError:
-            return error_response(
-                408, f"request body not received within {limits.body_read_timeout_s} s", code="request_timeout"
-            )
 
     # --- routing and forwarding ---------------------------------------------------------------------------
 
@@ -286,7 +227,7 @@ class Proxy:
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
         decide_start = time.perf_counter()
         prepared = self.core.prepare(key, model, session_key, max_tokens if isinstance(max_tokens, int) else None)
-        # aiohttp's server has already decoded a compressed body, so `raw` goes on without Content-Encoding.
+        # The front has already decoded a compressed body, so `raw` goes on without Content-Encoding.
         headers = _end_to_end(request.headers.items(), request.headers.get("Connection"), _REQUEST_DROP)
         tried: list[str] = []
         decision_s = 0.0
@@ -587,16 +528,6 @@ class Proxy:
             **extra,
         }
         request_log.info(json.dumps(record))
-
-
-def _aiohttp_answer(inbound: _AiohttpInbound, answer: web.StreamResponse | WholeAnswer | _Stream) -> web.StreamResponse:
-    """What an aiohttp handler returns: the whole answer, or the stream it prepared and wrote."""
-    if inbound.response is not None:
-        return inbound.response
-    if isinstance(answer, WholeAnswer):
-        return web.Response(status=answer.status, body=answer.body, headers=CIMultiDict(answer.headers))
-    assert isinstance(answer, web.StreamResponse)
-    return answer
 
 
 def _wrong_content_type(content_type: str) -> web.Response:

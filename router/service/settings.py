@@ -199,9 +199,6 @@ class RouterSettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     reuse_port: bool = False
     """Bind with SO_REUSEPORT so several router processes share one port (the kernel spreads connections)."""
-    front: bool = True
-    """Serve the inference endpoints with the router's own HTTP/1.1 front (router/service/front.py), which costs a
-    fraction of aiohttp's CPU per request; off, aiohttp serves every request."""
     replicas: list[str] = Field(default_factory=list)
     """Static replica base URLs (http://host:port). More can be added through the admin API. Replicas speak plain
     HTTP/1.1 inside the cluster; TLS belongs at the router's ingress."""
