@@ -29,6 +29,7 @@ from router.service.kv_events import KVEventSubscribers
 from router.service.metrics import RouterMetrics
 from router.service.pool import Replica, ReplicaPool
 from router.service.proxy import Proxy
+from router.service.request_log import RequestLog, open_sink
 from router.service.routing import RoutingCore
 from router.service.settings import RouterSettings
 from router.service.upstream import UpstreamPool
@@ -135,7 +136,16 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300), skip_auto_headers=("User-Agent",)
     )
     core = app[CORE]
-    app[PROXY] = Proxy(settings, app[POOL], core, app[METRICS], upstream, on_unreachable=lambda r: _wake(app, r))
+    request_log = _start_request_log(settings, app[METRICS]) if settings.log_requests else None
+    app[PROXY] = Proxy(
+        settings,
+        app[POOL],
+        core,
+        app[METRICS],
+        upstream,
+        on_unreachable=lambda r: _wake(app, r),
+        request_log=request_log,
+    )
     proxy = app[PROXY]
     kv_events = None
     if settings.kv_events.source != "none":
@@ -182,6 +192,19 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
                 await task
         await probe_session.close()
         await upstream.close()
+        if request_log is not None:
+            await asyncio.to_thread(request_log.close)  # flushes what is queued; bounded by its close timeout
+
+
+def _start_request_log(settings: RouterSettings, metrics: RouterMetrics) -> RequestLog:
+    request_log = RequestLog(
+        open_sink(settings.request_log.path),
+        max_pending_lines=settings.request_log.max_pending_lines,
+        flush_interval_s=settings.request_log.flush_interval_s,
+        on_drop=metrics.request_log_dropped.inc,
+    )
+    request_log.start()
+    return request_log
 
 
 async def _sweep(core: RoutingCore, loop: asyncio.AbstractEventLoop) -> None:

@@ -11,7 +11,6 @@ no replica can take yet wait in `holding.HoldLine`; a new request lines up behin
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -27,12 +26,12 @@ from router.service.front import Answer, FrontRequest, WholeAnswer
 from router.service.holding import HoldLine
 from router.service.metrics import RouterMetrics
 from router.service.pool import Replica, ReplicaPool
+from router.service.request_log import RequestLog
 from router.service.routing import Prepared, RoutingCore, Ticket
 from router.service.settings import RouterSettings
 from router.service.upstream import UpstreamPool
 
 log = logging.getLogger("shoal.router")
-request_log = logging.getLogger("shoal.router.requests")
 
 _ROUTED_PATHS = {"/v1/completions": completion_routing_key, "/v1/chat/completions": chat_routing_key}
 
@@ -46,6 +45,7 @@ class Proxy:
         metrics: RouterMetrics,
         upstream: UpstreamPool,
         on_unreachable: Callable[[Replica], None] = lambda replica: None,
+        request_log: RequestLog | None = None,
     ) -> None:
         self.settings = settings
         self.pool = pool
@@ -55,6 +55,8 @@ class Proxy:
         self._clock = time.monotonic
         self.forwarder = Forwarder(settings, core, metrics, upstream, self._clock, on_unreachable)
         self.held = HoldLine(settings.hold, core, metrics, self._clock)
+        self.request_log = request_log
+        """Where one line per request goes; None: no request log."""
 
     # --- entry points -----------------------------------------------------------------------------------
 
@@ -203,7 +205,7 @@ class Proxy:
         attempts: int,
         decision_s: float,
     ) -> None:
-        if self.settings.log_requests:
+        if self.request_log is not None:
             self._log_line(
                 request,
                 status,
@@ -229,20 +231,21 @@ class Proxy:
         attempts: int,
         **extra: Any,
     ) -> None:
-        if not self.settings.log_requests:
+        if self.request_log is None:
             return
-        record = {
-            "event": "request",
-            "method": request.method,
-            "path": request.path,
-            "status": status,
-            "replica": replica,
-            "branch": branch,
-            "attempts": attempts,
-            "ms": round((self._clock() - started) * 1000, 3),
-            **extra,
-        }
-        request_log.info(json.dumps(record))
+        self.request_log.record(
+            {
+                "event": "request",
+                "method": request.method,
+                "path": request.path,
+                "status": status,
+                "replica": replica,
+                "branch": branch,
+                "attempts": attempts,
+                "ms": round((self._clock() - started) * 1000, 3),
+                **extra,
+            }
+        )
 
 
 def _wrong_content_type(content_type: str) -> web.Response:
