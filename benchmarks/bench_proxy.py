@@ -1,8 +1,8 @@
 """Proxy overhead benchmark: throughput, added latency and CPU per request of routers on loopback.
 
 Every router fronts the same backend, nginx returning a canned OpenAI answer (nginx_canned.conf), which is far
-faster than any router, so what is measured is the router. The routers are Shoal, Shoal with `--no-front`
-(aiohttp's server for every request instead of the router's own HTTP front), a bare aiohttp proxy
+faster than any router, so what is measured is the router. The routers are Shoal at its defaults (the request
+log on), Shoal with `--no-request-log`, a bare aiohttp proxy
 (bare_proxy.py), and `sglang-router` and `smg` from PyPI, each from its own virtual environment under
 benchmarks/.venvs/ (`--setup-peers` makes them; they are never dependencies of the project). Each router runs
 pinned to one core (`taskset`), the load generator (loadgen.py, closed loop) and nginx to another. A run straight
@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
 VENVS = BENCH / ".venvs"
 PEER_PACKAGES = {"sglang-router": "sglang-router==0.3.2", "smg": "smg==1.13.0"}
-ROUTERS = ("shoal", "shoal-aiohttp", "bare", "sglang-router", "smg")
+ROUTERS = ("shoal", "shoal-nolog", "bare", "sglang-router", "smg")
 MODEL = "shoal-demo"
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 SHOAL_FROM_SOURCE = (
@@ -52,22 +52,43 @@ SHOAL_FROM_SOURCE = (
 )
 
 CANNED_CHAT = {
-    "id": "chatcmpl-canned", "object": "chat.completion", "created": 1700000000, "model": MODEL,
-    "choices": [{"index": 0, "message": {"role": "assistant", "content": "canned answer of eight tokens here ok"},
-                 "logprobs": None, "finish_reason": "length"}],
+    "id": "chatcmpl-canned",
+    "object": "chat.completion",
+    "created": 1700000000,
+    "model": MODEL,
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "canned answer of eight tokens here ok"},
+            "logprobs": None,
+            "finish_reason": "length",
+        }
+    ],
     "usage": {"prompt_tokens": 256, "completion_tokens": 8, "total_tokens": 264},
 }
 CANNED_COMPLETION = {
-    "id": "cmpl-canned", "object": "text_completion", "created": 1700000000, "model": MODEL,
-    "choices": [{"index": 0, "text": "canned answer of eight tokens here ok", "logprobs": None,
-                 "finish_reason": "length"}],
+    "id": "cmpl-canned",
+    "object": "text_completion",
+    "created": 1700000000,
+    "model": MODEL,
+    "choices": [
+        {"index": 0, "text": "canned answer of eight tokens here ok", "logprobs": None, "finish_reason": "length"}
+    ],
     "usage": {"prompt_tokens": 256, "completion_tokens": 8, "total_tokens": 264},
 }
-CANNED_MODELS = {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 1700000000,
-                                             "owned_by": "bench"}]}
+CANNED_MODELS = {
+    "object": "list",
+    "data": [{"id": MODEL, "object": "model", "created": 1700000000, "owned_by": "bench"}],
+}
 # What SGLang-style routers may ask a worker for (/get_server_info, /get_model_info): every other path gets this.
-CANNED_INFO = {"model_path": MODEL, "served_model_name": MODEL, "tokenizer_path": None, "is_generation": True,
-               "max_total_num_tokens": 1_000_000, "status": "ok"}
+CANNED_INFO = {
+    "model_path": MODEL,
+    "served_model_name": MODEL,
+    "tokenizer_path": None,
+    "is_generation": True,
+    "max_total_num_tokens": 1_000_000,
+    "status": "ok",
+}
 
 
 @dataclass
@@ -101,8 +122,14 @@ def free_port() -> int:
 def start_service(name: str, argv: list[str], core: int, workdir: Path, env: dict[str, str] | None = None) -> Service:
     log_path = workdir / f"{name}.log"
     with log_path.open("wb") as log:
-        process = subprocess.Popen(["taskset", "-c", str(core), *argv], stdout=log, stderr=subprocess.STDOUT,
-                                   cwd=REPO, env={**os.environ, **(env or {})}, start_new_session=True)
+        process = subprocess.Popen(
+            ["taskset", "-c", str(core), *argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
     return Service(name, process, log_path)
 
 
@@ -169,9 +196,14 @@ def nginx_config(workdir: Path, ports: list[int]) -> Path:
 
     text = (BENCH / "nginx_canned.conf").read_text()
     listen = "\n".join(f"        listen 127.0.0.1:{port} reuseport backlog=4096;" for port in ports)
-    for key, value in (("@@DIR@@", str(workdir)), ("@@LISTEN@@", listen), ("@@CHAT@@", quoted(CANNED_CHAT)),
-                       ("@@COMPLETION@@", quoted(CANNED_COMPLETION)), ("@@MODELS@@", quoted(CANNED_MODELS)),
-                       ("@@INFO@@", quoted(CANNED_INFO))):
+    for key, value in (
+        ("@@DIR@@", str(workdir)),
+        ("@@LISTEN@@", listen),
+        ("@@CHAT@@", quoted(CANNED_CHAT)),
+        ("@@COMPLETION@@", quoted(CANNED_COMPLETION)),
+        ("@@MODELS@@", quoted(CANNED_MODELS)),
+        ("@@INFO@@", quoted(CANNED_INFO)),
+    ):
         text = text.replace(key, value)
     path = workdir / "nginx.conf"
     path.write_text(text)
@@ -183,7 +215,7 @@ def router_argv(name: str, port: int, upstreams: list[str], peer_policy: str) ->
     if name == "bare":
         argv = [sys.executable, str(BENCH / "bare_proxy.py"), "--host", "127.0.0.1", "--port", str(port)]
         return argv + [a for u in upstreams for a in ("--upstream", u)], ""
-    if name in ("shoal", "shoal-aiohttp") or name.startswith("shoal:"):
+    if name in ("shoal", "shoal-nolog") or name.startswith("shoal:"):
         shoal = REPO / ".venv" / "bin" / "shoal"
         if shoal.exists():
             command = [str(shoal)]
@@ -191,16 +223,36 @@ def router_argv(name: str, port: int, upstreams: list[str], peer_policy: str) ->
             command = [str(REPO / ".venv" / "bin" / "python"), "-c", SHOAL_FROM_SOURCE]
         else:
             return None, f"{shoal} not found (run `make install`)"
-        argv = [*command, "router", "--host", "127.0.0.1", "--port", str(port), "--no-request-log",
-                "--log-level", "WARNING", *(["--no-front"] if name == "shoal-aiohttp" else []),
-                *(["--policy", name.partition(":")[2]] if name.startswith("shoal:") else [])]
+        argv = [
+            *command,
+            "router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "WARNING",
+            *(["--no-request-log"] if name == "shoal-nolog" else []),
+            *(["--policy", name.partition(":")[2]] if name.startswith("shoal:") else []),
+        ]
         return argv + [a for u in upstreams for a in ("--replica", u)], ""
     python = VENVS / name / "bin" / "python"
     if not python.exists():
         return None, f"{python} not found (run with --setup-peers)"
     metrics = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *upstreams, "--policy", peer_policy,
-              "--log-level", "warn", *metrics]
+    common = [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *upstreams,
+        "--policy",
+        peer_policy,
+        "--log-level",
+        "warn",
+        *metrics,
+    ]
     if name == "sglang-router":
         return [str(python), "-m", "sglang_router.launch_router", *common], ""
     if name == "smg":
@@ -238,23 +290,44 @@ def running(service: Service) -> Iterator[Service]:
 
 
 def warm_up(url: str, args: argparse.Namespace) -> None:
-    warmup = ["--concurrency", "16", "--requests", str(args.warmup_requests), "--duration-s", "10",
-              "--prompt-bytes", str(args.prompt_bytes)]
+    warmup = [
+        "--concurrency",
+        "16",
+        "--requests",
+        str(args.warmup_requests),
+        "--duration-s",
+        "10",
+        "--prompt-bytes",
+        str(args.prompt_bytes),
+    ]
     run_loadgen(url, args.loadgen_core, warmup, args.duration_s + 60)
 
 
 def measure_point(name: str, url: str, pid: int | None, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
     """One closed-loop run of `concurrency` connections through one router: loadgen's report plus the router's CPU."""
-    extra = ["--concurrency", str(concurrency), "--requests", str(args.requests), "--duration-s",
-             str(args.duration_s), "--prompt-bytes", str(args.prompt_bytes), "--client", args.client]
+    extra = [
+        "--concurrency",
+        str(concurrency),
+        "--requests",
+        str(args.requests),
+        "--duration-s",
+        str(args.duration_s),
+        "--prompt-bytes",
+        str(args.prompt_bytes),
+        "--client",
+        args.client,
+    ]
     cpu_before_s = process_tree_cpu_s(pid) if pid else 0.0
     report = run_loadgen(url, args.loadgen_core, extra, args.duration_s + 60)
     cpu_s = process_tree_cpu_s(pid) - cpu_before_s if pid else 0.0
     num_requests = max(1, report["num_ok"] + report["num_errors"])
     report["router_cpu_us_per_request"] = cpu_s * 1e6 / num_requests if pid else None
     report["loadgen_cpu_percent"] = 100 * report["cpu_s"] / max(1e-9, report["elapsed_s"])
-    print(f"  {name:14s} c={concurrency:<3d} {report['requests_per_s']:9.0f} req/s  "
-          f"p50 {report['p50_ms']:7.3f} ms  errors {report['num_errors']}", flush=True)
+    print(
+        f"  {name:14s} c={concurrency:<3d} {report['requests_per_s']:9.0f} req/s  "
+        f"p50 {report['p50_ms']:7.3f} ms  errors {report['num_errors']}",
+        flush=True,
+    )
     return report
 
 
@@ -277,13 +350,17 @@ def median_report(rounds: list[dict[str, Any]], smg_rounds: list[dict[str, Any]]
 def stream_check(name: str, url: str, args: argparse.Namespace) -> dict[str, Any]:
     extra = ["--stream", "--requests", str(args.stream_requests), "--duration-s", "20"]
     report = run_loadgen(url, args.loadgen_core, extra, 80)
-    print(f"  {name:14s} stream: first byte p50 {report['first_byte_p50_ms']:.1f} ms, "
-          f"end p50 {report['end_p50_ms']:.1f} ms (max {report['end_max_ms']:.1f})", flush=True)
+    print(
+        f"  {name:14s} stream: first byte p50 {report['first_byte_p50_ms']:.1f} ms, "
+        f"end p50 {report['end_p50_ms']:.1f} ms (max {report['end_max_ms']:.1f})",
+        flush=True,
+    )
     return report
 
 
-def start_router(name: str, upstreams: list[str], args: argparse.Namespace,
-                 workdir: Path, ready_body: bytes) -> tuple[Service | None, str, str]:
+def start_router(
+    name: str, upstreams: list[str], args: argparse.Namespace, workdir: Path, ready_body: bytes
+) -> tuple[Service | None, str, str]:
     port = free_port()
     argv, why = router_argv(name, port, upstreams, args.peer_policy)
     if argv is None:
@@ -297,14 +374,19 @@ def start_router(name: str, upstreams: list[str], args: argparse.Namespace,
     return service, url, ""
 
 
-def print_tables(results: dict[str, dict[int, dict[str, Any]]], streams: dict[str, dict[str, Any]],
-                 args: argparse.Namespace) -> None:
+def print_tables(
+    results: dict[str, dict[int, dict[str, Any]]], streams: dict[str, dict[str, Any]], args: argparse.Namespace
+) -> None:
     for concurrency in args.concurrency:
-        print(f"\nconcurrency {concurrency}: {args.requests} requests per router or {args.duration_s:g} s, "
-              f"{args.prompt_bytes}-byte chat prompts, canned nginx backend; median of {args.rounds} interleaved"
-              f" round{'s' if args.rounds != 1 else ''}")
-        header = (f"{'router':16s}{'req/s':>9s}{'x smg':>8s}{'x smg range':>13s}{'p50 ms':>9s}{'p99 ms':>9s}"
-                  f"{'+p50 ms':>9s}{'CPU us/req':>12s}{'loadgen CPU':>13s}{'errors':>8s}")
+        print(
+            f"\nconcurrency {concurrency}: {args.requests} requests per router or {args.duration_s:g} s, "
+            f"{args.prompt_bytes}-byte chat prompts, canned nginx backend; median of {args.rounds} interleaved"
+            f" round{'s' if args.rounds != 1 else ''}"
+        )
+        header = (
+            f"{'router':16s}{'req/s':>9s}{'x smg':>8s}{'x smg range':>13s}{'p50 ms':>9s}{'p99 ms':>9s}"
+            f"{'+p50 ms':>9s}{'CPU us/req':>12s}{'loadgen CPU':>13s}{'errors':>8s}"
+        )
         print(header)
         print("-" * len(header))
         direct = results.get("direct", {}).get(concurrency)
@@ -319,18 +401,24 @@ def print_tables(results: dict[str, dict[int, dict[str, Any]]], streams: dict[st
             cpu = row["router_cpu_us_per_request"]
             cpu_text = f"{cpu:.0f}" if cpu is not None else "-"
             label = "direct (nginx)" if name == "direct" else name
-            print(f"{label:16s}{row['requests_per_s']:9.0f}{ratio:>8s}{spread:>13s}{row['p50_ms']:9.3f}{row['p99_ms']:9.3f}"
-                  f"{added:>9s}{cpu_text:>12s}{row['loadgen_cpu_percent']:12.0f}%{row['num_errors']:8d}")
+            print(
+                f"{label:16s}{row['requests_per_s']:9.0f}{ratio:>8s}{spread:>13s}{row['p50_ms']:9.3f}{row['p99_ms']:9.3f}"
+                f"{added:>9s}{cpu_text:>12s}{row['loadgen_cpu_percent']:12.0f}%{row['num_errors']:8d}"
+            )
     if streams:
-        print(f"\nstreaming: {args.stream_requests} sequential streamed chats of 8 tokens from a fake replica that "
-              "writes an SSE chunk every 2 ms (10 chunks, ~18 ms); Nagle shows as +40 ms steps")
+        print(
+            f"\nstreaming: {args.stream_requests} sequential streamed chats of 8 tokens from a fake replica that "
+            "writes an SSE chunk every 2 ms (10 chunks, ~18 ms); Nagle shows as +40 ms steps"
+        )
         header = f"{'router':16s}{'first byte p50':>16s}{'end p50':>10s}{'end max':>10s}{'errors':>8s}"
         print(header)
         print("-" * len(header))
         for name, row in streams.items():
             label = "direct (fake)" if name == "direct" else name
-            print(f"{label:16s}{row['first_byte_p50_ms']:14.1f}ms{row['end_p50_ms']:8.1f}ms"
-                  f"{row['end_max_ms']:8.1f}ms{row['num_errors']:8d}")
+            print(
+                f"{label:16s}{row['first_byte_p50_ms']:14.1f}ms{row['end_p50_ms']:8.1f}ms"
+                f"{row['end_max_ms']:8.1f}ms{row['num_errors']:8d}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,8 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,16,64", help="comma-separated concurrency levels")
     parser.add_argument("--requests", type=int, default=2000, help="requests per point")
     parser.add_argument("--duration-s", type=float, default=20.0, help="time cap per point")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="runs of each point, interleaved across routers; tables show the median")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="runs of each point, interleaved across routers; tables show the median"
+    )
     parser.add_argument("--warmup-requests", type=int, default=300)
     parser.add_argument("--prompt-bytes", type=int, default=1024)
     parser.add_argument("--num-replicas", type=int, default=2, help="nginx listens on this many ports, one a replica")
@@ -371,8 +460,11 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(nginx).exists():
         print("nginx not found: apt-get install -y nginx-light", file=sys.stderr)
         return 1
-    print(f"cores: router {args.router_core}, loadgen+nginx {args.loadgen_core}; "
-          + ", ".join(f"{n} {peer_version(n)}" for n in PEER_PACKAGES), flush=True)
+    print(
+        f"cores: router {args.router_core}, loadgen+nginx {args.loadgen_core}; "
+        + ", ".join(f"{n} {peer_version(n)}" for n in PEER_PACKAGES),
+        flush=True,
+    )
 
     sys.path.insert(0, str(BENCH))
     from loadgen import make_bodies
@@ -387,11 +479,25 @@ def main(argv: list[str] | None = None) -> int:
         upstreams = [f"http://127.0.0.1:{p}" for p in ports]
         config = nginx_config(workdir, ports)
         fake_port = free_port()
-        fake_argv = [sys.executable, "-m", "tests.fakes.fake_replica", "--port", str(fake_port), "--name", "stream",
-                     "--per-token-delay-s", "0.002", "--num-output-tokens", "16"]
-        with running(start_service("nginx", [nginx, "-c", str(config), "-p", str(workdir)], args.loadgen_core,
-                                   workdir)) as backend, \
-             running(start_service("fake", fake_argv, args.loadgen_core, workdir)) as fake:
+        fake_argv = [
+            sys.executable,
+            "-m",
+            "tests.fakes.fake_replica",
+            "--port",
+            str(fake_port),
+            "--name",
+            "stream",
+            "--per-token-delay-s",
+            "0.002",
+            "--num-output-tokens",
+            "16",
+        ]
+        with (
+            running(
+                start_service("nginx", [nginx, "-c", str(config), "-p", str(workdir)], args.loadgen_core, workdir)
+            ) as backend,
+            running(start_service("fake", fake_argv, args.loadgen_core, workdir)) as fake,
+        ):
             for service, url in ((backend, upstreams[0]), (fake, f"http://127.0.0.1:{fake_port}")):
                 error = wait_ready(service, url + "/v1/chat/completions", ready_body, 20)
                 if error:
@@ -427,8 +533,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.stream_requests:
                 streams["direct"] = stream_check("direct", f"http://127.0.0.1:{fake_port}/v1/chat/completions", args)
                 for name in live:
-                    router, url, why = start_router(name, [f"http://127.0.0.1:{fake_port}"], args, workdir,
-                                                    ready_body)
+                    router, url, why = start_router(name, [f"http://127.0.0.1:{fake_port}"], args, workdir, ready_body)
                     if router is None:
                         print(f"  streaming check of {name} skipped: {why}", flush=True)
                         continue
@@ -441,8 +546,9 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = BENCH / "out"
     out_dir.mkdir(exist_ok=True)
     out_path = out_dir / f"bench_proxy-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out_path.write_text(json.dumps({"argv": sys.argv, "results": results, "streams": streams, "skipped": skipped},
-                                   indent=1))
+    out_path.write_text(
+        json.dumps({"argv": sys.argv, "results": results, "streams": streams, "skipped": skipped}, indent=1)
+    )
     print(f"\nJSON: {out_path.relative_to(REPO)}")
     return 0
 

@@ -60,9 +60,6 @@ def add_router_command(subparsers: Any) -> None:
     parser.add_argument(
         "--reuse-port", action="store_true", help="SO_REUSEPORT: let several router processes share the port"
     )
-    parser.add_argument(
-        "--no-front", action="store_true", help="serve every request with aiohttp, not the router's own HTTP front"
-    )
     parser.set_defaults(run=_run_router)
 
 
@@ -90,8 +87,6 @@ def _run_router(args: argparse.Namespace) -> int:
         overrides["log_requests"] = False
     if args.reuse_port:
         overrides["reuse_port"] = True
-    if args.no_front:
-        overrides["front"] = False
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         settings = RouterSettings(**overrides)

@@ -51,8 +51,11 @@ class RoutingKey:
         return len(self.text or b"")
 
 
-def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+def _canonical(value: Any, param: str) -> str:
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except RecursionError:  # nesting deeper than the interpreter's stack, which the JSON decoder allowed
+        raise RoutingInputError(f"'{param}' is nested too deeply", param) from None
 
 
 def _render_content(content: Any, param: str) -> str:
@@ -69,7 +72,7 @@ def _render_content(content: Any, param: str) -> str:
                 if part.get("type") == "text" and isinstance(part.get("text"), str):
                     pieces.append(part["text"])
                 else:
-                    pieces.append(_canonical(part))
+                    pieces.append(_canonical(part, param))
             else:
                 raise RoutingInputError(f"'{param}' parts must be objects", param)
         return _UNIT.join(pieces)
@@ -89,7 +92,7 @@ def render_message(message: Any, index: int) -> str:
         raise RoutingInputError(f"'{param}.name' must be a string", f"{param}.name")
     fields = [role, name, _render_content(message.get("content"), f"{param}.content")]
     if message.get("tool_calls"):
-        fields.append(_canonical(message["tool_calls"]))
+        fields.append(_canonical(message["tool_calls"], f"{param}.tool_calls"))
     if message.get("tool_call_id"):
         fields.append(str(message["tool_call_id"]))
     return _RECORD + _UNIT.join(fields)
@@ -103,7 +106,7 @@ def chat_routing_key(body: dict[str, Any]) -> RoutingKey:
     parts = []
     tools = body.get("tools")
     if tools:
-        parts.append(_RECORD + "tools" + _UNIT + _canonical(tools))
+        parts.append(_RECORD + "tools" + _UNIT + _canonical(tools, "tools"))
     parts.extend(render_message(message, i) for i, message in enumerate(messages))
     return RoutingKey(text="".join(parts).encode())
 

@@ -9,23 +9,25 @@ exposes it; a wrong or missing token gets 401. Tokens are compared in constant t
     POST   /admin/replicas/{id}/drain        (stop new requests; in-flight ones finish; poll in_flight)
     POST   /admin/replicas/{id}/undrain
     GET    /admin/index                      -> prefix index statistics
+
+`handle` dispatches on the path's segments: six routes need no routing table.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hmac
-import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
+from urllib.parse import unquote
 
+import orjson
 from aiohttp import web
 
 from router.service.errors import error_response
+from router.service.front import FrontRequest
 from router.service.pool import Replica, ReplicaPool, replica_id, split_url
 from router.service.routing import RoutingCore
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def replica_view(replica: Replica) -> dict[str, Any]:
@@ -62,40 +64,40 @@ class AdminApi:
         self.on_changed = on_changed
         """Called after an add or an undrain: the replica may take traffic (held requests look again)."""
 
-    def routes(self) -> list[web.RouteDef]:
-        guard = self._authenticated
-        return [
-            web.get("/admin/replicas", guard(self.list_replicas)),
-            web.post("/admin/replicas", guard(self.add_replica)),
-            web.delete("/admin/replicas/{id}", guard(self.remove_replica)),
-            web.post("/admin/replicas/{id}/drain", guard(self.drain_replica)),
-            web.post("/admin/replicas/{id}/undrain", guard(self.undrain_replica)),
-            web.get("/admin/index", guard(self.index_stats)),
-        ]
+    async def handle(self, request: FrontRequest, body: bytes) -> web.Response:
+        """Any request under /admin: 401 without the token, else the route's answer, or 404."""
+        # The header's bytes as received: a value that is not UTF-8 is a wrong token, not an error.
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, self._token):
+            return error_response(
+                401,
+                "missing or wrong admin bearer token",
+                type_="authentication_error",
+                code="invalid_token",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        parts = request.path.split("/")[2:]  # "/admin/replicas/x/drain" -> ["replicas", "x", "drain"]
+        method = request.method
+        if parts == ["replicas"] and method == "GET":
+            return self.list_replicas()
+        if parts == ["replicas"] and method == "POST":
+            return self.add_replica(body)
+        if parts == ["index"] and method == "GET":
+            return self.index_stats()
+        if len(parts) == 2 and parts[0] == "replicas" and method == "DELETE":
+            return self.remove_replica(unquote(parts[1]))
+        if len(parts) == 3 and parts[0] == "replicas" and method == "POST" and parts[2] == "drain":
+            return self.drain_replica(unquote(parts[1]))
+        if len(parts) == 3 and parts[0] == "replicas" and method == "POST" and parts[2] == "undrain":
+            return self.undrain_replica(unquote(parts[1]))
+        return error_response(404, f"no route for {method} {request.path}", code="not_found")
 
-    def _authenticated(self, handler: Handler) -> Handler:
-        """Wrap an admin handler with the bearer-token check (per route, so the proxy path pays nothing)."""
-
-        async def guarded(request: web.Request) -> web.StreamResponse:
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, self._token):
-                return error_response(
-                    401,
-                    "missing or wrong admin bearer token",
-                    type_="authentication_error",
-                    code="invalid_token",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-            return await handler(request)
-
-        return guarded
-
-    async def list_replicas(self, request: web.Request) -> web.Response:
+    def list_replicas(self) -> web.Response:
         return web.json_response({"replicas": [replica_view(r) for r in self.pool]})
 
-    async def add_replica(self, request: web.Request) -> web.Response:
+    def add_replica(self, raw: bytes) -> web.Response:
         try:
-            body = await request.json()
+            body = orjson.loads(raw)
         except (ValueError, RecursionError):
             return error_response(400, 'body must be JSON: {"url": ..., "name"?: ...}', code="invalid_json")
         url = body.get("url") if isinstance(body, dict) else None
@@ -121,42 +123,33 @@ class AdminApi:
         self.on_changed(replica)
         return web.json_response(replica_view(replica), status=201 if is_new else 200)
 
-    def _replica(self, request: web.Request) -> Replica:
-        replica = self.pool.get(request.match_info["id"])
-        if replica is None:
-            raise web.HTTPNotFound(
-                text=json.dumps(
-                    {
-                        "error": {
-                            "message": f"no replica {request.match_info['id']!r}",
-                            "type": "invalid_request_error",
-                            "param": "id",
-                            "code": "not_found",
-                        }
-                    }
-                ),
-                content_type="application/json",
-            )
-        return replica
+    def _not_found(self, name: str) -> web.Response:
+        return error_response(404, f"no replica {name!r}", param="id", code="not_found")
 
-    async def remove_replica(self, request: web.Request) -> web.Response:
-        replica = self._replica(request)
+    def remove_replica(self, name: str) -> web.Response:
+        replica = self.pool.get(name)
+        if replica is None:
+            return self._not_found(name)
         self.pool.remove(replica.id)
         self.core.remove_replica(replica.id)
         return web.json_response(replica_view(replica))
 
-    async def drain_replica(self, request: web.Request) -> web.Response:
-        replica = self._replica(request)
+    def drain_replica(self, name: str) -> web.Response:
+        replica = self.pool.get(name)
+        if replica is None:
+            return self._not_found(name)
         replica.is_draining = True
         return web.json_response(replica_view(replica))
 
-    async def undrain_replica(self, request: web.Request) -> web.Response:
-        replica = self._replica(request)
+    def undrain_replica(self, name: str) -> web.Response:
+        replica = self.pool.get(name)
+        if replica is None:
+            return self._not_found(name)
         replica.is_draining = False
         self.on_changed(replica)
         return web.json_response(replica_view(replica))
 
-    async def index_stats(self, request: web.Request) -> web.Response:
+    def index_stats(self) -> web.Response:
         stats = self.core.index.stats()
         data = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(vars(stats))
         return web.json_response(data)

@@ -1,8 +1,11 @@
-"""`create_app(settings)`: the router as an aiohttp application (STYLE.md 5).
+"""`create_app(settings)`: the router's state and lifecycle as an aiohttp application (STYLE.md 5); `front_routes`:
+its endpoints, served by `router.service.front`.
 
 State lives under typed `web.AppKey`s; the HTTP client session, the health and scrape tasks and, with
 `discovery.kind: kubernetes`, the EndpointSlice watch and, with `kv_events.source` set, the replicas' KV-event
-streams are started and stopped in `cleanup_ctx`. Tests build the app with this same factory.
+streams are started and stopped in `cleanup_ctx`. Tests build the app with this same factory. Every endpoint, the
+admin API, /metrics and the probes included, is served on the one port by the front, so that one parser and one
+set of limits guard it (router/service/server.py says why there is no second listener).
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from router.policy.prefix_index import PrefixIndex
 from router.service.admin import AdminApi
 from router.service.deadlines import Deadlines
 from router.service.errors import error_response
+from router.service.front import Answer, FrontRequest, Handler
 from router.service.health import HealthChecker, MetricsScraper
 from router.service.kv_events import KVEventSubscribers
 from router.service.metrics import RouterMetrics
 from router.service.pool import Replica, ReplicaPool
 from router.service.proxy import Proxy
+from router.service.request_log import RequestLog, open_sink
 from router.service.routing import RoutingCore
 from router.service.settings import RouterSettings
 from router.service.upstream import UpstreamPool
@@ -37,14 +42,14 @@ PROXY = web.AppKey("proxy", Proxy)
 HEALTH = web.AppKey("health", HealthChecker)
 KV_EVENTS = web.AppKey("kv_events", KVEventSubscribers)
 SHUTTING_DOWN = web.AppKey("shutting_down", asyncio.Event)
+ADMIN = web.AppKey("admin", AdminApi)
 
 # Index sweeps (TTL expiry) run this often; the sweep is cheap and bounded by the number of entries.
 _SWEEP_INTERVAL_S = 5.0
 
 
 def create_app(settings: RouterSettings) -> web.Application:
-    # No middlewares: each one wraps every proxied request, and the proxy path is the router's hot path.
-    app = web.Application(client_max_size=settings.limits.max_body_bytes)
+    app = web.Application()
     pool = ReplicaPool()
     index = PrefixIndex(settings.index)
     core = RoutingCore(settings, pool, index, build_policy(settings.policy, seed=settings.seed), settings.prefill_rate)
@@ -57,21 +62,49 @@ def create_app(settings: RouterSettings) -> web.Application:
     app[SHUTTING_DOWN] = asyncio.Event()
     app.cleanup_ctx.append(_services)
     app.on_shutdown.append(_begin_shutdown)
-
-    app.router.add_get("/health", _health)
-    app.router.add_get("/ready", _ready)
-    app.router.add_get("/metrics", _metrics)
-    app.router.add_post("/v1/completions", _proxy_routed)
-    app.router.add_post("/v1/chat/completions", _proxy_routed)
-    app.router.add_get("/v1/models", _proxy_models)
-    app.router.add_route("*", "/v1/{tail:.*}", _proxy_passthrough)
     if settings.admin_token is not None:
-        admin = AdminApi(
+        app[ADMIN] = AdminApi(
             settings.admin_token.get_secret_value(), pool, core, on_changed=lambda r: _replica_changed(app, r)
         )
-        app.router.add_routes(admin.routes())
-    app.router.add_route("*", "/{tail:.*}", _not_found)
     return app
+
+
+def front_routes(app: web.Application) -> tuple[dict[tuple[str, str], Handler], Handler]:
+    """The endpoints of a started app ((method, path) -> handler), and the handler of every other request: /v1/*
+    passthrough, the admin API, 404."""
+    proxy = app[PROXY]
+    admin = app.get(ADMIN)
+
+    async def health(request: FrontRequest, body: bytes) -> Answer:
+        return web.json_response({"status": "ok"})
+
+    async def ready(request: FrontRequest, body: bytes) -> Answer:
+        return _ready(app)
+
+    async def metrics(request: FrontRequest, body: bytes) -> Answer:
+        return web.Response(body=generate_latest(app[METRICS].registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def models(request: FrontRequest, body: bytes) -> Answer:
+        return await proxy.handle_models(request)
+
+    async def other(request: FrontRequest, body: bytes) -> Answer:
+        path = request.path
+        if path.startswith("/v1/"):
+            return await proxy.handle_passthrough(request, body)
+        if admin is not None and (path == "/admin" or path.startswith("/admin/")):
+            return await admin.handle(request, body)
+        return error_response(404, f"no route for {request.method} {path}", code="not_found")
+
+    routes: dict[tuple[str, str], Handler] = {
+        ("POST", "/v1/chat/completions"): proxy.handle_front,
+        ("POST", "/v1/completions"): proxy.handle_front,
+        ("GET", "/v1/models"): models,
+    }
+    for method in ("GET", "HEAD"):
+        routes[(method, "/health")] = health
+        routes[(method, "/ready")] = ready
+        routes[(method, "/metrics")] = metrics
+    return routes, other
 
 
 def _replica_changed(app: web.Application, replica: Replica) -> None:
@@ -103,7 +136,16 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300), skip_auto_headers=("User-Agent",)
     )
     core = app[CORE]
-    app[PROXY] = Proxy(settings, app[POOL], core, app[METRICS], upstream, on_unreachable=lambda r: _wake(app, r))
+    request_log = _start_request_log(settings, app[METRICS]) if settings.log_requests else None
+    app[PROXY] = Proxy(
+        settings,
+        app[POOL],
+        core,
+        app[METRICS],
+        upstream,
+        on_unreachable=lambda r: _wake(app, r),
+        request_log=request_log,
+    )
     proxy = app[PROXY]
     kv_events = None
     if settings.kv_events.source != "none":
@@ -150,6 +192,19 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
                 await task
         await probe_session.close()
         await upstream.close()
+        if request_log is not None:
+            await asyncio.to_thread(request_log.close)  # flushes what is queued; bounded by its close timeout
+
+
+def _start_request_log(settings: RouterSettings, metrics: RouterMetrics) -> RequestLog:
+    request_log = RequestLog(
+        open_sink(settings.request_log.path),
+        max_pending_lines=settings.request_log.max_pending_lines,
+        flush_interval_s=settings.request_log.flush_interval_s,
+        on_drop=metrics.request_log_dropped.inc,
+    )
+    request_log.start()
+    return request_log
 
 
 async def _sweep(core: RoutingCore, loop: asyncio.AbstractEventLoop) -> None:
@@ -162,18 +217,9 @@ async def _begin_shutdown(app: web.Application) -> None:
     app[SHUTTING_DOWN].set()
 
 
-async def _not_found(request: web.Request) -> web.Response:
-    return error_response(404, f"no route for {request.method} {request.path}", code="not_found")
-
-
-async def _health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
-
-
-async def _ready(request: web.Request) -> web.Response:
+def _ready(app: web.Application) -> web.Response:
     """503 while shutting down, and while no replica is eligible unless requests are held meanwhile: a router
     that holds requests for a cold start or a scale from zero must keep receiving them."""
-    app = request.app
     if app[SHUTTING_DOWN].is_set():
         return web.json_response({"status": "shutting down"}, status=503)
     eligible = app[POOL].eligible(None)
@@ -183,20 +229,3 @@ async def _ready(request: web.Request) -> web.Response:
             return web.json_response({"status": "holding requests until a replica is ready", "replicas": 0})
         return web.json_response({"status": "no replica ready", "replicas": len(app[POOL])}, status=503)
     return web.json_response({"status": "ready", "replicas": len(eligible)})
-
-
-async def _metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[METRICS].registry)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-async def _proxy_routed(request: web.Request) -> web.StreamResponse:
-    return await request.app[PROXY].handle_routed(request)
-
-
-async def _proxy_models(request: web.Request) -> web.Response:
-    return await request.app[PROXY].handle_models(request)
-
-
-async def _proxy_passthrough(request: web.Request) -> web.StreamResponse:
-    return await request.app[PROXY].handle_passthrough(request)

@@ -1,43 +1,41 @@
-"""The router's HTTP/1.1 front door: the inference endpoints on `asyncio` protocols, everything else by aiohttp.
+"""The router's HTTP/1.1 server: `asyncio` protocols with httptools (llhttp, uvicorn's parser) doing the parsing.
 
-aiohttp's server spends much of a proxied request's CPU on request and response objects, its parser's Python side
-and payload writers: with this front the router uses 48-135 µs less CPU per request under load (`bench_proxy.py`'s
-`shoal` against `shoal-aiohttp` rows, README). `FrontServer` listens in its place: every connection starts as a
-`_Connection`, which parses each request head itself. A request it serves
-- is one of its `routes`: for the router `POST /v1/chat/completions`, `POST /v1/completions` and
-  `GET /v1/models`, what OpenAI clients send on their connections (origin-form, a query string allowed), over
-  HTTP/1.1;
-- frames its body with one Content-Length no larger than `limits.max_body_bytes` (a GET may have none);
-- carries no Transfer-Encoding, Content-Encoding, Expect or Upgrade, and has a well-formed head.
+Every endpoint is served here, inference and admin alike, so one parser, one set of limits and one set of timeouts
+guard the router's port; there is no second server to hand a connection to. `FrontServer` takes `routes`
+((method, path) -> handler) and a `fallback` handler for every other request (the app answers /v1/* passthrough,
+/admin/* and 404 there). A handler gets the request and its whole body, already de-chunked and decoded.
 
-Any other request hands the connection, with every byte buffered so far, to aiohttp's `RequestHandler` for the
-rest of its life. So the other endpoints, and the answers to oversized, chunked, compressed, 100-continue or
-malformed requests, are exactly aiohttp's. A handover happens only between requests: aiohttp starts at the first
-byte of a request.
-
-What the front does for the requests it serves:
-- Keep-alive, with pipelined requests answered in order: the next head is parsed once an answer is written, and
-  reading pauses while a request is served and more than `_HIGH_WATER_BYTES` wait behind it.
-- A client that goes away cancels its request's task, as aiohttp's handler cancellation does, which aborts the
-  upstream request, so the replica stops generating for nobody.
+What the server does:
+- Framing and hostile input are llhttp's, in its strict mode: Content-Length or chunked (never both, never a
+  repeated length), no obs-fold, bare CR or LF, or invalid characters. A request it rejects is answered 400 (or 413,
+  415, 417, 431, 505 by the rule it broke) with `Connection: close` at once, after the answers to every valid request
+  pipelined before it; no malformed request waits for a timeout, and none logs more than one line.
+- Bodies: at most `limits.max_body_bytes` (413 beyond, before the body is read when a length says so); gzip and
+  deflate content codings are decoded within the same bound; `Expect: 100-continue` gets its interim answer.
+- Keep-alive, with pipelined requests answered in order; reading pauses while one is served and more than
+  `_HIGH_WATER_BYTES` or `_MAX_PIPELINED` requests wait behind it.
+- A client that goes away cancels its request's task, which aborts the upstream request, so the replica stops
+  generating for nobody.
 - Timeouts without a timer per request: a sweep once a second closes idle connections after
-  `limits.keepalive_timeout_s`, and answers 408 to a head not complete within `limits.header_read_timeout_s` or
-  a body not complete within `limits.body_read_timeout_s`.
-- Answers: a whole body with Content-Length, or a stream (SSE) in chunked transfer coding, each chunk written as
-  it arrives; writes wait while the client's socket buffer is full.
+  `limits.keepalive_timeout_s`, and answers 408 to a head not complete within `limits.header_read_timeout_s` or a
+  body not complete within `limits.body_read_timeout_s`.
+- Answers: a whole body with Content-Length, or a stream (SSE) in chunked transfer coding, each chunk written as it
+  arrives; writes wait while the client's socket buffer is full.
 - Shutdown: stop accepting, close idle connections, let requests in flight finish within the grace period.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
-import re
 import socket
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+import zlib
+from collections.abc import Awaitable, Iterable, Mapping
 from http import HTTPStatus
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
+import httptools
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -47,37 +45,33 @@ from router.service.settings import LimitSettings
 log = logging.getLogger("shoal.router")
 
 _MAX_HEAD_BYTES = 64 * 1024
-"""A head without its end in this many bytes goes to aiohttp, which refuses it (431 or 400)."""
+"""Bytes a request head may take (431 beyond): far above what OpenAI clients send, far below memory trouble."""
 _HIGH_WATER_BYTES = 1024 * 1024
 """Bytes of following requests buffered while one is served, past which reading pauses."""
+_MAX_PIPELINED = 32
+"""Complete requests queued behind the one being served, past which reading pauses."""
 _SWEEP_INTERVAL_S = 1.0
 """How often connections are checked for timeouts; more often when a timeout is shorter than 4 s."""
-
-# A request line and header fields as RFC 9110/9112 allow them (no obs-fold, no bare CR or LF, no CTLs but tab
-# in values); a head that does not match is aiohttp's to answer.
-_REQUEST_LINE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) (/[^\x00-\x20\x7f]*) HTTP/1\.1")
-_FIELDS = re.compile(rb"(?:\r\n[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*)*")
-# Header fields the front looks at; a request that repeats one of them goes to aiohttp.
-_SPECIAL = frozenset(
-    {"content-length", "transfer-encoding", "content-encoding", "expect", "upgrade", "connection", "content-type"}
-)
 _NO_BODY_STATUS = frozenset({204, 304})
 _REASONS = {status.value: status.phrase for status in HTTPStatus}
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# zlib's window bits: gzip only, or zlib (deflate as RFC 9110 names it) and raw deflate, which some clients send.
+_DECODERS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS,), "deflate": (zlib.MAX_WBITS, -15)}
 
-# Where a connection stands.
-_HEAD, _BODY, _BUSY, _CLOSED = range(4)
+# Where the request being read stands: between requests, in its head, in its body; and a closed connection.
+_IDLE, _HEAD, _BODY, _CLOSED = range(4)
+
+Answer: TypeAlias = "web.StreamResponse | WholeAnswer | FrontStream"
 
 
 class Handler(Protocol):
-    """What serves a parsed request: the proxy. Returns a whole answer, or the stream it has written."""
+    """What serves a parsed request. Returns a whole answer, or the stream it has written."""
 
-    def __call__(
-        self, request: FrontRequest, body: bytes, /
-    ) -> Awaitable[web.StreamResponse | WholeAnswer | FrontStream]: ...
+    def __call__(self, request: FrontRequest, body: bytes, /) -> Awaitable[Answer]: ...
 
 
 class FrontRequest:
-    """A request the front serves, with the attributes of `aiohttp.web.Request` the proxy reads."""
+    """A request with the attributes of `aiohttp.web.Request` that the proxy and the admin API read."""
 
     __slots__ = ("_conn", "content_type", "headers", "keep_alive", "method", "path", "path_qs")
 
@@ -94,6 +88,7 @@ class FrontRequest:
         self.path_qs = path_qs
         self.path = path_qs.partition("?")[0]
         self.headers = headers
+        """Header values decoded from UTF-8 with surrogateescape, so any byte survives a round trip upstream."""
         self.content_type = content_type
         """The media type, lower case, without parameters; application/octet-stream when absent (as aiohttp)."""
         self.keep_alive = keep_alive
@@ -105,7 +100,7 @@ class FrontRequest:
 
     def deliver(self, answer: WholeAnswer) -> None:
         """Write a whole answer now, before the handler returns, so that its bookkeeping after the answer (metrics,
-        the request's log line) does not delay the client; the front does not write it again."""
+        the request's log line) does not delay the client; the server does not write it again."""
         conn = self._conn
         if conn.state != _CLOSED:
             conn._send(encode_response(answer, not conn._must_close()))
@@ -113,7 +108,7 @@ class FrontRequest:
 
 
 class WholeAnswer:
-    """A complete answer for the front to write: status, end-to-end header pairs and body. The proxy hands a
+    """A complete answer for the server to write: status, end-to-end header pairs and body. The proxy hands a
     replica's whole answer on in this form, since a `web.Response` would only be built to be taken apart again."""
 
     __slots__ = ("body", "headers", "status")
@@ -125,14 +120,14 @@ class WholeAnswer:
 
 
 class FrontStream:
-    """A streamed answer on a front connection: `write` each piece, then `write_eof`."""
+    """A streamed answer on a connection: `write` each piece, then `write_eof`."""
 
     __slots__ = ("_conn", "_head", "status")
 
     def __init__(self, conn: _Connection, status: int, headers: CIMultiDict[str], keep_alive: bool) -> None:
         self.status = status
         self._conn = conn
-        head = _encode_head(status, headers.items(), keep_alive and not conn.server.is_closing)
+        head = _encode_head(status, headers.items(), keep_alive and not conn._must_close())
         self._head: bytes | None = head + b"Transfer-Encoding: chunked\r\n\r\n"
 
     async def write(self, data: bytes) -> None:
@@ -150,80 +145,8 @@ class FrontStream:
         return head
 
 
-class _Head:
-    __slots__ = ("content_length", "content_type", "end", "handler", "headers", "keep_alive", "method", "target")
-
-    def __init__(
-        self,
-        handler: Handler,
-        method: str,
-        target: str,
-        headers: CIMultiDictProxy[str],
-        content_length: int,
-        content_type: str,
-        keep_alive: bool,
-        end: int,
-    ) -> None:
-        self.handler = handler
-        self.method = method
-        self.target = target
-        self.headers = headers
-        self.content_length = content_length
-        self.content_type = content_type
-        self.keep_alive = keep_alive
-        self.end = end
-        """Offset of the body's first byte in the buffer."""
-
-
-def parse_head(
-    buffer: bytes | bytearray, end: int, routes: Mapping[tuple[str, str], Handler], max_body_bytes: int
-) -> _Head | None:
-    """The head ending at `buffer[end:end + 4]` ("\\r\\n\\r\\n"), or None when the front does not serve it."""
-    line_end = buffer.find(b"\r\n", 0, end + 2)
-    line = _REQUEST_LINE.fullmatch(buffer, 0, line_end)
-    if line is None:
-        return None
-    method = line.group(1).decode("ascii")
-    target = line.group(2).decode("ascii")
-    handler = routes.get((method, target.partition("?")[0]))
-    if handler is None:
-        return None
-    if _FIELDS.fullmatch(buffer, line_end, end) is None:
-        return None
-    fields: list[tuple[str, str]] = []
-    special: dict[str, str] = {}
-    text = bytes(buffer[line_end + 2 : end]).decode("utf-8", "surrogateescape")
-    for field in text.split("\r\n") if text else ():
-        name, _, value = field.partition(":")
-        value = value.strip(" \t")
-        lower = name.lower()
-        if lower in _SPECIAL:
-            if lower in special:
-                return None
-            special[lower] = value
-        fields.append((name, value))
-    if "transfer-encoding" in special or "content-encoding" in special or "expect" in special or "upgrade" in special:
-        return None
-    length_text = special.get("content-length")
-    if length_text is None:
-        if method == "POST":
-            return None  # aiohttp answers a POST without a length (411 or an empty body) as it always has
-        length_text = "0"
-    if not length_text.isdigit() or not length_text.isascii():
-        return None
-    content_length = int(length_text)
-    if content_length > max_body_bytes:
-        return None
-    connection = special.get("connection")
-    keep_alive = connection is None or "close" not in {t.strip().lower() for t in connection.split(",")}
-    content_type = special.get("content-type")
-    content_type = content_type.partition(";")[0].strip().lower() if content_type else "application/octet-stream"
-    headers = CIMultiDictProxy(CIMultiDict(fields))
-    return _Head(handler, method, target, headers, content_length, content_type, keep_alive, end + 4)
-
-
 def _encode_head(status: int, headers: Iterable[tuple[str, str]], keep_alive: bool) -> bytes:
-    """The status line and `headers`, which must be end-to-end ones: the front frames the answer itself (the
+    """The status line and `headers`, which must be end-to-end ones: the server frames the answer itself (the
     proxy drops a replica's hop-by-hop headers before they get here)."""
     lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"]
     for name, value in headers:
@@ -233,8 +156,9 @@ def _encode_head(status: int, headers: Iterable[tuple[str, str]], keep_alive: bo
     return "".join(lines).encode("utf-8", "surrogateescape")
 
 
-def encode_response(response: web.StreamResponse | WholeAnswer, keep_alive: bool) -> bytes:
-    """A whole answer (a `WholeAnswer`, or a `web.Response` with bytes for its body), framed by Content-Length."""
+def encode_response(response: web.StreamResponse | WholeAnswer, keep_alive: bool, *, is_head: bool = False) -> bytes:
+    """A whole answer (a `WholeAnswer`, or a `web.Response` with bytes for its body), framed by Content-Length;
+    without its body for a HEAD request."""
     if isinstance(response, WholeAnswer):
         body: bytes | None = response.body
         head = _encode_head(response.status, response.headers, keep_alive)
@@ -246,22 +170,58 @@ def encode_response(response: web.StreamResponse | WholeAnswer, keep_alive: bool
     if response.status in _NO_BODY_STATUS:
         return head + b"\r\n"
     body = body or b""
-    return head + b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+    head += b"Content-Length: %d\r\n\r\n" % len(body)
+    return head if is_head else head + body
+
+
+class _Refusal(Exception):
+    """A request the server answers itself with an error."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+    def answer(self) -> web.Response:
+        return error_response(self.status, self.message, code=self.code)
+
+
+class _StopParsing(Exception):
+    """Raised by a parser callback to stop at a request after which nothing is read (Connection: close)."""
+
+
+class _Pending:
+    """A complete request waiting its turn: a handler to run, or the error answer the server already chose."""
+
+    __slots__ = ("body", "handler", "refusal", "request")
+
+    def __init__(
+        self, request: FrontRequest, body: bytes, handler: Handler | None, refusal: _Refusal | None = None
+    ) -> None:
+        self.request = request
+        self.body = body
+        self.handler = handler
+        self.refusal = refusal
 
 
 class _Connection(asyncio.Protocol):
     def __init__(self, server: FrontServer) -> None:
         self.server = server
         self.loop = server.loop
+        self.limits = server.limits
         self.transport: asyncio.Transport | None = None
-        self.state = _HEAD
+        self.parser = httptools.HttpRequestParser(self)
+        self.state = _IDLE
         self.since = self.loop.time()
         """When the current state began: idle or head (keep-alive and header timeouts), or body (body timeout)."""
-        self.buffer = bytearray()
-        self.head: _Head | None = None
-        self.scanned = 0
-        """The head's end is not before this offset of the buffer."""
+        self.pending: collections.deque[_Pending] = collections.deque()
+        self.pending_bytes = 0
         self.task: asyncio.Task[None] | None = None
+        self.refusal: _Refusal | None = None
+        """The error that ends the connection, answered once every request before it is."""
+        self.is_reading_done = False
+        """Nothing more is parsed: a refusal, a request that asked to close, or an upgrade."""
         self.close_after = False
         """Close once the answer in progress is written (the client asked for it)."""
         self.has_written = False
@@ -269,6 +229,16 @@ class _Connection(asyncio.Protocol):
         self._is_reading_paused = False
         self._drain: asyncio.Future[None] | None = None
         self._is_writing_paused = False
+        # The request being read.
+        self._url = b""
+        self._fields: list[tuple[bytes, bytes]] = []
+        self._body: list[bytes] = []
+        self._body_bytes = 0
+        self._head_bytes = 0
+        self._request: FrontRequest | None = None
+        self._handler: Handler | None = None
+        self._coding: str | None = None
+        self._is_continue_due = False
 
     # --- asyncio.Protocol ---------------------------------------------------------------------------------
 
@@ -280,24 +250,40 @@ class _Connection(asyncio.Protocol):
         self.server.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
-        if self.state == _CLOSED:
+        if self.state == _CLOSED or self.is_reading_done:
             return
-        if self.state == _BUSY:
-            self.buffer += data
-            if len(self.buffer) > _HIGH_WATER_BYTES and not self._is_reading_paused:
-                self._is_reading_paused = True
-                self.transport.pause_reading()  # type: ignore[union-attr]
-            return
-        if not self.buffer and self.state == _HEAD:
-            self.since = self.loop.time()  # the head's first byte: the header timeout starts now
-        self.buffer += data
-        self._advance()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            if isinstance(cause, _Refusal):
+                self._end_reading(cause)
+            elif isinstance(cause, _StopParsing):
+                self._end_reading(None)
+            else:  # a bug in the callbacks below: one error line, and the client still gets its answer
+                log.error("error parsing a request: %r", cause)
+                self._end_reading(_Refusal(500, "internal error in the router", "internal_error"))
+        except httptools.HttpParserUpgrade:
+            self._end_reading(None)  # the request asking to switch protocols is answered in HTTP/1.1, then closed
+        except httptools.HttpParserError as exc:
+            self._end_reading(_Refusal(400, f"malformed request: {exc}", "invalid_request"))
+        else:
+            if self.state == _HEAD:
+                self._check_partial_head(data)
+        if self.task is None:
+            self._serve_next()
+        elif not self._is_reading_paused and (
+            len(self.pending) >= _MAX_PIPELINED or self.pending_bytes + self._body_bytes > _HIGH_WATER_BYTES
+        ):
+            self._is_reading_paused = True
+            self.transport.pause_reading()  # type: ignore[union-attr]
 
     def eof_received(self) -> bool:
         return False  # as with aiohttp, a client that shuts down its side has gone: close, cancelling its request
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.state = _CLOSED
+        self.pending.clear()
         self.server.connections.discard(self)
         if self.task is not None:
             self.task.cancel()  # the client went away: the upstream request is aborted
@@ -314,50 +300,160 @@ class _Connection(asyncio.Protocol):
             self._drain.set_result(None)
         self._drain = None
 
+    # --- httptools callbacks ------------------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self.state = _HEAD
+        self.since = self.loop.time()
+        self._url = b""
+        self._fields = []
+        self._body = []
+        self._body_bytes = 0
+        self._head_bytes = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._fields.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        version = parser.get_http_version()
+        if version not in ("1.1", "1.0"):
+            raise _Refusal(505, f"HTTP/{version} is not supported; use HTTP/1.1", "http_version_not_supported")
+        method = parser.get_method().decode("ascii")
+        target = self._url.decode("latin-1")  # llhttp lets no byte above 0x7f into a target
+        if not target.startswith("/"):
+            raise _Refusal(400, "the request target must be a path (origin-form)", "invalid_request")
+        # llhttp strips the whitespace before a value, not after it (RFC 9110 5.5: both are not part of it).
+        headers = CIMultiDictProxy(
+            CIMultiDict(
+                (name.decode("latin-1"), value.decode("utf-8", "surrogateescape").rstrip(" \t"))
+                for name, value in self._fields
+            )
+        )
+        if len(self._url) + sum(len(name) + len(value) + 4 for name, value in self._fields) > _MAX_HEAD_BYTES:
+            raise _Refusal(431, f"request head larger than {_MAX_HEAD_BYTES} bytes", "head_too_large")
+        self._fields = []
+        limit = self.limits.max_body_bytes
+        length = headers.get("Content-Length")
+        if length is not None and int(length) > limit:  # llhttp has checked it is digits within 64 bits
+            raise _Refusal(413, f"request body is larger than {limit} bytes", "request_too_large")
+        transfer_coding = headers.get("Transfer-Encoding")
+        if transfer_coding is not None and transfer_coding.strip().lower() != "chunked":  # llhttp: chunked is last
+            raise _Refusal(501, f"Transfer-Encoding {transfer_coding!r} is not supported (chunked)", "not_implemented")
+        coding = headers.get("Content-Encoding")
+        if coding is not None:
+            coding = coding.strip().lower()
+            if coding == "identity":
+                coding = None
+            elif coding not in _DECODERS:
+                raise _Refusal(
+                    415, f"Content-Encoding {coding!r} is not supported (gzip, deflate)", "unsupported_encoding"
+                )
+        expect = headers.get("Expect")
+        if expect is not None:
+            if expect.strip().lower() != "100-continue":
+                raise _Refusal(417, "the only expectation supported is 100-continue", "expectation_failed")
+            self._is_continue_due = length != "0"
+        self._coding = coding
+        content_type = headers.get("Content-Type")
+        content_type = content_type.partition(";")[0].strip().lower() if content_type else "application/octet-stream"
+        keep_alive = parser.should_keep_alive()
+        self._request = FrontRequest(method, target, headers, content_type, keep_alive, self)
+        self._handler = self.server.routes.get((method, self._request.path), self.server.fallback)
+        self.state = _BODY
+        self.since = self.loop.time()
+        if self._is_continue_due and self.task is None and not self.pending:
+            self._send_continue()
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        if self._body_bytes > self.limits.max_body_bytes:
+            raise _Refusal(413, f"request body is larger than {self.limits.max_body_bytes} bytes", "request_too_large")
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        request = self._request
+        assert request is not None
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        self._body = []
+        self._body_bytes = 0
+        self._is_continue_due = False
+        refusal = None
+        if self._coding is not None and body:
+            try:
+                body = _decode(body, self._coding, self.limits.max_body_bytes)
+            except _Refusal as exc:
+                refusal = exc
+        self.pending.append(_Pending(request, body, self._handler, refusal))
+        self.pending_bytes += len(body)
+        self.state = _IDLE
+        self.since = self.loop.time()
+        self._request = None
+        if not request.keep_alive:
+            raise _StopParsing
+
     # --- requests -----------------------------------------------------------------------------------------
 
-    def _advance(self) -> None:
-        """Parses as far as the buffer allows; starts serving a request whose body is complete."""
-        if self.state == _HEAD:
-            end = self.buffer.find(b"\r\n\r\n", self.scanned)
-            if end < 0:
-                if len(self.buffer) > _MAX_HEAD_BYTES:
-                    self._hand_over()
-                else:
-                    self.scanned = max(0, len(self.buffer) - 3)  # a head sent byte by byte is searched once
-                return
-            self.scanned = 0
-            head = parse_head(self.buffer, end, self.server.routes, self.server.limits.max_body_bytes)
-            if head is None:
-                self._hand_over()
-                return
-            self.head = head
-            self.state = _BODY
-            if len(self.buffer) < head.end + head.content_length:
-                self.since = self.loop.time()  # the body timeout starts once the head is complete
-                return
-        head = self.head
-        assert head is not None
-        need = head.end + head.content_length
-        if len(self.buffer) < need:
-            return
-        body = bytes(self.buffer[head.end : need])
-        del self.buffer[:need]
-        self.head = None
-        self.state = _BUSY
-        if not head.keep_alive:
-            self.close_after = True
-        request = FrontRequest(head.method, head.target, head.headers, head.content_type, head.keep_alive, self)
-        self.task = self.loop.create_task(self._serve(head.handler, request, body))
+    def _check_partial_head(self, data: bytes) -> None:
+        """A head still incomplete after `data`: refuse one that is too large, or an HTTP/0.9 request line (a path
+        and a line end, no version), which llhttp would wait on for ever."""
+        self._head_bytes += len(data)
+        if self._head_bytes > _MAX_HEAD_BYTES:
+            self._end_reading(_Refusal(431, f"request head larger than {_MAX_HEAD_BYTES} bytes", "head_too_large"))
+        elif self._url and self.parser.get_http_version() == "0.0" and data.rfind(b"\n") > data.rfind(b" "):
+            self._end_reading(_Refusal(400, "malformed request: HTTP/0.9 is not supported", "invalid_request"))
 
-    async def _serve(self, handler: Handler, request: FrontRequest, body: bytes) -> None:
+    def _end_reading(self, refusal: _Refusal | None) -> None:
+        """Parse nothing more; answer the requests already complete, then `refusal` if any, then close."""
+        self.is_reading_done = True
+        self.refusal = refusal
+        if refusal is not None and refusal.status >= 500:
+            log.warning("refused a request: %s", refusal.message)
+        elif refusal is not None:
+            log.info("refused a request: %d %s", refusal.status, refusal.message)
+        if not self._is_reading_paused and self.transport is not None:
+            self._is_reading_paused = True
+            self.transport.pause_reading()
+
+    def _serve_next(self) -> None:
+        """Starts the next complete request, or, with none left, ends a connection that reads no more."""
+        if self.state == _CLOSED or self.task is not None:
+            return
+        if self.pending:
+            item = self.pending.popleft()
+            self.pending_bytes -= len(item.body)
+            self.task = self.loop.create_task(self._serve(item))
+            return
+        if self.is_reading_done:
+            if self.refusal is not None:
+                self._send(encode_response(self.refusal.answer(), keep_alive=False))
+            self._close()
+            return
+        if self._is_reading_paused:
+            self._is_reading_paused = False
+            self.transport.resume_reading()  # type: ignore[union-attr]
+        if self._is_continue_due:
+            self._send_continue()
+
+    async def _serve(self, item: _Pending) -> None:
         server = self.server
+        request = item.request
         server.num_busy += 1
         server.num_served += 1
+        if not request.keep_alive or (self.is_reading_done and not self.pending and self.refusal is None):
+            self.close_after = True  # the client asked to close, or the request asked for an upgrade
+        is_head = request.method == "HEAD"
         try:
-            response = await handler(request, body)
+            if item.refusal is not None:
+                response: Answer = item.refusal.answer()
+            else:
+                assert item.handler is not None
+                response = await item.handler(request, item.body)
             if not isinstance(response, FrontStream) and self.state != _CLOSED and not self.has_written:
-                self._send(encode_response(response, not self._must_close()))
+                self._send(encode_response(response, not self._must_close(), is_head=is_head))
         except asyncio.CancelledError:
             if self.state != _CLOSED:  # cancelled by the shutdown, not by the client going away
                 self._abort()
@@ -381,17 +477,17 @@ class _Connection(asyncio.Protocol):
         if self._must_close():
             self._close()
             return
-        self.state = _HEAD
-        self.since = self.loop.time()
         self.has_written = False
-        if self._is_reading_paused:
-            self._is_reading_paused = False
-            self.transport.resume_reading()  # type: ignore[union-attr]
-        if self.buffer:
-            self._advance()
+        if self.state != _IDLE:
+            self.since = self.loop.time()  # the next request's head or body: its timeout starts now
+        self._serve_next()
 
     def _must_close(self) -> bool:
         return self.close_after or self.server.is_closing
+
+    def _send_continue(self) -> None:
+        self._is_continue_due = False
+        self._send(_CONTINUE)
 
     async def write(self, data: bytes) -> None:
         transport = self.transport
@@ -404,31 +500,16 @@ class _Connection(asyncio.Protocol):
                 self._drain = self.loop.create_future()
             await self._drain
 
-    def _hand_over(self) -> None:
-        """From now on aiohttp serves this connection, starting with what is buffered."""
-        transport = self.transport
-        assert transport is not None
-        self.state = _CLOSED
-        self.server.connections.discard(self)
-        self.server.num_handed_over += 1
-        handler = self.server.aiohttp_protocol()
-        if self._is_reading_paused:
-            transport.resume_reading()
-        transport.set_protocol(handler)
-        handler.connection_made(transport)
-        if self.buffer:
-            buffered, self.buffer = bytes(self.buffer), bytearray()
-            handler.data_received(buffered)
-
     # --- the sweep ----------------------------------------------------------------------------------------
 
     def check_timeouts(self, now: float, limits: LimitSettings) -> None:
-        if self.state == _HEAD:
-            if not self.buffer:
-                if now - self.since > limits.keepalive_timeout_s or self.server.is_closing:
-                    self._close()
-            elif now - self.since > limits.header_read_timeout_s:
-                self._refuse(408, f"request head not received within {limits.header_read_timeout_s} s")
+        if self.task is not None or self.pending or self.is_reading_done:
+            return
+        if self.state == _IDLE:
+            if now - self.since > limits.keepalive_timeout_s or self.server.is_closing:
+                self._close()
+        elif self.state == _HEAD and now - self.since > limits.header_read_timeout_s:
+            self._refuse(408, f"request head not received within {limits.header_read_timeout_s} s")
         elif self.state == _BODY and now - self.since > limits.body_read_timeout_s:
             self._refuse(408, f"request body not received within {limits.body_read_timeout_s} s")
 
@@ -448,27 +529,35 @@ class _Connection(asyncio.Protocol):
         self.transport.abort()  # type: ignore[union-attr]
 
 
-class FrontServer:
-    """Listens for the router: serves the requests `routes` names ((method, path) -> handler) and hands the rest to
-    aiohttp (`aiohttp_protocol`, a `web.Server`)."""
+def _decode(body: bytes, coding: str, limit: int) -> bytes:
+    """A gzip or deflate body, decoded to at most `limit` bytes (so a small bomb cannot fill memory)."""
+    for wbits in _DECODERS[coding]:
+        decoder = zlib.decompressobj(wbits)
+        try:
+            decoded = decoder.decompress(body, limit + 1)
+        except zlib.error:
+            continue
+        if len(decoded) > limit or decoder.unconsumed_tail:
+            raise _Refusal(413, f"decoded request body is larger than {limit} bytes", "request_too_large")
+        if decoder.eof:
+            return decoded
+    raise _Refusal(400, f"request body is not valid {coding} data", "invalid_encoding")
 
-    def __init__(
-        self,
-        routes: Mapping[tuple[str, str], Handler],
-        aiohttp_protocol: Callable[[], asyncio.Protocol],
-        limits: LimitSettings,
-    ) -> None:
+
+class FrontServer:
+    """Listens for the router: serves the requests `routes` names ((method, path) -> handler) and the rest with
+    `fallback`."""
+
+    def __init__(self, routes: Mapping[tuple[str, str], Handler], fallback: Handler, limits: LimitSettings) -> None:
         self.routes = routes
-        self.aiohttp_protocol = aiohttp_protocol
+        self.fallback = fallback
         self.limits = limits
         self.loop = asyncio.get_running_loop()
         self.connections: set[_Connection] = set()
         self.num_busy = 0
-        """Requests being served (their bodies complete) by the front now."""
+        """Requests being served (their bodies complete) now."""
         self.num_served = 0
-        """Requests the front has served since it started."""
-        self.num_handed_over = 0
-        """Connections handed to aiohttp since the front started."""
+        """Requests answered since the server started, refused ones included."""
         self.is_closing = False
         self._server: asyncio.Server | None = None
         self._sweep: asyncio.TimerHandle | None = None
@@ -497,7 +586,7 @@ class FrontServer:
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):
-            if conn.state == _HEAD and not conn.buffer:
+            if conn.state == _IDLE and conn.task is None and not conn.pending:
                 conn._close()
         if self._busy_or_reading():
             self._idle = self.loop.create_future()
@@ -518,7 +607,7 @@ class FrontServer:
             self._idle.set_result(None)
 
     def _busy_or_reading(self) -> bool:
-        return self.num_busy > 0 or any(conn.state == _BODY for conn in self.connections)
+        return self.num_busy > 0 or any(conn.state == _BODY or conn.pending for conn in self.connections)
 
     def _run_sweep(self) -> None:
         now = self.loop.time()

@@ -93,6 +93,10 @@ class RouterMetrics:
         self.prompt_tokens = Counter(
             "shoal_router_prompt_tokens", "Prompt tokens the replicas reported (usage.prompt_tokens)"
         )
+        self.request_log_dropped = Counter(
+            "shoal_router_request_log_dropped",
+            "Request log lines dropped because the log's writer was behind (router/service/request_log.py)",
+        )
         self.kv_events_applied = Counter(
             "shoal_router_kv_events_applied", "KV events applied to the prefix index, by kind", ["kind"]
         )

@@ -1,5 +1,11 @@
-"""Running the router: uvloop where available, the front and aiohttp on one port, handler cancellation on client
-disconnect, graceful drain."""
+"""Running the router: uvloop where available, every endpoint on one port served by the front, graceful drain.
+
+One listener, not an admin port beside it: the admin API, /metrics and the probes are a few small handlers on the
+front (`app.front_routes`), so one parser, one set of limits and one set of timeouts guard every byte the router
+reads, and the chart, `shoal up` and the autoscaler reach the router at the one address they already know. A second
+listener on aiohttp's server would be a second HTTP implementation to keep robust against hostile input, with
+timeouts of its own (no header timeout) that the router's settings do not govern.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,8 @@ import signal
 
 from aiohttp import web
 
-from router.service.app import PROXY, SHUTTING_DOWN, create_app
-from router.service.front import FrontServer, Handler
+from router.service.app import SHUTTING_DOWN, create_app, front_routes
+from router.service.front import FrontServer
 from router.service.settings import RouterSettings
 
 log = logging.getLogger("shoal.router")
@@ -28,44 +34,25 @@ def serve(settings: RouterSettings) -> None:
 
 
 class RouterServer:
-    """The router listening on one address: the front (`router.service.front`) owns its connections and serves the
-    routed endpoints; aiohttp's runner serves the app's other endpoints on connections the front hands over."""
+    """The router listening on one address: the app's services run under aiohttp's `AppRunner` (its startup and
+    cleanup), and the front (`router.service.front`) owns the connections and serves every endpoint."""
 
     def __init__(self, app: web.Application, settings: RouterSettings) -> None:
         self.app = app
         self.settings = settings
-        self.runner = web.AppRunner(
-            app,
-            handler_cancellation=True,  # a client that goes away cancels its handler, and so the upstream request
-            access_log=None,  # the proxy logs one structured line per request itself
-            shutdown_timeout=settings.limits.shutdown_grace_s,
-            keepalive_timeout=settings.limits.keepalive_timeout_s,
-        )
+        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=settings.limits.shutdown_grace_s)
         self.front: FrontServer | None = None
 
     async def start(self, host: str, port: int) -> None:
         """Starts the app (its services included) and listens; port 0 picks a free port (see `address`)."""
         await self.runner.setup()
-        reuse_port = self.settings.reuse_port or None
-        if not self.settings.front:
-            site = web.TCPSite(self.runner, host, port, backlog=1024, reuse_address=True, reuse_port=reuse_port)
-            await site.start()
-            return
-        assert self.runner.server is not None
-        proxy = self.app[PROXY]
-        routes: dict[tuple[str, str], Handler] = {
-            ("POST", "/v1/chat/completions"): proxy.handle_front,
-            ("POST", "/v1/completions"): proxy.handle_front,
-            ("GET", "/v1/models"): lambda request, body: proxy.handle_models(request),
-        }
-        self.front = FrontServer(routes, self.runner.server, self.settings.limits)
-        await self.front.start(host, port, reuse_port=reuse_port)
+        routes, fallback = front_routes(self.app)
+        self.front = FrontServer(routes, fallback, self.settings.limits)
+        await self.front.start(host, port, reuse_port=self.settings.reuse_port or None)
 
     @property
     def address(self) -> tuple[str, int]:
-        if self.front is None:
-            host, port = self.runner.addresses[0][:2]
-            return host, port
+        assert self.front is not None
         return self.front.addresses[0]
 
     async def stop(self) -> None:

@@ -183,6 +183,17 @@ class KVEventSettings(_Section):
         return self
 
 
+class RequestLogSettings(_Section):
+    path: Path | None = None
+    """File the per-request JSON lines are appended to; None: standard error, beside the router's other logs."""
+    max_pending_lines: int = Field(65536, gt=0)
+    """Lines that may wait for the writer thread; beyond it new lines are dropped and counted
+    (`shoal_router_request_log_dropped_total`), so a slow disk never slows requests. 65536 lines, some 20 MiB, is
+    several seconds of the router's peak rate."""
+    flush_interval_s: float = Field(0.2, gt=0)
+    """Seconds between the writer's batches (sooner once 512 lines wait): lines reach the sink at most this late."""
+
+
 class RouterSettings(BaseSettings):
     """Settings of `shoal router`."""
 
@@ -199,9 +210,6 @@ class RouterSettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     reuse_port: bool = False
     """Bind with SO_REUSEPORT so several router processes share one port (the kernel spreads connections)."""
-    front: bool = True
-    """Serve the inference endpoints with the router's own HTTP/1.1 front (router/service/front.py), which costs a
-    fraction of aiohttp's CPU per request; off, aiohttp serves every request."""
     replicas: list[str] = Field(default_factory=list)
     """Static replica base URLs (http://host:port). More can be added through the admin API. Replicas speak plain
     HTTP/1.1 inside the cluster; TLS belongs at the router's ingress."""
@@ -231,7 +239,9 @@ class RouterSettings(BaseSettings):
     seed: int = 0
     """Seed of the policies' random choices, for reproducible runs."""
     log_requests: bool = True
-    """Log one JSON line per request (route branch, replica, timings)."""
+    """Log one JSON line per request (route branch, replica, timings), written off the request path."""
+    request_log: RequestLogSettings = Field(default_factory=RequestLogSettings)
+    """Where the per-request lines go, and how far the writer may fall behind."""
     config_file: Path | None = None
     """YAML file with any of these settings; environment variables override it."""
 

@@ -4,12 +4,15 @@ Why not aiohttp's ClientSession: it costs ~300 µs of CPU per proxied request, m
 uses (URL objects, cookies, tracing, multidict headers, StreamReader). Here each connection carries one request at a
 time (no pipelining) and idle keep-alive connections are pooled per (host, port), newest reused first.
 
-- `_Connection` is an `asyncio.Protocol` (plain asyncio or uvloop): `data_received` appends to one bytearray and
-  wakes the one coroutine reading it through a Future. All parsing happens in that coroutine, pulling from the buffer.
-- Framing follows RFC 9112 §6.3: no body after HEAD, 1xx, 204 or 304; chunked when it is the final transfer coding;
-  any other coding, or no length at all, reads until EOF; otherwise Content-Length.
-- Flow control: reading pauses once more than `_HIGH_WATER_BYTES` sit unconsumed. A reader always takes every body
-  byte that is buffered, so it resumes reading before it waits, and the buffer stays bounded however slow it is.
+- `_Connection` is an `asyncio.Protocol` (plain asyncio or uvloop): `data_received` feeds httptools' response
+  parser (llhttp, strict), whose callbacks collect the head and append de-chunked body bytes to one bytearray, and
+  wakes the one coroutine reading it through a Future.
+- Framing is llhttp's (RFC 9112 6.3): no body after 1xx, 204 or 304; chunked when it is the final transfer coding;
+  otherwise Content-Length, or, with neither, until EOF. Both at once, a repeated or malformed length, a bad chunk
+  or a head over `_MAX_HEAD_BYTES` is a protocol error. After HEAD the body is skipped here (httptools cannot be told
+  to), with a fresh parser for the connection's next response.
+- Flow control: reading pauses once more than `_HIGH_WATER_BYTES` of body sit unconsumed. A reader always takes every
+  body byte that is buffered, so it resumes reading before it waits, and the buffer stays bounded however slow it is.
 - A connection goes back to the pool only when its response was framed to the last byte, nothing extra arrived, and
   both sides keep it alive. Any other end (an error, a timeout, a cancelled task, a response closed mid-body) aborts
   it, so the replica sees the router gone at once and stops generating for nobody.
@@ -29,12 +32,12 @@ from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import cast
 
+import httptools
+
 from router.service.deadlines import Deadlines
 
 _MAX_HEAD_BYTES = 64 * 1024
 """Status line plus headers (and, separately, chunked trailers): a larger head is a protocol error."""
-_MAX_CHUNK_LINE_BYTES = 4096
-"""A chunk-size line with its extensions."""
 _HIGH_WATER_BYTES = 1024 * 1024
 """Unconsumed bytes at which reading from the socket pauses."""
 _LOW_WATER_BYTES = 256 * 1024
@@ -44,12 +47,6 @@ _SMALL_BODY_BYTES = 64 * 1024
 
 _MANAGED_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection"})
 _NO_BODY_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS", "TRACE"})
-_HEX_DIGITS = b"0123456789abcdefABCDEF"
-
-# Body framing of a response.
-_DONE, _LENGTH, _CHUNKED, _UNTIL_EOF = range(4)
-# Where a chunked body stands.
-_CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _CHUNK_TRAILERS = range(4)
 
 
 class UpstreamError(Exception):
@@ -76,23 +73,44 @@ class _StaleConnection(UpstreamDisconnected):
     """A reused connection ended before any byte of the response: the server closed it while it was idle."""
 
 
+class _Stop(Exception):
+    """Raised by a parser callback to stop parsing (a HEAD answer's head, bytes past the end of a response)."""
+
+
 class _Connection(asyncio.Protocol):
-    """One TCP connection. States: in use (a request is on it), idle (in the pool), ended (no more bytes)."""
+    """One TCP connection. States: in use (a request is on it), idle (in the pool), ended (no more bytes).
+
+    The parser's callbacks fill the exchange in progress: `response` once its head is in (1xx heads are skipped),
+    body bytes in `buffer`, `is_message_done` once llhttp saw its end, `error` once it broke framing."""
 
     __slots__ = (
+        "_fields",
         "buffer",
         "end_error",
+        "error",
         "has_data",
+        "has_extra",
+        "head_bytes",
         "idle_since",
         "is_closed",
         "is_ended",
+        "is_head_done",
+        "is_head_request",
         "is_idle",
+        "is_interim",
+        "is_keep_alive",
+        "is_message_done",
         "is_paused",
         "is_reused",
+        "is_until_eof",
         "key",
         "loop",
         "lost",
+        "parser",
         "pool",
+        "reason",
+        "response",
+        "trailers",
         "transport",
         "waiter",
     )
@@ -102,7 +120,9 @@ class _Connection(asyncio.Protocol):
         self.key = key
         self.loop = loop
         self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
         self.buffer = bytearray()
+        """Body bytes received and not yet handed out."""
         self.is_closed = False  # given up by us: no longer counted by the pool
         self.is_ended = False  # no more bytes will arrive
         self.end_error: str | None = None  # why it ended; None: a clean EOF from the server
@@ -113,6 +133,24 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self.waiter: asyncio.Future[None] | None = None
         self.lost: asyncio.Future[None] | None = None  # made by UpstreamPool.close to await connection_lost
+        self.begin_exchange(False)
+
+    def begin_exchange(self, is_head_request: bool) -> None:
+        """A request is about to be written: forget the previous exchange."""
+        self.is_head_request = is_head_request
+        self.response: UpstreamResponse | None = None
+        """Set once the head is parsed, until `_exchange` hands it out (it must not outlive its caller's use)."""
+        self.is_head_done = False
+        self.trailers: list[tuple[str, str]] = []
+        self.error: UpstreamProtocolError | None = None
+        self.is_message_done = False
+        self.is_interim = False
+        self.is_keep_alive = False
+        self.is_until_eof = False
+        self.has_extra = False
+        self.head_bytes = 0
+        self.reason = b""
+        self._fields: list[tuple[str, str]] = []
 
     # --- asyncio.Protocol ---------------------------------------------------------------------------------
 
@@ -127,15 +165,30 @@ class _Connection(asyncio.Protocol):
         if self.is_idle:
             self.abort("data arrived on an idle connection")  # no request asked for it: the stream is out of step
             return
-        buffer = self.buffer
-        buffer += data
         self.has_data = True
-        if len(buffer) > _HIGH_WATER_BYTES and not self.is_paused and self.transport is not None:
+        if self.error is None and not self.has_extra:
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserCallbackError as exc:
+                cause = exc.__context__
+                if isinstance(cause, UpstreamProtocolError):
+                    self.error = cause
+                elif not isinstance(cause, _Stop):
+                    self.error = UpstreamProtocolError(f"invalid response: {cause!r}")
+                elif self.is_head_request and not data.endswith(b"\r\n\r\n"):
+                    self.has_extra = True  # a body after a HEAD answer: the stream is out of step
+            except httptools.HttpParserUpgrade:
+                self.error = UpstreamProtocolError("101 Switching Protocols to a request that asked for no upgrade")
+            except httptools.HttpParserError as exc:
+                self.error = UpstreamProtocolError(f"invalid response: {exc}")
+            if not self.is_head_done and self.error is None:
+                self.head_bytes += len(data)
+                if self.head_bytes > _MAX_HEAD_BYTES:
+                    self.error = UpstreamProtocolError(f"response head larger than {_MAX_HEAD_BYTES} bytes")
+        if len(self.buffer) > _HIGH_WATER_BYTES and not self.is_paused and self.transport is not None:
             self.is_paused = True
             self.transport.pause_reading()
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._wake()
 
     def eof_received(self) -> bool | None:
         return None  # the transport closes itself; connection_lost follows
@@ -144,10 +197,76 @@ class _Connection(asyncio.Protocol):
         if not self.is_ended:
             self.is_ended = True
             self.end_error = None if exc is None else f"{type(exc).__name__}: {exc}"
+        if self.is_until_eof and self.end_error is None:
+            self.is_message_done = True  # a body framed by the connection's end is complete
         self._give_up()
         self._wake()
         if self.lost is not None and not self.lost.done():
             self.lost.set_result(None)
+
+    # --- httptools callbacks ------------------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.is_message_done:
+            self.has_extra = True  # bytes past the end of the response: the stream is out of step
+            raise _Stop
+
+    def on_status(self, reason: bytes) -> None:
+        self.reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.head_bytes += len(name) + len(value)
+        if self.head_bytes > _MAX_HEAD_BYTES:
+            raise UpstreamProtocolError(f"response head or trailers larger than {_MAX_HEAD_BYTES} bytes")
+        field = (name.decode("latin-1"), value.decode("utf-8", "surrogateescape").rstrip(" \t"))
+        if self.is_head_done:
+            self.trailers.append(field)
+        else:
+            self._fields.append(field)
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        status = parser.get_status_code()
+        fields, self._fields = self._fields, []
+        reason, self.reason = self.reason.decode("latin-1"), b""
+        if status < 200:
+            if status == 101:
+                raise UpstreamProtocolError("101 Switching Protocols to a request that asked for no upgrade")
+            self.is_interim = True  # 100 Continue, 103 Early Hints: the final response follows
+            self.head_bytes = 0
+            return
+        content_type = ""
+        has_length = has_coding = is_chunked = False
+        for name, value in fields:
+            lower = name.lower()
+            if lower == "content-type" and not content_type:
+                content_type = value.partition(";")[0].strip(" \t").lower()
+            elif lower == "content-length":
+                has_length = True
+            elif lower == "transfer-encoding":
+                has_coding = True
+                is_chunked = value.rpartition(",")[2].strip(" \t").lower() == "chunked"
+        self.response = UpstreamResponse(status, reason, fields, content_type)
+        self.is_head_done = True
+        self.is_keep_alive = parser.should_keep_alive()
+        self.head_bytes = 0
+        if self.is_head_request:
+            self.is_message_done = True
+            self.parser = httptools.HttpResponseParser(self)  # this one would wait for the body a HEAD answer lacks
+            raise _Stop
+        # llhttp reads until EOF unless chunked is the last transfer coding, or a length is given (RFC 9112 6.3).
+        self.is_until_eof = not is_chunked and (has_coding or not has_length) and status not in (204, 304)
+        if self.is_until_eof:
+            self.is_keep_alive = False
+
+    def on_body(self, body: bytes) -> None:
+        self.buffer += body
+
+    def on_message_complete(self) -> None:
+        if self.is_interim:
+            self.is_interim = False
+            return
+        self.is_message_done = True
 
     # --- used by the pool and responses -------------------------------------------------------------------
 
@@ -216,13 +335,10 @@ class UpstreamResponse:
     """
 
     __slots__ = (
-        "_chunk_state",
         "_conn",
-        "_is_keep_alive",
-        "_mode",
+        "_is_done",
         "_pending",
         "_read_timeout_s",
-        "_remaining",
         "content_type",
         "headers",
         "reason",
@@ -240,10 +356,7 @@ class UpstreamResponse:
         self.trailers: list[tuple[str, str]] = []
         """Trailer fields of a chunked body, once it has been read to the end."""
         self._conn: _Connection | None = None
-        self._mode = _DONE
-        self._remaining = 0  # _LENGTH: body bytes still to come; _CHUNKED: bytes left in the current chunk
-        self._chunk_state = _CHUNK_SIZE
-        self._is_keep_alive = False
+        self._is_done = True
         self._pending = b""  # a body read in full along with the head, not yet handed out
         self._read_timeout_s: float | None = None
 
@@ -261,7 +374,7 @@ class UpstreamResponse:
     @property
     def is_complete(self) -> bool:
         """True once the body was received to the end and the connection released."""
-        return self._conn is None and self._mode == _DONE
+        return self._conn is None and self._is_done
 
     async def read(self) -> bytes:
         """The rest of the body (all of it, unless `iter_chunks` already handed some out)."""
@@ -327,15 +440,11 @@ class UpstreamResponse:
 
     # --- body framing -------------------------------------------------------------------------------------
 
-    def _start(self, conn: _Connection, mode: int, length: int, is_keep_alive: bool, timeout_s: float | None) -> None:
+    def _start(self, conn: _Connection, timeout_s: float | None) -> None:
         self._conn = conn
-        self._mode = mode
-        self._remaining = length
-        self._is_keep_alive = is_keep_alive
+        self._is_done = False
         self._read_timeout_s = timeout_s
-        if mode == _DONE:
-            self._finish(conn)
-        elif mode == _LENGTH and len(conn.buffer) >= length:
+        if conn.is_message_done:
             self._pending = self._take()  # the usual small answer: it came with its head
 
     def _take(self) -> bytes:
@@ -348,110 +457,27 @@ class UpstreamResponse:
         if conn is None:
             return b""
         buffer = conn.buffer
-        mode = self._mode
-        is_done = False
-        if mode == _LENGTH:
-            available = len(buffer)
-            remaining = self._remaining
-            if available <= remaining:
-                data = bytes(buffer)
-                buffer.clear()
-            else:
-                data = bytes(buffer[:remaining])
-                del buffer[:remaining]
-            self._remaining = remaining = remaining - len(data)
-            is_done = remaining == 0
-        elif mode == _CHUNKED:
-            data, is_done = self._take_chunked(buffer)
-        else:  # _UNTIL_EOF
-            data = bytes(buffer)
-            buffer.clear()
-            is_done = conn.is_ended and conn.end_error is None
-        if conn.is_paused and len(buffer) < _LOW_WATER_BYTES:
+        data = bytes(buffer)
+        buffer.clear()
+        if conn.is_paused:
             conn.resume()
-        if is_done:
+        if conn.error is not None and not data:
+            self._abort()
+            raise conn.error
+        if conn.is_message_done:
+            self.trailers = conn.trailers
             self._finish(conn)
         elif conn.is_ended and not data:
-            self._conn = None
-            conn.abort()
+            self._abort()
             raise UpstreamDisconnected(f"connection ended before the body was complete ({conn.end_error or 'EOF'})")
         return data
 
-    def _take_chunked(self, buffer: bytearray) -> tuple[bytes, bool]:
-        parts: list[bytearray] = []
-        pos = 0
-        state = self._chunk_state
-        remaining = self._remaining
-        is_done = False
-        end_pos = len(buffer)
-        while True:
-            if state == _CHUNK_DATA:
-                available = end_pos - pos
-                if available <= 0:
-                    break
-                taken = remaining if available >= remaining else available
-                parts.append(buffer[pos : pos + taken])
-                pos += taken
-                remaining -= taken
-                if remaining:
-                    break
-                state = _CHUNK_CRLF
-            elif state == _CHUNK_CRLF:
-                if end_pos - pos < 2:
-                    break
-                if buffer[pos : pos + 2] != b"\r\n":
-                    raise self._violation("chunk data is not followed by CRLF")
-                pos += 2
-                state = _CHUNK_SIZE
-            elif state == _CHUNK_SIZE:
-                line_end = buffer.find(b"\r\n", pos)
-                if line_end < 0:
-                    if end_pos - pos > _MAX_CHUNK_LINE_BYTES:
-                        raise self._violation("chunk-size line too long")
-                    break
-                remaining = self._chunk_size(bytes(buffer[pos:line_end]))
-                pos = line_end + 2
-                state = _CHUNK_DATA if remaining else _CHUNK_TRAILERS
-            else:  # _CHUNK_TRAILERS
-                if end_pos - pos < 2:
-                    break
-                if buffer[pos : pos + 2] == b"\r\n":
-                    pos += 2
-                    is_done = True
-                    break
-                end = buffer.find(b"\r\n\r\n", pos)
-                if end < 0:
-                    if end_pos - pos > _MAX_HEAD_BYTES:
-                        raise self._violation("trailers too large")
-                    break
-                self.trailers = _parse_fields(bytes(buffer[pos:end]).decode("utf-8", "surrogateescape").split("\r\n"))
-                pos = end + 4
-                is_done = True
-                break
-        if pos:
-            del buffer[:pos]
-        self._chunk_state = state
-        self._remaining = remaining
-        if not parts:
-            return b"", is_done
-        return (bytes(parts[0]) if len(parts) == 1 else b"".join(parts)), is_done
-
-    def _chunk_size(self, line: bytes) -> int:
-        digits = line.split(b";", 1)[0].rstrip(b" \t")
-        if not digits or len(digits) > 15 or digits.translate(None, _HEX_DIGITS):
-            raise self._violation(f"bad chunk-size line {line[:40]!r}")
-        return int(digits, 16)
-
-    def _violation(self, message: str) -> UpstreamProtocolError:
-        self._abort()
-        return UpstreamProtocolError(message)
-
     def _finish(self, conn: _Connection) -> None:
         self._conn = None
-        self._mode = _DONE
-        if self._is_keep_alive and not conn.buffer and not conn.is_ended:
+        self._is_done = True
+        if conn.is_keep_alive and not conn.has_extra and not conn.is_ended:
             conn.pool._release(conn)
-        elif conn.buffer:
+        elif conn.has_extra:
             conn.abort("bytes beyond the end of the response")
         else:
             conn.close()
@@ -599,43 +625,25 @@ class UpstreamPool:
         transport = conn.transport
         assert transport is not None
         conn.has_data = False
+        conn.begin_exchange(method == "HEAD")
         if len(body) <= _SMALL_BODY_BYTES:
             transport.write(head + body if body else head)
         else:
             transport.write(head)
             transport.write(body)
-        buffer = conn.buffer
-        scanned = 0  # the head's end is not before this: a head arriving in pieces is searched once
         try:
             if on_sent is not None:
                 on_sent()
-            while True:
-                end = buffer.find(b"\r\n\r\n", scanned)
-                if end < 0:
-                    scanned = max(0, len(buffer) - 3)
-                    if len(buffer) > _MAX_HEAD_BYTES:
-                        raise UpstreamProtocolError(f"response head larger than {_MAX_HEAD_BYTES} bytes")
-                    if conn.is_ended:
-                        if conn.is_reused and not conn.has_data:
-                            raise _StaleConnection(f"reused connection ended ({conn.end_error or 'EOF'})")
-                        raise UpstreamDisconnected(
-                            f"connection ended before the response head ({conn.end_error or 'EOF'})"
-                        )
-                    await conn.wait_for_data(self.read_timeout_s)
-                    continue
-                if end > _MAX_HEAD_BYTES:
-                    raise UpstreamProtocolError(f"response head larger than {_MAX_HEAD_BYTES} bytes")
-                response, mode, length, is_keep_alive = _parse_head(
-                    bytes(buffer[:end]).decode("utf-8", "surrogateescape"), method
-                )
-                del buffer[: end + 4]
-                scanned = 0
-                if response.status >= 200:
-                    break
-                if response.status == 101:
-                    raise UpstreamProtocolError("101 Switching Protocols to a request that asked for no upgrade")
-                # 100 Continue, 103 Early Hints: the final response follows.
-            response._start(conn, mode, length, is_keep_alive, self.read_timeout_s)
+            while conn.response is None:
+                if conn.error is not None:
+                    raise conn.error
+                if conn.is_ended:
+                    if conn.is_reused and not conn.has_data:
+                        raise _StaleConnection(f"reused connection ended ({conn.end_error or 'EOF'})")
+                    raise UpstreamDisconnected(f"connection ended before the response head ({conn.end_error or 'EOF'})")
+                await conn.wait_for_data(self.read_timeout_s)
+            response, conn.response = conn.response, None
+            response._start(conn, self.read_timeout_s)
             return response
         except BaseException:
             conn.abort()  # includes CancelledError: a connection with a request in flight is never reused
@@ -720,87 +728,3 @@ class UpstreamPool:
                 del self._idle[key]
         if next_due is not None and not self._is_closed:
             self._sweep = self._loop.call_at(next_due, self._close_expired)
-
-
-def _parse_head(text: str, method: str) -> tuple[UpstreamResponse, int, int, bool]:
-    """(response, body framing, Content-Length, keep-alive) from a head without its final CRLFCRLF."""
-    lines = text.split("\r\n")
-    status_line = lines[0]
-    if status_line.startswith("HTTP/1.1 "):
-        is_http11 = True
-    elif status_line.startswith("HTTP/1.0 "):
-        is_http11 = False
-    else:
-        raise UpstreamProtocolError(f"bad status line {status_line[:80]!r}")
-    code = status_line[9:12]
-    if len(code) != 3 or not (code.isascii() and code.isdigit()) or status_line[12:13] not in ("", " "):
-        raise UpstreamProtocolError(f"bad status line {status_line[:80]!r}")
-    status = int(code)
-    headers: list[tuple[str, str]] = []
-    content_length: int | None = None
-    transfer_encoding: str | None = None
-    connection = ""
-    content_type = ""
-    has_content_type = False
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep or not name or name[0] in " \t" or name[-1] in " \t":
-            raise UpstreamProtocolError(f"bad header line {line[:80]!r}")  # includes obs-fold, see _parse_fields
-        value = value.strip(" \t")
-        headers.append((name, value))
-        lower = name.lower()
-        if lower == "content-length":
-            length = _content_length(value)
-            if content_length is not None and content_length != length:
-                raise UpstreamProtocolError("conflicting Content-Length headers")
-            content_length = length
-        elif lower == "transfer-encoding":
-            transfer_encoding = value if transfer_encoding is None else f"{transfer_encoding}, {value}"
-        elif lower == "connection":
-            connection = f"{connection},{value.lower()}"
-        elif lower == "content-type" and not has_content_type:
-            has_content_type = True
-            content_type = value.partition(";")[0].strip(" \t").lower()
-    if connection:
-        tokens = {token.strip(" \t") for token in connection.split(",")}
-        is_keep_alive = "close" not in tokens and (is_http11 or "keep-alive" in tokens)
-    else:
-        is_keep_alive = is_http11
-    if method == "HEAD" or status < 200 or status in (204, 304):
-        mode, length = _DONE, 0
-    elif transfer_encoding is not None:
-        codings = [coding.strip(" \t").lower() for coding in transfer_encoding.split(",")]
-        length = 0
-        if codings[-1] == "chunked" and is_http11:
-            mode = _CHUNKED
-            if content_length is not None:
-                is_keep_alive = False  # both framings at once: answer this one, then trust nothing after it
-        else:
-            mode, is_keep_alive = _UNTIL_EOF, False
-    elif content_length is not None:
-        mode, length = (_LENGTH, content_length) if content_length else (_DONE, 0)
-    else:
-        mode, length, is_keep_alive = _UNTIL_EOF, 0, False
-    return UpstreamResponse(status, status_line[13:], headers, content_type), mode, length, is_keep_alive
-
-
-def _parse_fields(lines: list[str]) -> list[tuple[str, str]]:
-    fields = []
-    for line in lines:
-        name, sep, value = line.partition(":")
-        if not sep or not name or name[0] in " \t" or name[-1] in " \t":
-            # Includes obs-fold (a line starting with whitespace), which a gateway may reject (RFC 9112 §5.2).
-            raise UpstreamProtocolError(f"bad header line {line[:80]!r}")
-        fields.append((name, value.strip(" \t")))
-    return fields
-
-
-def _content_length(value: str) -> int:
-    if "," in value:  # a list of identical values is allowed (RFC 9110 §8.6)
-        values = {v.strip(" \t") for v in value.split(",")}
-        if len(values) != 1:
-            raise UpstreamProtocolError(f"bad Content-Length {value[:40]!r}")
-        value = values.pop()
-    if not value or len(value) > 18 or not (value.isascii() and value.isdigit()):
-        raise UpstreamProtocolError(f"bad Content-Length {value[:40]!r}")
-    return int(value)

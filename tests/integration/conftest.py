@@ -1,8 +1,8 @@
 """Real routers in front of real fake replicas, all on loopback, on the test's own event loop.
 
 `start_fakes(n, ...)` starts `FakeReplica`s; `start_router(fakes, ...)` builds the router with `create_app` and runs
-it as `shoal router` does (`RouterServer`: the front and aiohttp on one port, handler cancellation on client
-disconnect, graceful shutdown), then waits on `GET /ready` until the expected replicas are in rotation. Everything
+it as `shoal router` does (`RouterServer`: every endpoint on the front, a client's disconnect cancelling its
+request, graceful shutdown), then waits on `GET /ready` until the expected replicas are in rotation. Everything
 is torn down by the fixtures. State is awaited by polling with a deadline (`eventually`), never by a bare sleep.
 """
 
@@ -28,8 +28,6 @@ from tests.fakes import FakeReplica, FakeReplicaConfig
 ADMIN_TOKEN = "t"
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 MODEL = "shoal-demo"
-FRONT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
-"""What the router's front serves itself (router/service/server.py); other paths go to aiohttp."""
 # A prompt of this many bytes is ~1,000 estimated tokens: at the default 10k tokens/s prior its uncached prefill
 # (~0.1 s) dwarfs the policy's tie epsilon (5 ms + 2%), so a cache hit decides.
 LONG_PREFIX_BYTES = 4000
@@ -108,10 +106,6 @@ class RouterHandle:
         headers: dict[str, str] | None = None,
         timeout_s: float = 10.0,
     ) -> Reply:
-        if path.partition("?")[0] not in FRONT_PATHS:
-            # aiohttp serves this request, and the connection it came on from then on: close it, so that the
-            # session's kept-alive connections stay with the front and the tests exercise the path clients use.
-            headers = {"Connection": "close", **(headers or {})}
         kwargs: dict[str, Any] = {"headers": headers, "timeout": aiohttp.ClientTimeout(total=timeout_s)}
         if json_body is not None:
             kwargs["json"] = json_body
@@ -254,17 +248,6 @@ async def start_router(http: aiohttp.ClientSession) -> AsyncIterator[StartRouter
     yield start
     for handle in handles:
         await handle.cleanup()
-
-
-def with_front(start_router: StartRouter, front: bool) -> StartRouter:
-    """`start_router` with the front on or off: for modules that run each test against both servers."""
-
-    async def start(
-        fakes: Sequence[FakeReplica] = (), *, num_ready: int | None = None, **overrides: Any
-    ) -> RouterHandle:
-        return await start_router(fakes, num_ready=num_ready, **{"front": front, **overrides})
-
-    return start
 
 
 async def _at_least(handle: RouterHandle, expected: int) -> bool:

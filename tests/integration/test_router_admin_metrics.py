@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -235,22 +236,23 @@ async def test_health_and_ready(start_fakes: StartFakes, start_router: StartRout
 
 
 async def test_one_structured_log_line_per_request(
-    start_fakes: StartFakes, start_router: StartRouter, caplog: pytest.LogCaptureFixture
+    start_fakes: StartFakes, start_router: StartRouter, tmp_path: Path
 ) -> None:
     import json
 
     fakes = await start_fakes(2)
-    router = await start_router(fakes, log_requests=True)
-    caplog.set_level("INFO", logger="shoal.router.requests")
+    path = tmp_path / "requests.jsonl"
+    router = await start_router(fakes, log_requests=True, request_log={"path": path, "flush_interval_s": 0.05})
     messages = [{"role": "user", "content": unique_text(LONG_PREFIX_BYTES)}]
     first = await router.chat(messages)
     second = await router.chat(messages)
-    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "shoal.router.requests"]
+    await eventually(lambda: path.exists() and path.read_bytes().count(b"\n") >= 2, what="two request log lines")
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(lines) == 2
     for line, reply in zip(lines, (first, second), strict=True):
         assert line["status"] == 200
         assert line["replica"] == reply.headers["x-shoal-replica"]
         assert line["branch"] == reply.headers["x-shoal-route-branch"]
         assert line["ttfb_ms"] is not None and line["ttfb_ms"] <= line["ms"]
-        assert line["decision_us"] > 0
+        assert line["decision_us"] > 0 and line["ts"] > 0
     assert lines[1]["branch"] == "cache_hit" and lines[1]["matched_blocks"] > 0

@@ -12,15 +12,9 @@ import pytest
 
 from router.service.settings import LimitSettings
 from tests.fakes import FakeReplica
-from tests.integration.conftest import MODEL, Reply, RouterHandle, StartFakes, StartRouter, with_front
+from tests.integration.conftest import MODEL, Reply, RouterHandle, StartFakes, StartRouter
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(params=[True, False], ids=["front", "aiohttp"])
-def start_router(start_router: StartRouter, request: pytest.FixtureRequest) -> StartRouter:
-    """Each test runs twice: inference requests served by the router's front, and by aiohttp (`front: false`)."""
-    return with_front(start_router, request.param)
 
 
 JSON = {"Content-Type": "application/json"}

@@ -1,5 +1,5 @@
-"""The router's front (router/service/front.py) on raw sockets: what it serves itself, what it hands to aiohttp, and
-its keep-alive, pipelining and timeouts."""
+"""The router's front (router/service/front.py) on raw sockets: every endpoint on one connection, keep-alive,
+pipelining, framings other than Content-Length, malformed heads and timeouts."""
 
 from __future__ import annotations
 
@@ -56,17 +56,17 @@ async def connect(router: RouterHandle) -> tuple[asyncio.StreamReader, asyncio.S
     return await asyncio.open_connection(host, port)
 
 
-def front_stats(router: RouterHandle) -> tuple[int, int]:
+def num_served(router: RouterHandle) -> int:
     front = router.server.front
     assert front is not None
-    return front.num_served, front.num_handed_over
+    return front.num_served
 
 
 async def test_pipelined_requests_are_answered_in_order_on_one_connection(
     start_fakes: StartFakes, start_router: StartRouter
 ) -> None:
     router = await start_router(await start_fakes(2))
-    served, handed_over = front_stats(router)
+    served = num_served(router)
     reader, writer = await connect(router)
     try:
         # Three requests in one write: each answer says how many tokens it generated.
@@ -91,12 +91,12 @@ async def test_pipelined_requests_are_answered_in_order_on_one_connection(
         assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == [MODEL]
     finally:
         writer.close()
-    assert front_stats(router) == (served + 5, handed_over)
+    assert num_served(router) == served + 5
 
 
 async def test_a_request_arriving_in_pieces_is_served(start_fakes: StartFakes, start_router: StartRouter) -> None:
     router = await start_router(await start_fakes(1))
-    served, handed_over = front_stats(router)
+    served = num_served(router)
     reader, writer = await connect(router)
     try:
         request = completion("sent a few bytes at a time")
@@ -107,29 +107,32 @@ async def test_a_request_arriving_in_pieces_is_served(start_fakes: StartFakes, s
         assert status == 200, body
     finally:
         writer.close()
-    assert front_stats(router) == (served + 1, handed_over)
+    assert num_served(router) == served + 1
 
 
-async def test_other_requests_hand_the_connection_to_aiohttp(
+async def test_every_endpoint_is_served_on_one_kept_alive_connection(
     start_fakes: StartFakes, start_router: StartRouter
 ) -> None:
     router = await start_router(await start_fakes(1))
-    served, handed_over = front_stats(router)
+    served = num_served(router)
     reader, writer = await connect(router)
     try:
-        writer.write(completion("served by the front"))
+        writer.write(completion("first"))
         assert (await read_answer(reader))[0] == 200
-        writer.write(b"GET /health HTTP/1.1\r\nHost: router\r\n\r\n")
-        status, headers, body = await read_answer(reader)
-        assert status == 200 and json.loads(body) == {"status": "ok"}
-        assert "aiohttp" in headers.get("server", "")
-        # From now on aiohttp serves the connection, inference requests included.
-        writer.write(completion("served by aiohttp"))
+        for path in ("/health", "/ready", "/metrics", "/admin/replicas", "/nope"):
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: router\r\nAuthorization: Bearer t\r\n\r\n".encode())
+            status, headers, body = await read_answer(reader)
+            assert status == (404 if path == "/nope" else 200), (path, body)
+            assert "connection" not in headers
+        writer.write(b"HEAD /health HTTP/1.1\r\nHost: router\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200") and b"Content-Length: 16" in head  # and no body follows
+        writer.write(completion("after them"))
         status, headers, _ = await read_answer(reader)
-        assert status == 200 and "aiohttp" in headers.get("server", "") and headers["x-shoal-replica"]
+        assert status == 200 and headers["x-shoal-replica"]
     finally:
         writer.close()
-    assert front_stats(router) == (served + 1, handed_over + 1)
+    assert num_served(router) == served + 8
 
 
 CHUNKED = json.dumps({"model": MODEL, "prompt": "chunked"}).encode()
@@ -139,7 +142,7 @@ EXPECT = json.dumps({"model": MODEL, "prompt": "expect"}).encode()
 @pytest.mark.parametrize(
     "request_bytes",
     [
-        # A chunked body, and one announced with 100-continue: aiohttp reads them, then the proxy routes them.
+        # A chunked body, and one announced with 100-continue: the front reads them, then the proxy routes them.
         b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked"
         b"\r\n\r\n%x\r\n%b\r\n0\r\n\r\n" % (len(CHUNKED), CHUNKED),
         b"POST /v1/completions?x=1 HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\nExpect: 100-continue"
@@ -147,11 +150,10 @@ EXPECT = json.dumps({"model": MODEL, "prompt": "expect"}).encode()
     ],
     ids=["chunked", "expect"],
 )
-async def test_bodies_the_front_does_not_frame_go_to_aiohttp(
+async def test_chunked_and_expect_continue_bodies_are_routed(
     start_fakes: StartFakes, start_router: StartRouter, request_bytes: bytes
 ) -> None:
     router = await start_router(await start_fakes(1))
-    _, handed_over = front_stats(router)
     reader, writer = await connect(router)
     try:
         writer.write(request_bytes)
@@ -162,7 +164,6 @@ async def test_bodies_the_front_does_not_frame_go_to_aiohttp(
         assert headers["x-shoal-replica"]
     finally:
         writer.close()
-    assert front_stats(router)[1] == handed_over + 1
 
 
 @pytest.mark.parametrize(
@@ -174,17 +175,20 @@ async def test_bodies_the_front_does_not_frame_go_to_aiohttp(
     ],
     ids=["length-not-a-number", "two-lengths", "space-in-a-name"],
 )
-async def test_malformed_heads_get_aiohttps_400(
+async def test_malformed_heads_get_400_and_close(
     start_fakes: StartFakes, start_router: StartRouter, head: bytes
 ) -> None:
-    router = await start_router(await start_fakes(1))
+    (fake,) = await start_fakes(1)
+    router = await start_router([fake])
     reader, writer = await connect(router)
     try:
         writer.write(head)
-        status, _, _ = await read_answer(reader)
-        assert status == 400
+        status, headers, _ = await read_answer(reader)
+        assert status == 400 and headers["connection"] == "close"
+        assert await asyncio.wait_for(reader.read(), 5) == b""
     finally:
         writer.close()
+    assert "/v1/completions" not in fake.requests_by_path
 
 
 async def test_slow_heads_get_408_and_idle_connections_close(
@@ -226,26 +230,14 @@ async def test_connection_close_is_honoured(start_fakes: StartFakes, start_route
         writer.close()
 
 
-async def test_front_off_serves_everything_with_aiohttp(start_fakes: StartFakes, start_router: StartRouter) -> None:
-    router = await start_router(await start_fakes(1), front=False)
-    assert router.server.front is None
-    reader, writer = await connect(router)
-    try:
-        writer.write(completion("aiohttp"))
-        status, headers, _ = await read_answer(reader)
-        assert status == 200 and "aiohttp" in headers.get("server", "") and headers["x-shoal-replica"]
-    finally:
-        writer.close()
-
-
 async def test_a_handler_that_fails_answers_500_and_closes_the_connection() -> None:
     async def failing(request: FrontRequest, body: bytes) -> web.StreamResponse:
         raise RuntimeError("a bug in the handler")
 
-    async def aiohttp_answer(request: web.BaseRequest) -> web.Response:
-        return web.Response(text="aiohttp")
+    async def other(request: FrontRequest, body: bytes) -> web.Response:
+        return web.Response(text="other")
 
-    front = FrontServer({("POST", "/v1/completions"): failing}, web.Server(aiohttp_answer), LimitSettings())
+    front = FrontServer({("POST", "/v1/completions"): failing}, other, LimitSettings())
     await front.start("127.0.0.1", 0)
     try:
         reader, writer = await asyncio.open_connection(*front.addresses[0])

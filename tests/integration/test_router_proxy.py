@@ -20,16 +20,9 @@ from tests.integration.conftest import (
     eventually,
     metric_value,
     replica_id,
-    with_front,
 )
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(params=[True, False], ids=["front", "aiohttp"])
-def start_router(start_router: StartRouter, request: pytest.FixtureRequest) -> StartRouter:
-    """Each test runs twice: inference requests served by the router's front, and by aiohttp (`front: false`)."""
-    return with_front(start_router, request.param)
 
 
 async def in_flight(router: RouterHandle) -> float | None:
