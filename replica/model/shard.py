@@ -81,7 +81,7 @@ def _shard_attention(attn: Attention, rank: int, world_size: int) -> None:
     d = attn.head_dim
     hq, hkv = attn.num_heads, attn.num_kv_heads
     weight = attn.qkv_proj.weight.data  # [(Hq + 2 Hkv) D, H], rows q | k | v
-    q, k, v = weight.split((hq * d, hkv * d, hkv * d))
+    q, k, v = torch.split(weight, [hq * d, hkv * d, hkv * d])
     attn.qkv_proj.weight.data = torch.cat(
         (_slice(q, rank, world_size, 0), _slice(k, rank, world_size, 0), _slice(v, rank, world_size, 0))
     )
