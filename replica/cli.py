@@ -64,6 +64,12 @@ def add_replica_command(subparsers: Any) -> None:
     for flag, kwargs in _ENGINE_FLAGS:
         parser.add_argument(flag, **kwargs)
     parser.add_argument("--served-model-name", help="model name in the API and in block hashes")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        metavar="N",
+        help="shard the model over N ranks, one process each; --threads is then per rank (default: cores / N)",
+    )
     parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to listen on (default 8100)")
     parser.add_argument("--log-level", help="logging level (default INFO)")
@@ -190,6 +196,7 @@ def _settings_from_args(args: argparse.Namespace) -> Any:
         "drafter",
         "num_speculative_tokens",
         "adaptive_speculation",
+        "tensor_parallel_size",
     ):
         value = getattr(args, flag, None)
         if value is not None:

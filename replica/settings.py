@@ -95,6 +95,12 @@ class ReplicaSettings(BaseSettings):
     """Records held in memory for the writer thread; more are dropped rather than slow a request or grow memory
     without bound (4096: a few seconds of a stalled disk at hundreds of requests per second; a waiting record holds
     its token ids, tens of bytes per token)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Ranks the model is sharded over (attention heads, expert and shared-expert hidden dimensions), one process
+    each, on devices cuda:0..N-1 (or the CPU); rank 0 serves and decides every token. 1: no sharding."""
+    tensor_parallel_timeout_s: float = Field(60.0, gt=0)
+    """Seconds the ranks wait to form their group at start and for each all-reduce: a rank that hangs fails the
+    step after this instead of stalling the replica (60: loading a large checkpoint on every rank takes a while)."""
     log_level: str = "INFO"
     config_file: Path | None = None
     """YAML file with any of these settings."""

@@ -7,7 +7,9 @@ each run of equal counts (`AttentionBatch.build`); prefill chunks follow in sche
 ids, positions, cache slots by runs of one block) are built as Python lists and become tensors once, so a step
 spends only a few tensor ops before the model.
 
-The KV cache is allocated here, once: per layer `k_cache, v_cache [num_blocks * block_size, Hkv, D]`.
+The KV cache is allocated here, once: per layer `k_cache, v_cache [num_blocks * block_size, Hkv, D]` (of this rank's
+heads in a tensor-parallel group). `plan` turns a scheduled batch into host lists (`parallel.StepPlan`), which
+rank 0 of a tensor-parallel group broadcasts before running; `execute` runs a plan, on every rank.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from replica.engine.parallel import StepPlan, TensorParallel
 from replica.engine.scheduler import ScheduledBatch
 from replica.model.attention import MAX_BATCHED_QUERIES, AttentionBatch, KVCache
 from replica.model.model import MoEForCausalLM
@@ -76,10 +79,13 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         c = model.config
+        group = model.tp_group
+        self.tensor_parallel = group if isinstance(group, TensorParallel) and group.rank == 0 else None
+        """Rank 0 of a tensor-parallel group: each step's plan is broadcast before it runs."""
         self.kv_caches = allocate_kv_caches(
             c.num_hidden_layers,
             num_blocks * block_size,
-            c.num_key_value_heads,
+            model.decoder_layers[0].self_attn.num_kv_heads,  # this rank's heads when the model is sharded
             c.head_dim,
             dtype=kv_dtype or model.dtype,
             device=model.device,
@@ -91,10 +97,9 @@ class ModelRunner:
         itemsize = torch.empty((), dtype=dtype or model.dtype).element_size()
         return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * itemsize
 
-    @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, feature_layers: tuple[int, ...] = ()) -> RunnerOutput:
+    def plan(self, batch: ScheduledBatch) -> tuple[StepPlan, list[int], list[int], list[int]]:
+        """The step's inputs as host lists -> (plan, sampled, num_rows, first_positions) (see `RunnerOutput`)."""
         bs = self.block_size
-        device = self.model.device
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -125,22 +130,40 @@ class ModelRunner:
                 num_rows.append(d + 1)
                 first_positions.append(start + n - d - 1)
                 sample_rows.extend(range(len(input_ids) - d - 1, len(input_ids)))
-        block_tables = torch.tensor(tables, dtype=torch.long, device=device)  # [B, max_blocks]
+        plan = StepPlan(input_ids, positions, slots, query_lens, context_lens, tables, sample_rows)
+        return plan, sampled, num_rows, first_positions
+
+    @torch.inference_mode()
+    def execute(
+        self, plan: StepPlan, feature_layers: tuple[int, ...] = ()
+    ) -> tuple[StepInputs, torch.Tensor, torch.Tensor | None]:
+        """Run the model over a plan -> (its inputs as tensors, final hidden states [T, H], features or None).
+        Every rank of a tensor-parallel group runs this on the same plan."""
+        device = self.model.device
         inputs = StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            input_ids=torch.tensor(plan.input_ids, dtype=torch.long, device=device),
+            positions=torch.tensor(plan.positions, dtype=torch.long, device=device),
             attention=AttentionBatch.build(
-                slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),  # [T]
-                query_lens=query_lens,
-                context_lens=context_lens,
-                block_tables=block_tables,
-                block_size=bs,
+                slot_mapping=torch.tensor(plan.slots, dtype=torch.long, device=device),  # [T]
+                query_lens=plan.query_lens,
+                context_lens=plan.context_lens,
+                block_tables=torch.tensor(plan.block_tables, dtype=torch.long, device=device),  # [B, max_blocks]
+                block_size=self.block_size,
                 dtype=self.kv_caches[0][0].dtype,
             ),
         )
         hidden, features = self.model.forward_with_features(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention, feature_layers
         )
+        return inputs, hidden, features
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, feature_layers: tuple[int, ...] = ()) -> RunnerOutput:
+        plan, sampled, num_rows, first_positions = self.plan(batch)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.send_step(plan)  # the step's one message to the other ranks
+        inputs, hidden, features = self.execute(plan, feature_layers)
+        sample_rows = plan.sample_rows
         logits = None
         if sample_rows:
             first, last = sample_rows[0], sample_rows[-1]

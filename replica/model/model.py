@@ -11,6 +11,8 @@ batches ([B, S]) without a cache for `shoal replica build-demo`.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -18,6 +20,17 @@ from replica.model.attention import Attention, AttentionBatch, KVCache, dense_ca
 from replica.model.config import ModelConfig
 from replica.model.layers import RMSNorm, RotaryEmbedding
 from replica.model.moe import MoEBlock
+
+
+class ReduceGroup(Protocol):
+    """The ranks a sharded model sums its partial outputs over (`replica.engine.parallel.TensorParallel`)."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks in place (every rank gets the same bits) and return it."""
+        ...
 
 
 class DecoderLayer(nn.Module):
@@ -51,6 +64,9 @@ class MoEForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
         # RoPE tables are computed, never loaded: on a meta-built model `init_rope` fills them in on the real device.
         self.rotary: RotaryEmbedding | None = None
+        self.tp_group: ReduceGroup | None = None
+        """Set by `replica.model.shard.shard_model`: the ranks whose partial outputs of attention and of the MoE
+        block each layer sums; None when the model is whole."""
         if device is None or torch.device(device).type != "meta":
             self.init_rope(device)
 
@@ -103,9 +119,12 @@ class MoEForCausalLM(nn.Module):
         cos, sin = self.rotary(positions)
         h = self.model.embed_tokens(input_ids)  # [T, H]
         features = []
+        reduce = None if self.tp_group is None else self.tp_group.all_reduce
         for i, (layer, kv_cache) in enumerate(zip(self.decoder_layers, kv_caches, strict=True)):
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv_cache, batch)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            attended = layer.self_attn(layer.input_layernorm(h), cos, sin, kv_cache, batch)
+            h = h + (attended if reduce is None else reduce(attended))
+            mixed = layer.mlp(layer.post_attention_layernorm(h))
+            h = h + (mixed if reduce is None else reduce(mixed))
             if i in feature_layers:
                 features.append(h)
         return self.model.norm(h), (torch.cat(features, dim=-1) if features else None)

@@ -93,29 +93,49 @@ def serve(settings: ReplicaSettings, *, threads: int | None = None) -> int:
     from replica.server.app import create_app
     from replica.tokenizer import Tokenizer
 
+    ranks = None
+    if settings.tensor_parallel_size > 1:  # `replica.ranks`: the other ranks start first and load alongside
+        from replica.ranks import RankGroup
+
+        try:
+            ranks = RankGroup.start(settings, threads=threads)
+        except (OSError, ValueError) as exc:
+            print(f"shoal replica: cannot start tensor parallelism: {exc}", file=sys.stderr)
+            return 1
+        threads = ranks.threads
     if threads:
         torch.set_num_threads(threads)
     try:
         model, tokenizer = load_for_serving(settings)
-    except (OSError, ValueError) as exc:
+        if ranks is not None:
+            assert isinstance(model, MoEForCausalLM)
+            ranks.join(model)
+    except (OSError, RuntimeError, ValueError) as exc:
         print(f"shoal replica: cannot load the model: {exc}", file=sys.stderr)
+        if ranks is not None:
+            ranks.stop()
         return 1
     checkpoint = checkpoint_dir(settings)
     try:
         drafter = load_drafter_for_serving(settings, model, checkpoint)
     except (OSError, ValueError) as exc:
         print(f"shoal replica: cannot load the drafter: {exc}", file=sys.stderr)
+        if ranks is not None:
+            ranks.stop()
         return 1
     assert isinstance(model, MoEForCausalLM) and isinstance(tokenizer, Tokenizer)
     app = create_app(settings, model, tokenizer, checkpoint_dir=checkpoint, drafter=drafter)
     ready = {"event": "ready", "model": settings.model_name, "url": f"http://{settings.host}:{settings.port}"}
-    web.run_app(
-        app,
-        host=settings.host,
-        port=settings.port,
-        handler_cancellation=True,
-        print=lambda _: print(json.dumps(ready), flush=True),
-        access_log=None,
-        shutdown_timeout=10.0,
-    )
-    return 0
+    try:
+        web.run_app(
+            app,
+            host=settings.host,
+            port=settings.port,
+            handler_cancellation=True,
+            print=lambda _: print(json.dumps(ready), flush=True),
+            access_log=None,
+            shutdown_timeout=10.0,
+        )
+    finally:
+        code = 0 if ranks is None else ranks.stop()
+    return code
