@@ -136,3 +136,94 @@ async def test_the_stream_is_capped(
     finally:
         with contextlib.suppress(Exception):
             await client.aclose()
+
+
+async def test_a_starting_router_agrees_with_the_others_on_seen_prefixes(
+    start_fakes: StartFakes, start_router: StartRouter, redis_process: RedisProcess
+) -> None:
+    fakes = await start_fakes(3)
+    a = await fleet_router(start_router, fakes, redis_process.url)
+    b = await fleet_router(start_router, fakes, redis_process.url)
+    home: dict[str, str] = {}
+    for i in range(40):
+        text = unique_text(LONG_PREFIX_BYTES, f"doc{i}")
+        reply = await (a if i % 2 else b).complete(text + " q0", max_tokens=1)
+        assert reply.status == 200 and reply.replica is not None
+        home[text] = reply.replica
+    assert len(set(home.values())) == 3  # spread over the replicas, so agreeing is not luck
+    await eventually(lambda: all(r in holder(a, t) and r in holder(b, t) for t, r in home.items()), what="synced")
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    c = await fleet_router(start_router, fakes, redis_process.url)
+    ready_s = loop.time() - started
+    num_known = sum(r in holder(c, t) for t, r in home.items())  # loaded before it served anything
+    agreed = 0
+    for text, replica in home.items():
+        reply = await c.complete(text + " q1", max_tokens=1)
+        assert reply.status == 200
+        agreed += reply.replica == replica
+    elapsed_s = loop.time() - started
+    print(f"ready in {ready_s:.2f} s; {agreed}/{len(home)} agreed, last answer {elapsed_s:.2f} s after start")
+    assert c.app[FLEET].is_loaded and num_known == len(home)
+    assert ready_s < 2.0
+    assert agreed >= 0.95 * len(home)
+
+
+async def test_requests_never_wait_on_redis_stopped_paused_or_restarted(
+    start_fakes: StartFakes,
+    start_router: StartRouter,
+    redis_process: RedisProcess,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fakes = await start_fakes(3)
+    a = await fleet_router(start_router, fakes, redis_process.url)
+    b = await fleet_router(start_router, fakes, redis_process.url)
+    loop = asyncio.get_running_loop()
+    num_requests = 0
+
+    async def serve_some(tag: str) -> None:
+        nonlocal num_requests
+        for i in range(10):
+            began = loop.time()
+            reply = await (a, b)[i % 2].complete(unique_text(400, f"{tag}{i}"), max_tokens=1, timeout_s=5.0)
+            assert reply.status == 200, reply.body
+            assert loop.time() - began < FAST.command_timeout_s  # Redis's timeouts never reach a request
+            num_requests += 1
+
+    async def shared_again(tag: str) -> None:
+        """A prefix routed by A becomes a hit at B: both talk to Redis again."""
+        text = unique_text(LONG_PREFIX_BYTES, tag)
+        first = await a.complete(text, max_tokens=1)
+        await eventually(lambda: first.replica in holder(b, text), timeout_s=5.0, what=f"sharing after {tag}")
+
+    caplog.set_level("WARNING", logger="shoal.router.fleet")
+    # Stopped, then restarted empty (a flushed Redis, too).
+    redis_process.stop()
+    await serve_some("stopped")
+    await eventually(lambda: not a.app[FLEET].is_up and not b.app[FLEET].is_up, what="both see the outage")
+    await serve_some("still-stopped")
+    redis_process.start()
+    await eventually(lambda: a.app[FLEET].is_up and b.app[FLEET].is_up, timeout_s=5.0, what="both see Redis back")
+    await shared_again("restarted")
+    # Paused: connections open, no answer.
+    redis_process.pause()
+    try:
+        await serve_some("paused")
+        await eventually(lambda: not a.app[FLEET].is_up and not b.app[FLEET].is_up, what="both see the stall")
+        await serve_some("still-paused")
+    finally:
+        redis_process.resume()
+    await eventually(lambda: a.app[FLEET].is_up and b.app[FLEET].is_up, timeout_s=5.0, what="both see Redis back")
+    await shared_again("resumed")
+    assert num_requests == 40
+    for router in (a, b):
+        assert router.app[FLEET].counts["outages"] == 2
+    unreachable = [r for r in caplog.records if "Redis unreachable" in r.getMessage()]
+    assert len(unreachable) == 4  # once per outage and router, however many commands failed
+    # Flushed under the routers' feet: they carry on sharing.
+    client = redis.from_url(redis_process.url)
+    try:
+        await client.flushall()
+    finally:
+        await client.aclose()
+    await shared_again("flushed")

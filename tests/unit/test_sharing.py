@@ -4,7 +4,9 @@ to a real RoutingCore on an injected clock."""
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
+from router.cli import main
 from router.policy.admission import with_room
 from router.policy.estimated_ttft import EstimatedTTFT, EstimatedTTFTConfig
 from router.policy.prefix_index import PrefixIndex
@@ -23,6 +25,7 @@ from router.policy.sharing import (
     own_loads,
 )
 from router.policy.types import Branch, ReplicaState
+from router.service.settings import RouterSettings
 
 TTL_S = 3.0
 
@@ -163,3 +166,34 @@ def test_admission_counts_only_this_routers_own_requests() -> None:
 def test_a_non_positive_ttl_is_an_error() -> None:
     with pytest.raises(ValueError, match="load_ttl_s"):
         FleetView(make_core(), load_ttl_s=0)
+
+
+# --- settings of the fleet ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("url", ["redis://10.0.0.1:6379/0", "rediss://h:6380", "unix:///run/redis.sock"])
+def test_standalone_redis_urls_are_accepted(url: str) -> None:
+    assert RouterSettings(redis_url=url).redis_url == url
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("redis+sentinel://h:26379/mymaster", "Sentinel and Cluster"),
+        ("redis+cluster://h:7000", "Sentinel and Cluster"),
+        ("http://h:6379", "must start with"),
+        ("h:6379", "must start with"),
+    ],
+)
+def test_other_redis_urls_are_a_clear_error(url: str, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        RouterSettings(redis_url=url)
+
+
+def test_the_redis_url_comes_from_the_environment_and_the_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SHOAL_ROUTER_REDIS_URL", "redis://127.0.0.1:1/0")
+    assert RouterSettings().redis_url == "redis://127.0.0.1:1/0"
+    assert main(["router", "--redis-url", "sentinel://h"]) == 2
+    assert "Sentinel and Cluster" in capsys.readouterr().err
