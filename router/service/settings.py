@@ -221,12 +221,14 @@ class FleetSettings(_Section):
     load_ttl_s: float = Field(3.0, gt=0)
     """Seconds after a router's last batch at which its load stops counting at the others: a router that died
     stops counting this long after. Several heartbeats, so a slow write or two does not drop a live router."""
-    stream_max_len: int = Field(20_000, ge=1)
-    """Entries (batches) the routing-records stream keeps, trimmed approximately (XADD MAXLEN ~). Bounds Redis's
-    memory (a batch is some 1-4 KB: 20-80 MB at most) and what a starting router replays."""
-    max_replay_entries: int = Field(20_000, ge=0)
-    """Newest stream entries a starting router applies before it reports ready: the stream's whole length by
-    default, so its index agrees with the others' on what the stream still holds."""
+    stream_max_len: int = Field(5_000, ge=1)
+    """Entries (batches) the routing-records stream keeps, trimmed approximately (XADD MAXLEN ~): bounds Redis's
+    memory. A batch of 10 decisions of 64 blocks and a 64-replica load table takes some 10.5 KB in Redis
+    (`benchmarks/bench_fleet.py`), so the default holds about 50 MB, some minutes of a busy fleet's decisions."""
+    max_replay_entries: int = Field(2_000, ge=0)
+    """Newest stream entries a starting router applies before it reports ready. Applying a 64-block decision
+    costs some 50-75 us (decode and index record), so 2,000 batches of 10 fit in `load_timeout_s`; the newest
+    are the prefixes most likely to come back."""
     load_timeout_s: float = Field(2.0, gt=0)
     """Seconds a starting router waits for Redis to load the shared state; past it, or with Redis down, it starts
     on what it has (nothing, at worst) and catches up when Redis answers."""
