@@ -55,6 +55,9 @@ def add_router_command(subparsers: Any) -> None:
     )
     parser.add_argument("--session-header", metavar="NAME", help="header that pins a session to a replica")
     parser.add_argument("--seed", type=int, help="seed of the policies' random choices")
+    parser.add_argument(
+        "--redis-url", metavar="URL", help="Redis shared with the fleet's other routers (redis://host:port/db)"
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     parser.add_argument("--no-request-log", action="store_true", help="do not log one line per request")
     parser.add_argument(
@@ -77,6 +80,7 @@ def _run_router(args: argparse.Namespace) -> int:
         ("replica", "replicas"),
         ("seed", "seed"),
         ("session_header", "session_header"),
+        ("redis_url", "redis_url"),
     ):
         value = getattr(args, flag)
         if value is not None:

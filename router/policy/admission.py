@@ -7,7 +7,9 @@ place, where a waiting request takes whichever replica frees first (one queue be
 behind one replica's running generations while another replica finishes first (a queue per server). Set to the
 engines' batch size, no request waits inside an engine, and the fleet's queueing delay is the M/G/c one.
 
-0 means no limit: every eligible replica is offered, and the engines queue what they cannot run.
+0 means no limit: every eligible replica is offered, and the engines queue what they cannot run. The limit counts
+this router's own requests (`ReplicaState.own_in_flight`), not those other routers of a fleet report: a router
+holds a request until one of its own requests frees a slot, which only its own requests can tell it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def with_room(states: Sequence[ReplicaState], limit: int) -> Sequence[ReplicaSta
     (the same sequence, not a copy)."""
     if limit <= 0:
         return states
-    return [s for s in states if s.in_flight < limit]
+    return [s for s in states if s.own_in_flight < limit]
 
 
 def free_slots(states: Sequence[ReplicaState], limit: int) -> int:
@@ -33,4 +35,4 @@ def free_slots(states: Sequence[ReplicaState], limit: int) -> int:
     replica takes any number (`UNLIMITED`), and no replica none."""
     if limit <= 0:
         return UNLIMITED if states else 0
-    return sum(max(0, limit - s.in_flight) for s in states)
+    return sum(max(0, limit - s.own_in_flight) for s in states)

@@ -24,6 +24,10 @@ object, so the simulator's verdicts are those of the router's own steps. Per att
   says nothing of the prefill. A replica's first observation re-seeds the replicas never observed with the fleet's
   mean, so that cache misses do not all go to the one replica that learned a higher rate than the prior.
 
+Other routers of a fleet (`sharing.FleetView`): their decisions are recorded as this router's own commits would be
+(`record_peer`), their session pins remembered (`pin`), and their load added to the replicas' load views
+(`set_peer_load`), which keep this router's own share apart (`own_load`) for what it publishes and for admission.
+
 Eligibility (health, draining, models) is the driver's: it passes the eligible replicas' states to `choose`. Pure:
 `now` comes from the caller; no I/O, no clock.
 """
@@ -180,6 +184,36 @@ class RoutingCore:
             return
         for event in events:
             self.index.apply(replica_id, event, seed=seed, now=now)
+
+    # --- other routers of a fleet (`sharing`) --------------------------------------------------------------------
+
+    def has_replica(self, replica_id: str) -> bool:
+        return replica_id in self._replicas
+
+    def record_peer(self, replica_id: str, hashes: Sequence[int], now: float, *, predicted: bool) -> bool:
+        """Another router sent a prompt with these hashes to the replica: record it as `commit` would have.
+        False when the replica has not joined here (yet)."""
+        if replica_id not in self._replicas:
+            return False
+        if self.config.use_index and hashes and not (predicted and not self.config.records_predictions):
+            self.index.record(replica_id, hashes, now=now, predicted=predicted)
+        return True
+
+    def pin(self, session_key: str, replica_id: str) -> None:
+        """Another router pinned the session to the replica."""
+        self.sessions.remember(session_key, replica_id)
+
+    def set_peer_load(self, replica_id: str, in_flight: int, waiting: int, waiting_prompt_tokens: int) -> None:
+        """The other routers' requests on the replica, summed (`ReplicaState.set_peer_load`); policies see the
+        sum of theirs and this router's own."""
+        tracked = self._replicas.get(replica_id)
+        if tracked is not None:
+            tracked.state.set_peer_load(in_flight, waiting, waiting_prompt_tokens)
+
+    def own_load(self, replica_id: str) -> tuple[int, int, int]:
+        """This router's own (in flight, waiting, waiting prompt tokens) on the replica."""
+        s = self._replicas[replica_id].state
+        return s.own_in_flight, s.own_waiting, s.own_waiting_prompt_tokens
 
     # --- decisions ---------------------------------------------------------------------------------------------
 

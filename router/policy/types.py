@@ -72,6 +72,12 @@ class ReplicaState:
     """KV cache size in index blocks, when known (from settings or the engine)."""
     last_selected: float = float("-inf")
     """`now` of the last time a policy chose this replica (least-recently-chosen tie break)."""
+    peer_in_flight: int = 0
+    """Of `in_flight`, the requests other routers reported (router fleet, `sharing`); 0 for a router alone."""
+    peer_waiting: int = 0
+    """Of `waiting`, those other routers reported."""
+    peer_waiting_prompt_tokens: int = 0
+    """Of `waiting_prompt_tokens`, those other routers reported."""
     version: int = field(default=0, repr=False, compare=False)
     """Bumped by every method below that changes a field. A policy that derives terms from the fields keeps them
     with the state object and the version they were derived at, and need not read the fields again while both are
@@ -116,6 +122,37 @@ class ReplicaState:
     def set_prefill_rate(self, tokens_per_s: float) -> None:
         self.prefill_tokens_per_s = tokens_per_s
         self.version += 1
+
+    def set_peer_load(self, in_flight: int, waiting: int, waiting_prompt_tokens: int) -> None:
+        """Other routers' requests here, summed: they replace the previous peer share of the load fields, so that
+        policies see the fleet's load while this router's own `begin`/`finish` keep counting its own."""
+        d_in_flight = in_flight - self.peer_in_flight
+        d_waiting = waiting - self.peer_waiting
+        self.in_flight += d_in_flight
+        self.waiting += d_waiting
+        self.streaming += d_in_flight - d_waiting
+        self.waiting_prompt_tokens += waiting_prompt_tokens - self.peer_waiting_prompt_tokens
+        self.peer_in_flight = in_flight
+        self.peer_waiting = waiting
+        self.peer_waiting_prompt_tokens = waiting_prompt_tokens
+        self.version += 1
+
+    @property
+    def own_in_flight(self) -> int:
+        """Requests in flight that this router sent."""
+        return self.in_flight - self.peer_in_flight
+
+    @property
+    def own_waiting(self) -> int:
+        return self.waiting - self.peer_waiting
+
+    @property
+    def own_waiting_prompt_tokens(self) -> int:
+        return self.waiting_prompt_tokens - self.peer_waiting_prompt_tokens
+
+    @property
+    def own_streaming(self) -> int:
+        return self.streaming - (self.peer_in_flight - self.peer_waiting)
 
     @property
     def queue_depth(self) -> int:

@@ -23,6 +23,7 @@ from router.policy.prefix_index import PrefixIndex
 from router.service.admin import AdminApi
 from router.service.deadlines import Deadlines
 from router.service.errors import error_response
+from router.service.fleet import FleetSharing
 from router.service.front import Answer, FrontRequest, Handler
 from router.service.health import HealthChecker, MetricsScraper
 from router.service.kv_events import KVEventSubscribers
@@ -41,6 +42,7 @@ METRICS = web.AppKey("metrics", RouterMetrics)
 PROXY = web.AppKey("proxy", Proxy)
 HEALTH = web.AppKey("health", HealthChecker)
 KV_EVENTS = web.AppKey("kv_events", KVEventSubscribers)
+FLEET = web.AppKey("fleet", FleetSharing)
 SHUTTING_DOWN = web.AppKey("shutting_down", asyncio.Event)
 ADMIN = web.AppKey("admin", AdminApi)
 
@@ -168,7 +170,20 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         scraper = MetricsScraper(settings.scrape, app[POOL], probe_session)
         tasks.append(asyncio.create_task(scraper.run(), name="scrape"))
     discovery = None
+    fleet = None
     try:
+        if settings.redis_url is not None:  # loads the fleet's state before the app serves (router/service/fleet.py)
+            fleet = app[FLEET] = FleetSharing(
+                settings.redis_url,
+                settings.fleet,
+                core,
+                app[POOL],
+                loop.time,
+                on_undrained=lambda r: _replica_changed(app, r),
+            )
+            app[METRICS].registry.register(fleet.collector())
+            await fleet.start()
+            core.publisher = fleet
         if kv_events is not None:
             await kv_events.start()
         if settings.discovery.kind == "kubernetes":
@@ -181,6 +196,9 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
             discovery.start()
         yield
     finally:
+        if fleet is not None:
+            core.publisher = None
+            await fleet.stop()
         if discovery is not None:
             await discovery.stop()
         if kv_events is not None:

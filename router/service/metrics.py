@@ -171,7 +171,7 @@ class _PoolCollector(Collector):
         for replica in self._pool:
             s = replica.state
             for key, family in per_replica.items():
-                value = getattr(s, key)
+                value = getattr(s, "own_" + key)  # this router's own: the autoscaler sums over routers
                 family.add_metric([replica.id], value)
                 totals[key] += value
             rate.add_metric([replica.id], s.prefill_tokens_per_s)

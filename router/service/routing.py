@@ -3,7 +3,8 @@
 `router.policy.routing_core.RoutingCore` makes every decision and keeps the load bookkeeping; the simulator drives
 the same object. This adapter adds what only the live router has: the pool's eligibility (health, circuit,
 draining, models), the `Replica` a ticket is for (its address, its circuit breaker), and whether a replica's
-KV-event stream is live, which `commit` reads. The proxy runs `commit` as soon as the request is written and
+KV-event stream is live, which `commit` reads, and the `publisher` that tells a fleet's other routers of each commit.
+The proxy runs `commit` as soon as the request is written and
 before the event loop runs anything else, so the next decision sees the record just as if it had been made
 before the request left.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from router.policy import routing_core
 from router.policy.prefill_rate import PrefillRateEstimator
@@ -23,7 +25,7 @@ from router.policy.types import Decision, Policy
 from router.service.pool import Replica, ReplicaPool
 from router.service.settings import RouterSettings
 
-__all__ = ["Prepared", "RoutingCore", "Ticket", "routing_config"]
+__all__ = ["Prepared", "RecordSink", "RoutingCore", "Ticket", "routing_config"]
 
 
 def routing_config(settings: RouterSettings) -> RoutingConfig:
@@ -39,6 +41,15 @@ def routing_config(settings: RouterSettings) -> RoutingConfig:
         session=settings.session_affinity,
         prefill_rate=settings.prefill_rate,
     )
+
+
+class RecordSink(Protocol):
+    """Where committed decisions go for the other routers of a fleet (`router.service.fleet.FleetSharing`).
+    Called on the request path: it must only queue."""
+
+    def routed(self, replica_id: str, hashes: list[int], is_tokens: bool) -> None: ...
+
+    def pinned(self, session_key: str, replica_id: str) -> None: ...
 
 
 @dataclass(slots=True)
@@ -80,6 +91,8 @@ class RoutingCore:
         if prefill_rate is not None:
             config = dataclasses.replace(config, prefill_rate=prefill_rate)
         self.core = routing_core.RoutingCore(config, index, policy)
+        self.publisher: RecordSink | None = None
+        """Set when the router shares its view with a fleet (`redis_url`): every commit is published."""
 
     @property
     def index(self) -> PrefixIndex:
@@ -111,6 +124,12 @@ class RoutingCore:
         """Record the prompt on the replica `decision` sent it to. Once per attempt, `now` as given to `choose`."""
         chosen = self.pool.get(decision.replica)
         self.core.commit(prepared, decision, now, has_live_kv_events=chosen is not None and chosen.has_live_kv_events)
+        publisher = self.publisher
+        if publisher is not None:
+            if self.core.config.use_index:
+                publisher.routed(decision.replica, prepared.complete(), prepared.is_tokens)
+            if prepared.session_key is not None:
+                publisher.pinned(prepared.session_key, decision.replica)
 
     def begin(self, replica: Replica, decision: Decision, prepared: Prepared, now: float) -> Ticket:
         return Ticket(replica, self.core.begin(decision, prepared, now))

@@ -194,6 +194,64 @@ class RequestLogSettings(_Section):
     """Seconds between the writer's batches (sooner once 512 lines wait): lines reach the sink at most this late."""
 
 
+# --- Router fleet: several routers share one view through Redis (router/service/fleet.py) ----------------------
+
+_REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def check_redis_url(url: str) -> str:
+    """A standalone Redis URL redis-py's `from_url` takes; ValueError for anything else, Sentinel and Cluster
+    included: redis-py builds neither from a URL."""
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if "sentinel" in scheme or "cluster" in scheme:
+        raise ValueError(
+            f"redis_url {url!r}: Sentinel and Cluster cannot be reached from a URL with redis-py; "
+            "give the standalone primary's redis://host:port/db (a Sentinel-managed primary behind a Service works)"
+        )
+    if scheme not in _REDIS_SCHEMES:
+        raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {url!r}")
+    return url
+
+
+class FleetSettings(_Section):
+    namespace: str = Field("shoal", min_length=1)
+    """Prefix of the Redis keys this fleet uses (`<namespace>:fleet:*`): routers with the same namespace share one
+    view. One Redis may serve several fleets under different namespaces."""
+    flush_interval_s: float = Field(0.05, gt=0)
+    """Seconds between two batches a router publishes: 50 ms keeps peers' views well within the one second the
+    fleet's load must agree in, at some 20 Redis writes per second per router."""
+    max_batch_records: int = Field(256, ge=1)
+    """Records that make a batch go out before `flush_interval_s` has passed, so a burst does not make one huge
+    stream entry."""
+    max_queued_records: int = Field(8192, ge=1)
+    """Records waiting to be published at most; past it new records are dropped and counted
+    (`shoal_router_fleet_records_dropped_total`): a Redis that is down or slow never grows the router's memory."""
+    heartbeat_s: float = Field(0.5, gt=0)
+    """Seconds between batches that carry the router's whole load table even when nothing changed, so that a peer
+    that missed a batch, or started since, has it within this long."""
+    load_ttl_s: float = Field(3.0, gt=0)
+    """Seconds after a router's last batch at which its load stops counting at the others: a router that died
+    stops counting this long after. Several heartbeats, so a slow write or two does not drop a live router."""
+    stream_max_len: int = Field(5_000, ge=1)
+    """Entries (batches) the routing-records stream keeps, trimmed approximately (XADD MAXLEN ~): bounds Redis's
+    memory. A batch of 10 decisions of 64 blocks and a 64-replica load table takes some 10.5 KB in Redis
+    (`benchmarks/bench_fleet.py`), so the default holds about 50 MB, some minutes of a busy fleet's decisions."""
+    max_replay_entries: int = Field(2_000, ge=0)
+    """Newest stream entries a starting router applies before it reports ready. Applying a 64-block decision
+    costs some 50-75 us (decode and index record), so 2,000 batches of 10 fit in `load_timeout_s`; the newest
+    are the prefixes most likely to come back."""
+    load_timeout_s: float = Field(2.0, gt=0)
+    """Seconds a starting router waits for Redis to load the shared state; past it, or with Redis down, it starts
+    on what it has (nothing, at worst) and catches up when Redis answers."""
+    command_timeout_s: float = Field(0.5, gt=0)
+    """Seconds a Redis command may take before it counts as an outage (socket timeout): never waited on by a
+    request, only by the router's background tasks."""
+    read_block_s: float = Field(0.5, gt=0)
+    """Seconds one XREAD waits for peers' batches before it asks again."""
+    retry_s: float = Field(0.5, gt=0)
+    """Seconds between attempts to reach Redis during an outage."""
+
+
 class RouterSettings(BaseSettings):
     """Settings of `shoal router`."""
 
@@ -244,6 +302,18 @@ class RouterSettings(BaseSettings):
     """Where the per-request lines go, and how far the writer may fall behind."""
     config_file: Path | None = None
     """YAML file with any of these settings; environment variables override it."""
+
+    # --- Router fleet (router/service/fleet.py) ---
+    redis_url: str | None = None
+    """Redis shared by a fleet of routers (standalone: redis://host:port/db, rediss://, unix://): each publishes
+    its routing records there and applies the others'. None: this router works alone, on its own view."""
+    fleet: FleetSettings = Field(default_factory=FleetSettings)
+    """With `redis_url`: how records are batched, capped and expired."""
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, url: str | None) -> str | None:
+        return None if url is None else check_redis_url(url)
 
     @field_validator("replicas")
     @classmethod
