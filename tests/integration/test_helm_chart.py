@@ -676,10 +676,15 @@ def test_redis_is_off_external_or_bundled() -> None:
     assert external["SHOAL_REPLICA_KV_EVENTS_REDIS_URL"]["valueFrom"] == {
         "secretKeyRef": {"name": "shoal-redis", "key": "url"}
     }
+    router_env = env_of(container(find(rendered("redis-external"), "Deployment", "router")))
+    assert router_env["SHOAL_ROUTER_REDIS_URL"]["valueFrom"] == {"secretKeyRef": {"name": "shoal-redis", "key": "url"}}
+    assert "SHOAL_ROUTER_REDIS_URL" not in env_of(container(find(rendered("defaults"), "Deployment", "router")))
     bundled = render({"redis": {"mode": "bundled"}})
     url = env_of(container(find(bundled, "Deployment", "replica")))["SHOAL_REPLICA_KV_EVENTS_REDIS_URL"]["value"]
     service = find(bundled, "Service", "redis")
     assert url == f"redis://{service.name}:{service.body['spec']['ports'][0]['port']}/0"
+    # The routers share their view of the fleet through the same Redis.
+    assert env_of(container(find(bundled, "Deployment", "router")))["SHOAL_ROUTER_REDIS_URL"]["value"] == url
     redis = container(find(bundled, "StatefulSet", "redis"))
     assert redis["args"][:4] == ["--save", "", "--appendonly", "no"]
 
