@@ -62,6 +62,7 @@ from simulations.scaling import AutoscaleConfig, FleetObservation, PolicyFleet
 from simulations.scenario import Scenario, build_workload, load_scenario
 from simulations.servegen import ServeGenTraceConfig, ServeGenWorkload
 from simulations.simulation import Simulation
+from simulations.startup import describe_startup, startup_quantile_s
 from simulations.workload import Workload
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "simulations" / "scenarios"
@@ -198,7 +199,7 @@ def run(
         simulation.scaling = ArrivalOracleFleet(
             arrivals,
             request_s=request_s,
-            lead_s=autoscale.startup_s,
+            lead_s=startup_quantile_s(autoscale.startup_s),
             target=autoscale.target_requests_per_replica,
             factor=factor,
             hold_s=hold_s,
@@ -473,7 +474,7 @@ def main() -> None:
         slo = f"TTFT <= {scenario.slo.ttft_s:g} s"
         a = scenario.autoscale
         table(
-            f"{title}; {scenario.fleet.preset}, {a.startup_s:g} s cold starts, {slo}, "
+            f"{title}; {scenario.fleet.preset}, {describe_startup(a.startup_s)}, {slo}, "
             f"{a.target_requests_per_replica:g} requests per replica, {a.min_replicas}..{a.max_replicas} replicas",
             [*rows, static],
             static,
@@ -481,7 +482,7 @@ def main() -> None:
             is_where_missed=args.where_missed,
         )
         if args.clairvoyant:
-            print(idle_gaps(workload, scenario.autoscale.startup_s, static))
+            print(idle_gaps(workload, startup_quantile_s(scenario.autoscale.startup_s), static))
 
 
 if __name__ == "__main__":

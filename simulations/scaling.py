@@ -35,6 +35,7 @@ from autoscaler.policy.baselines import (
     keda_decide,
     static_decide,
 )
+from simulations.startup import StartupTime, startup_quantile_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +121,10 @@ class AutoscaleConfig(_Config):
     min_replicas: int = Field(default=1, ge=0)
     """Floor of shoal and hpa. KEDA keeps its own default (`minReplicaCount` 0) unless `keda` sets it."""
     max_replicas: int = Field(default=16, ge=1)
-    startup_s: float = Field(default=120.0, ge=0.0)
-    """Seconds from a replica's creation to ready (replaces the engine preset's `startup_s`)."""
+    startup_s: StartupTime = 120.0
+    """Seconds from a replica's creation to ready, or a distribution of them (`simulations.startup`: lognormal
+    p50/p90, or measured samples); replaces the engine preset's `startup_s`. Shoal's `expected_start_s` is its
+    p90 unless `shoal` sets it."""
     interval_s: float = Field(default=5.0, gt=0.0)
     """Seconds between observations (the Shoal controller's scrape interval). HPA and KEDA act only on their
     own sync and polling periods (15 s, 30 s), which their state tracks."""
@@ -161,7 +164,7 @@ class AutoscaleConfig(_Config):
                     **bounds,
                     "min_replicas": max(1, self.min_replicas),
                     "target_requests_per_replica": target,
-                    "expected_start_s": self.startup_s or 1.0,
+                    "expected_start_s": startup_quantile_s(self.startup_s) or 1.0,
                     **self.shoal,
                 }
             )
