@@ -85,8 +85,6 @@ class RouterReplica:
     is_eligible: bool
     in_flight: int
     kv_usage: float | None
-    engine_running: int | None = None
-    """The engine's running sequences as the router scraped them (`vllm:num_requests_running`); None unscraped."""
     engine_waiting: int | None = None
     """The engine's queued sequences (`vllm:num_requests_waiting`); None unscraped."""
 
@@ -207,13 +205,11 @@ class RouterFleet:
                 total[key] += f.gauges.get(key, 0.0)
         deltas = [_delta(f.ttft_buckets, self._previous_ttft.get(url)) for url, f in figures.items()]
         ttft = histogram_quantile(self._quantile, _sum_buckets([d for d in deltas if d]))
-        engine_running, engine_waiting = _engine_queues(figures)
         return fleet_demand(
             in_flight=total["in_flight"],
             waiting=total["queue_depth"],
             held=total["held"],
-            engine_running=engine_running,
-            engine_waiting=engine_waiting,
+            engine_waiting=_engine_waiting(figures),
             prefill_backlog_tokens=total["prefill_backlog_tokens"],
             kv_usage=_kv_usage(figures, replicas),
             ttft_s=ttft,
@@ -333,7 +329,7 @@ class RouterFleet:
 def _router_replica(entry: Mapping[str, Any]) -> RouterReplica:
     engine = entry.get("engine") or {}
     kv = engine.get("kv_usage")
-    running, waiting = engine.get("num_running"), engine.get("num_waiting")
+    waiting = engine.get("num_waiting")
     return RouterReplica(
         id=str(entry["id"]),
         url=str(entry["url"]).rstrip("/"),
@@ -341,22 +337,19 @@ def _router_replica(entry: Mapping[str, Any]) -> RouterReplica:
         is_eligible=bool(entry.get("eligible", False)),
         in_flight=int(entry.get("in_flight", 0)),
         kv_usage=float(kv) if kv is not None else None,
-        engine_running=int(running) if running is not None else None,
         engine_waiting=int(waiting) if waiting is not None else None,
     )
 
 
-def _engine_queues(figures: Mapping[str, RouterFigures]) -> tuple[int | None, int | None]:
-    """(running, waiting) summed over the engines some router scraped, each engine once (every router scrapes the
-    same engine); (None, None) when no router lists an engine figure (no admin token, or engines unscraped)."""
-    per_url: dict[str, tuple[int, int]] = {}
+def _engine_waiting(figures: Mapping[str, RouterFigures]) -> int | None:
+    """Queued requests summed over the engines some router scraped, each engine once (every router scrapes the
+    same engine); None when no router lists the figure (no admin token, or engines unscraped)."""
+    per_url: dict[str, int] = {}
     for f in figures.values():
         for r in f.replicas or ():
-            if r.engine_waiting is not None or r.engine_running is not None:
-                per_url.setdefault(r.url, (r.engine_running or 0, r.engine_waiting or 0))
-    if not per_url:
-        return None, None
-    return sum(r for r, _ in per_url.values()), sum(w for _, w in per_url.values())
+            if r.engine_waiting is not None:
+                per_url.setdefault(r.url, r.engine_waiting)
+    return sum(per_url.values()) if per_url else None
 
 
 def _kv_usage(figures: Mapping[str, RouterFigures], replicas: Mapping[str, ReplicaLoad]) -> float | None:

@@ -192,7 +192,7 @@ class PolicyFleet:
         self.config = config.policy_config()
         self.metric_lag_s = config.metric_lag_s
         self.reasons: Counter[str] = Counter()
-        self._history: deque[tuple[float, tuple[int, int, int, int, int]]] = deque()
+        self._history: deque[tuple[float, tuple[int, int, int, int]]] = deque()
         """(time, `_lagged`'s counts) of past ticks, for `metric_lag_s`."""
         self._shoal = ScalerState()
         self._hpa = HPAState()
@@ -201,14 +201,13 @@ class PolicyFleet:
     def desired_replicas(self, observation: FleetObservation) -> int | None:
         obs, now = observation, observation.now_s
         current = obs.num_ready + obs.num_starting
-        in_flight, held, waiting, engine_running, engine_waiting = self._lagged(obs)
+        in_flight, held, waiting, engine_waiting = self._lagged(obs)
         config = self.config
         if isinstance(config, ScalingPolicyConfig):
             demand = fleet_demand(
                 in_flight=in_flight,
                 waiting=waiting,
                 held=held,
-                engine_running=engine_running,
                 engine_waiting=engine_waiting,
             )
             seen = Observation(demand=demand, num_ready=obs.num_ready, starting_since=obs.starting_since)
@@ -229,10 +228,10 @@ class PolicyFleet:
         self.reasons[static.reason.value] += 1
         return static.target_replicas
 
-    def _lagged(self, obs: FleetObservation) -> tuple[int, int, int, int, int]:
-        """(in flight, held, waiting at the routers, running and waiting in engines) as of `metric_lag_s` ago: the
+    def _lagged(self, obs: FleetObservation) -> tuple[int, int, int, int]:
+        """(in flight, held, waiting at the routers, waiting in engines) as of `metric_lag_s` ago: the
         newest tick at least that old (the oldest one while the run is younger than the lag)."""
-        current = (obs.in_flight, obs.held, obs.router_waiting, obs.engine_running, obs.engine_waiting)
+        current = (obs.in_flight, obs.held, obs.router_waiting, obs.engine_waiting)
         if self.metric_lag_s <= 0.0:
             return current
         history = self._history

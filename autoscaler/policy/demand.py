@@ -1,10 +1,11 @@
 """Demand in replicas: the figures `decide` reads from the samples, and the replicas each signal asks for.
 
-Queue time is demand. `fleet_demand` is where a driver's counts become a `Demand`: requests held at a router
-(no replica can take them: a cold start, a fleet at zero, every replica at its in-flight limit) and requests
-queued inside engines (scraped `num_requests_waiting`, which may exceed what a router counts when other clients
-reach the engines) both count as requests and as waiting ones. So a queue that grows while each running batch
-looks fine still raises the requests signal: the per-replica figure is requests waiting *or* running.
+Queue time is demand. `fleet_demand` is where a driver's counts become a `Demand`: requests held at a router (no
+replica can take them: a cold start, a fleet at zero, every replica at its in-flight limit) and requests queued
+inside engines (in the routers' in-flight and waiting counts, and, beyond those, the engines' scraped
+`num_requests_waiting` when other clients reach the engines) all count as requests and as waiting ones. So a queue
+that grows while each running batch looks fine still raises the requests signal: the per-replica figure is requests
+waiting *or* running.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ def fleet_demand(
     in_flight: float,
     waiting: float,
     held: float,
-    engine_running: float | None = None,
     engine_waiting: float | None = None,
     prefill_backlog_tokens: float = 0.0,
     kv_usage: float | None = None,
@@ -33,21 +33,19 @@ def fleet_demand(
     """The fleet's demand from the routers' and engines' counts.
 
     `in_flight`: requests the routers sent to replicas and not finished; `waiting`: of those, the ones without a
-    first byte; `held`: requests the routers hold for want of a replica. `engine_running` and `engine_waiting`:
-    the engines' own gauges summed (None when not scraped). Requests = the larger of the routers' and the engines'
-    view of what is on the replicas, plus the held ones; waiting = the larger view of the queued ones, plus held.
+    first byte (queued in an engine or in prefill); `held`: requests the routers hold for want of a replica;
+    `engine_waiting`: the engines' own queue gauges summed (None when not scraped). Engine-queued requests beyond
+    the routers' waiting ones (clients that reach the engines directly) are added to both figures. Engines'
+    running counts are not read: they lag the routers' own counts by a scrape, and a finished batch would then
+    read as load for that long.
     """
     for name, value in (("in_flight", in_flight), ("waiting", waiting), ("held", held)):
         if value < 0 or math.isnan(value):
             raise ValueError(f"{name} must be a count >= 0, got {value}")
-    on_replicas = in_flight
-    queued = waiting
-    if engine_running is not None or engine_waiting is not None:
-        queued = max(queued, engine_waiting or 0.0)
-        on_replicas = max(on_replicas, (engine_running or 0.0) + (engine_waiting or 0.0))
+    unseen = max(0.0, (engine_waiting or 0.0) - waiting)
     return Demand(
-        requests=on_replicas + held,
-        waiting=queued + held,
+        requests=in_flight + unseen + held,
+        waiting=waiting + unseen + held,
         prefill_backlog_tokens=prefill_backlog_tokens,
         kv_usage=kv_usage,
         ttft_s=ttft_s,

@@ -27,11 +27,11 @@ def test_held_and_engine_queued_requests_are_demand() -> None:
     # Held requests (no replica can take them) are requests, and waiting ones.
     demand = fleet_demand(in_flight=10, waiting=2, held=5)
     assert (demand.requests, demand.waiting) == (15, 7)
-    # An engine that queues more than the routers count (other clients reach it) raises both figures.
-    demand = fleet_demand(in_flight=10, waiting=2, held=5, engine_running=8, engine_waiting=30)
-    assert (demand.requests, demand.waiting) == (8 + 30 + 5, 30 + 5)
+    # Engines that queue more than the routers count as waiting (other clients reach them): the excess is added.
+    demand = fleet_demand(in_flight=10, waiting=2, held=5, engine_waiting=30)
+    assert (demand.requests, demand.waiting) == (10 + 28 + 5, 30 + 5)
     # Engines that report less than the routers know of never lower them (a scrape behind the routers).
-    demand = fleet_demand(in_flight=10, waiting=4, held=0, engine_running=3, engine_waiting=1)
+    demand = fleet_demand(in_flight=10, waiting=4, held=0, engine_waiting=1)
     assert (demand.requests, demand.waiting) == (10, 4)
     with pytest.raises(ValueError, match="held must be a count"):
         fleet_demand(in_flight=1, waiting=0, held=-1)
@@ -49,16 +49,17 @@ def test_held_requests_alone_size_the_fleet() -> None:
 
 
 def test_a_queue_growing_behind_full_batches_scales_the_fleet() -> None:
-    # The engines run 8 sequences each (the target) the whole time; their queues grow by 2 requests a second.
-    # A policy on running sequences would never move; this one follows the queue, tick by tick.
+    # The engines run 8 sequences each (the target) the whole time; their queues, fed by clients that reach them
+    # directly, grow by 2 requests a second. A policy on running sequences would never move; this one follows
+    # the queue, tick by tick.
     fleet = VirtualFleet(CONFIG, num_ready=4, start_s=30.0)
-    fleet.run(90.0, lambda t: fleet_demand(in_flight=32, waiting=0, held=0, engine_running=32, engine_waiting=0))
+    fleet.run(90.0, lambda t: fleet_demand(in_flight=32, waiting=0, held=0, engine_waiting=0))
     assert fleet.size == 4
     grow_from = fleet.now
 
     def demand(t: float) -> Demand:
         queued = 2.0 * (t - grow_from)
-        return fleet_demand(in_flight=32 + queued, waiting=queued, held=0, engine_running=32, engine_waiting=queued)
+        return fleet_demand(in_flight=32, waiting=0, held=0, engine_waiting=queued)
 
     fleet.run(grow_from + 120.0, demand)
     ups = [(t, d) for t, d in fleet.history if t >= grow_from and d.action is Action.UP]
