@@ -55,7 +55,11 @@ def add_autoscaler_command(subparsers: Any) -> None:
     parser.add_argument("--interval", type=float, metavar="SECONDS", help="seconds between decisions (default 2)")
     parser.add_argument("--host", help="address of /metrics (default 127.0.0.1)")
     parser.add_argument("--metrics-port", type=int, help="port of /metrics (default 9090)")
-    parser.add_argument("--min-replicas", type=int, help="fewest replicas while there is traffic")
+    parser.add_argument(
+        "--min-replicas",
+        type=int,
+        help="fewest replicas while there is traffic; 0: scale to zero when idle (policy.scale_to_zero.enabled)",
+    )
     parser.add_argument("--max-replicas", type=int, help="most replicas")
     parser.add_argument("--model", help="local actuator: checkpoint folder, or `demo`")
     parser.add_argument("--served-model-name", help="local actuator: model name in the API")
@@ -82,7 +86,13 @@ def settings_from_args(args: argparse.Namespace) -> AutoscalerSettings:
     if args.dry_run:
         overrides["dry_run"] = True
     # Nested values merge field by field with the environment's and the file's (pydantic-settings deep-merges).
-    policy = {k: v for k, v in (("min_replicas", args.min_replicas), ("max_replicas", args.max_replicas)) if v}
+    policy: dict[str, Any] = {
+        k: v for k, v in (("min_replicas", args.min_replicas), ("max_replicas", args.max_replicas)) if v
+    }
+    if args.min_replicas == 0:  # the policy's floor while serving stays 1; zero is scale to zero's
+        policy["scale_to_zero"] = {"enabled": True}
+    elif args.min_replicas is not None and args.min_replicas < 0:
+        raise ValueError(f"--min-replicas must be >= 0, not {args.min_replicas}")
     local = {
         k: v
         for k, v in (

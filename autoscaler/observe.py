@@ -1,7 +1,9 @@
 """The routers, as the autoscaler reads and steers them: fleet demand, per-replica load, drain and registration.
 
 Demand is the sum of every router's fleet gauges (`shoal_router_in_flight`, `_queue_depth`, `_held_requests`,
-`_prefill_backlog_tokens`, DESIGN.md contract 3); a round in which any router does not answer yields no demand at
+`_prefill_backlog_tokens`, DESIGN.md contract 3), with the engines' own queue gauges from the admin API where
+the routers scrape them (`autoscaler.policy.demand.fleet_demand`: held and engine-queued requests are demand); a
+round in which any router does not answer yields no demand at
 all, since a partial sum would understate the load and could shrink the fleet. TTFT is a quantile of the requests
 since the previous round: each router's `shoal_router_ttft_seconds` histogram minus its previous scrape, summed.
 Per-replica figures come from the admin API (contract 4): in-flight requests (summed over routers) and the
@@ -26,6 +28,7 @@ from typing import Any, Protocol
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from autoscaler.policy.demand import fleet_demand
 from autoscaler.policy.types import Demand
 
 log = logging.getLogger(__name__)
@@ -82,6 +85,8 @@ class RouterReplica:
     is_eligible: bool
     in_flight: int
     kv_usage: float | None
+    engine_waiting: int | None = None
+    """The engine's queued sequences (`vllm:num_requests_waiting`); None unscraped."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,9 +205,11 @@ class RouterFleet:
                 total[key] += f.gauges.get(key, 0.0)
         deltas = [_delta(f.ttft_buckets, self._previous_ttft.get(url)) for url, f in figures.items()]
         ttft = histogram_quantile(self._quantile, _sum_buckets([d for d in deltas if d]))
-        return Demand(
-            requests=total["in_flight"] + total["held"],
-            waiting=total["queue_depth"] + total["held"],
+        return fleet_demand(
+            in_flight=total["in_flight"],
+            waiting=total["queue_depth"],
+            held=total["held"],
+            engine_waiting=_engine_waiting(figures),
             prefill_backlog_tokens=total["prefill_backlog_tokens"],
             kv_usage=_kv_usage(figures, replicas),
             ttft_s=ttft,
@@ -322,6 +329,7 @@ class RouterFleet:
 def _router_replica(entry: Mapping[str, Any]) -> RouterReplica:
     engine = entry.get("engine") or {}
     kv = engine.get("kv_usage")
+    waiting = engine.get("num_waiting")
     return RouterReplica(
         id=str(entry["id"]),
         url=str(entry["url"]).rstrip("/"),
@@ -329,7 +337,19 @@ def _router_replica(entry: Mapping[str, Any]) -> RouterReplica:
         is_eligible=bool(entry.get("eligible", False)),
         in_flight=int(entry.get("in_flight", 0)),
         kv_usage=float(kv) if kv is not None else None,
+        engine_waiting=int(waiting) if waiting is not None else None,
     )
+
+
+def _engine_waiting(figures: Mapping[str, RouterFigures]) -> int | None:
+    """Queued requests summed over the engines some router scraped, each engine once (every router scrapes the
+    same engine); None when no router lists the figure (no admin token, or engines unscraped)."""
+    per_url: dict[str, int] = {}
+    for f in figures.values():
+        for r in f.replicas or ():
+            if r.engine_waiting is not None:
+                per_url.setdefault(r.url, r.engine_waiting)
+    return sum(per_url.values()) if per_url else None
 
 
 def _kv_usage(figures: Mapping[str, RouterFigures], replicas: Mapping[str, ReplicaLoad]) -> float | None:

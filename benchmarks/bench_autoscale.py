@@ -38,6 +38,18 @@ scenario's fleet.
 `--router-limit N` runs every row, static peak included, with the router holding requests while every replica
 has N in flight (`router/policy/admission.py`): one queue at the router instead of one per engine.
 
+`--workload frontier` is the yardstick of issue 20: on four workloads (the Azure code hour, the Azure conversation
+hour, the ServeGen day of scenario 09, and a sinusoid between 1 and 24 requests/s with a 10-minute period) it runs
+static peak, Shoal's policy, HPA's and KEDA's defaults, and the clairvoyant fleet over a grid of factors and holds
+(`--frontier-factors`, `--frontier-holds`), and prints per workload the cost-attainment frontier (the clairvoyant
+points no other point beats on both replica-seconds and attainment) beside the policies, with the goal: Shoal at
+>= 99% attainment with <= 1.1x the frontier's replica-seconds at 99%, below HPA's and KEDA's; on the sinusoid,
+goodput (TTFT and TPOT both within the SLO) >= 90%. `--plot-dir DIR` writes one PNG per workload (replica-seconds
+as % of static peak against attainment). `--startup` sets every row's cold starts: seconds, or a distribution as
+JSON (`{"kind": "lognormal", "p50_s": 90, "p90_s": 180}`, `simulations/startup.py`); the titles name it.
+
+    .venv/bin/python benchmarks/bench_autoscale.py --workload frontier --plot-dir benchmarks/results
+
 `--where-missed` adds, per row, where in time the missed requests arrived: while a replica was starting (a
 scale-up on its way), within 300 s after a replica was removed, or otherwise (a fleet at rest, whose misses are
 queueing noise), with the scale-ups and removals counted.
@@ -47,9 +59,12 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import datetime
 import json
 import math
 import os
+import platform
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -57,11 +72,14 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from pydantic import TypeAdapter
+
 from autoscaler.policy import Demand, Observation, ScalerState, ScalingPolicyConfig, decide
 from simulations.scaling import AutoscaleConfig, FleetObservation, PolicyFleet
 from simulations.scenario import Scenario, build_workload, load_scenario
 from simulations.servegen import ServeGenTraceConfig, ServeGenWorkload
 from simulations.simulation import Simulation
+from simulations.startup import StartupTime, describe_startup, startup_quantile_s
 from simulations.workload import Workload
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "simulations" / "scenarios"
@@ -80,6 +98,8 @@ class Row:
     reasons: dict[str, int]
     request_mean_s: float
     """Mean end-to-end time of a request."""
+    goodput: float = math.nan
+    """Share of requests within both the TTFT and the TPOT SLO (rejected ones count as missed)."""
     where_missed: str = ""
 
 
@@ -198,7 +218,7 @@ def run(
         simulation.scaling = ArrivalOracleFleet(
             arrivals,
             request_s=request_s,
-            lead_s=autoscale.startup_s,
+            lead_s=startup_quantile_s(autoscale.startup_s),
             target=autoscale.target_requests_per_replica,
             factor=factor,
             hold_s=hold_s,
@@ -224,6 +244,7 @@ def run(
         cpu_s=time.process_time() - started,
         reasons=reasons,
         request_mean_s=sum(result.recorder.e2e_s) / len(result.recorder.e2e_s) if result.recorder.e2e_s else 0.0,
+        goodput=summary["slo_attainment"],
         where_missed=where_missed(simulation, scn.slo.ttft_s),
     )
 
@@ -293,6 +314,151 @@ def clairvoyant_spec(text: str) -> tuple[float, float]:
     return values
 
 
+FRONTIER_FACTORS = (1.0, 1.5, 2.0, 3.0)
+"""Default clairvoyant factors swept for the frontier: from Little's law alone to three times it."""
+FRONTIER_HOLDS_S = (0.0, 120.0)
+"""Default clairvoyant holds swept: none, and one cold start."""
+FRONTIER_SLACK = 1.1
+"""The goal: Shoal's replica-seconds at the goal's attainment within this factor of the frontier's."""
+SINUSOID_GOODPUT = 0.9
+"""The goal's goodput on the sinusoid."""
+
+
+def sinusoid_workload(
+    like: ServeGenWorkload, *, low: float, high: float, period_s: float, duration_s: float, seed: int
+) -> ServeGenWorkload:
+    """Poisson arrivals at low + (high - low) (1 - cos(2 pi t / period)) / 2 requests/s, lengths drawn as `like`
+    draws them; the rate is piecewise linear between 10 s windows' midpoints (60 per 10-minute period)."""
+    window_s = 10.0
+    n = round(duration_s / window_s)
+    rates = [low + (high - low) * (1 - math.cos(2 * math.pi * (i + 0.5) * window_s / period_s)) / 2 for i in range(n)]
+    workload = ServeGenWorkload(
+        rates, window_s, like.lengths, peak_rate_per_s=max(rates), seed=seed, block_size=like.block_size
+    )
+    workload.name = f"sinusoid:{low:g}-{high:g}/{period_s:g}s"
+    return workload
+
+
+def pareto(rows: list[Row]) -> list[Row]:
+    """The rows no other row beats on both replica-seconds (fewer) and attainment (more), cheapest first."""
+    ordered = sorted(rows, key=lambda r: (r.replica_seconds, -r.attainment))
+    front: list[Row] = []
+    for row in ordered:
+        if not front or row.attainment > front[-1].attainment:
+            front.append(row)
+    return front
+
+
+def cheapest_at(rows: list[Row], goal: float) -> Row | None:
+    """The row with the fewest replica-seconds among those at or above `goal` attainment."""
+    met = [r for r in rows if r.attainment >= goal]
+    return min(met, key=lambda r: r.replica_seconds) if met else None
+
+
+def frontier_report(
+    title: str, rows: list[Row], clairvoyant: list[Row], static: Row, goal: float, *, is_sinusoid: bool
+) -> None:
+    """The policies and the clairvoyant frontier as one table, then the goal, line by line, with the margins."""
+    front = pareto(clairvoyant)
+    print(f"\n{title}")
+    print("| row | replica-s | % of static peak | TTFT attainment | goodput | TTFT p99 s | max | mean |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for row in [*rows, static, *front]:
+        name = row.policy if row not in front else f"frontier: {row.policy}"
+        print(
+            f"| {name} | {row.replica_seconds:.0f} | {100 * row.replica_seconds / static.replica_seconds:.1f}% "
+            f"| {100 * row.attainment:.2f}% | {100 * row.goodput:.2f}% | {row.ttft_p99_s:.2f} | {row.max_replicas} "
+            f"| {row.mean_replicas:.1f} |"
+        )
+    by_policy = {row.policy: row for row in rows}
+    best = cheapest_at(clairvoyant, goal)
+    shoal = by_policy.get("shoal")
+    checks: list[tuple[str, bool, str]] = []
+    if shoal is not None:
+        checks.append(
+            (f"shoal >= {100 * goal:g}% attainment", shoal.attainment >= goal, f"{100 * shoal.attainment:.2f}%")
+        )
+        if best is None:
+            checks.append((f"frontier at {100 * goal:g}%", False, "no clairvoyant point reaches it"))
+        else:
+            ratio = shoal.replica_seconds / best.replica_seconds
+            checks.append(
+                (
+                    f"shoal <= {FRONTIER_SLACK:g}x the frontier's replica-s at {100 * goal:g}%",
+                    ratio <= FRONTIER_SLACK,
+                    f"{ratio:.3f}x ({shoal.replica_seconds:.0f} against {best.replica_seconds:.0f}: {best.policy})",
+                )
+            )
+        for other in ("hpa", "keda"):
+            baseline = by_policy.get(other)
+            if baseline is None:
+                continue
+            # Below it at the same attainment: fewer replica-seconds while at least as high, or higher attainment
+            # for no more (a baseline that misses the goal is below it wherever it is cheaper).
+            is_below = shoal.attainment >= baseline.attainment and shoal.replica_seconds < baseline.replica_seconds
+            is_below |= shoal.attainment >= goal > baseline.attainment
+            checks.append(
+                (
+                    f"shoal below {other}",
+                    is_below,
+                    f"{shoal.replica_seconds:.0f} replica-s at {100 * shoal.attainment:.2f}% against "
+                    f"{baseline.replica_seconds:.0f} at {100 * baseline.attainment:.2f}%",
+                )
+            )
+        if is_sinusoid:
+            checks.append(
+                (
+                    f"shoal goodput >= {100 * SINUSOID_GOODPUT:g}%",
+                    shoal.goodput >= SINUSOID_GOODPUT,
+                    f"{100 * shoal.goodput:.2f}%",
+                )
+            )
+    for what, is_met, figures in checks:
+        print(f"goal {what}: {'met' if is_met else 'NOT met'} ({figures})")
+    for row in rows:
+        print(f"  {row.policy}: {row.cpu_s:.1f} s CPU; reasons {row.reasons}")
+
+
+def plot_frontier(path: Path, title: str, rows: list[Row], clairvoyant: list[Row], static: Row) -> bool:
+    """Replica-seconds (% of static peak) against attainment: the clairvoyant points and their frontier, the
+    policies and static peak. False when matplotlib is not installed (the `simulate` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+
+    def xy(row: Row) -> tuple[float, float]:
+        return 100 * row.attainment, 100 * row.replica_seconds / static.replica_seconds
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    points = [xy(r) for r in clairvoyant]
+    front = [xy(r) for r in pareto(clairvoyant)]
+    ax.scatter([x for x, _ in points], [y for _, y in points], s=14, c="0.6", label="clairvoyant (factor, hold)")
+    ax.plot([x for x, _ in front], [y for _, y in front], c="0.3", lw=1, label="frontier")
+    for row, marker in zip([*rows, static], "osD^v", strict=False):
+        ax.scatter(*xy(row), marker=marker, s=50, label=row.policy, zorder=3)
+    ax.set_xlabel("TTFT SLO attainment (%)")
+    ax.set_ylabel("replica-seconds (% of static peak)")
+    ax.set_title(title, fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def startup_spec(text: str) -> StartupTime:
+    """`--startup 120` or `--startup '{"kind": "lognormal", "p50_s": 90, "p90_s": 180}'`."""
+    try:
+        return TypeAdapter(StartupTime).validate_json(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--startup: {exc}") from None
+
+
 def seeded(scenario: Scenario, seed: int | None, router_limit: int | None = None) -> Scenario:
     """The scenario with `--seed` and `--router-limit` applied, when given."""
     if seed is not None:
@@ -347,7 +513,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--workload",
-        choices=["azure", "servegen", "both", "servegen-day", "servegen-day-x4"],
+        choices=["azure", "azure-conv", "servegen", "sinusoid", "both", "frontier", "servegen-day", "servegen-day-x4"],
         default="both",
         help="both: azure and servegen; servegen-day: scenario 13, a whole day uncompressed (~8 min of one core); "
         "servegen-day-x4: scenario 14, the same day at 4x the load (~4x as long)",
@@ -383,6 +549,24 @@ def main() -> None:
         help="ready replicas the autoscaled rows start with (default: the scenario's fleet); static peak keeps its own",
     )
     parser.add_argument("--where-missed", action="store_true", help="per row, when the missed requests arrived")
+    parser.add_argument(
+        "--frontier-factors",
+        type=lambda t: [float(x) for x in t.split(",")],
+        default=list(FRONTIER_FACTORS),
+        help=f"clairvoyant factors of the frontier sweep (default {','.join(map(str, FRONTIER_FACTORS))})",
+    )
+    parser.add_argument(
+        "--frontier-holds",
+        type=lambda t: [float(x) for x in t.split(",")],
+        default=list(FRONTIER_HOLDS_S),
+        help=f"clairvoyant holds, seconds, of the frontier sweep (default {','.join(map(str, FRONTIER_HOLDS_S))})",
+    )
+    parser.add_argument("--plot-dir", type=Path, help="write one frontier PNG per workload here (needs matplotlib)")
+    parser.add_argument(
+        "--startup",
+        type=startup_spec,
+        help="cold starts of every row: seconds, or JSON of a distribution (default: the scenario's)",
+    )
     parser.add_argument("--seed", type=int, help="the scenarios' seed (arrivals of servegen traces, policies' draws)")
     parser.add_argument(
         "--router-limit",
@@ -401,16 +585,29 @@ def main() -> None:
     parser.add_argument("--servegen-compress", type=float, help="time compression (scenario 09: 48)")
     parser.add_argument("--servegen-peak-rate", type=float, help="req/s at the curve's peak (scenario 09: 40)")
     args = parser.parse_args()
+    print(f"command: python benchmarks/bench_autoscale.py {' '.join(sys.argv[1:])}")
+    print(f"date: {datetime.date.today()}; machine: {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs")
     policies = [p for p in args.policies.split(",") if p]
     if unknown := set(policies) - {"shoal", "hpa", "keda"}:
         parser.error(f"--policies: unknown {sorted(unknown)}")
 
+    is_frontier = args.workload == "frontier"
     experiments: list[tuple[str, Scenario, Workload]] = []
-    if args.workload in ("azure", "both"):
+    if args.workload in ("azure", "both", "frontier"):
         scenario = seeded(load_scenario(SCENARIOS / "08_autoscale_azure_code.yaml"), args.seed, args.router_limit)
         workload = build_workload(scenario, traces_dir=args.traces_dir)
         experiments.append(("(a) Azure code trace, bursty, 1 h", scenario, workload))
-    if args.workload in ("servegen", "both"):
+    if args.workload in ("azure-conv", "frontier"):
+        # Scenario 08 on the conversation trace: outputs of ~211 tokens keep a request in flight ~10 s, so the
+        # per-replica target is scenario 09's (32), not the code trace's (8).
+        scenario = seeded(load_scenario(SCENARIOS / "08_autoscale_azure_code.yaml"), args.seed, args.router_limit)
+        assert scenario.trace is not None and scenario.autoscale is not None
+        trace = scenario.trace.model_copy(update={"path": Path("azure-llm-2023/AzureLLMInferenceTrace_conv.csv")})
+        autoscale = scenario.autoscale.model_copy(update={"target_requests_per_replica": 32.0})
+        scenario = scenario.model_copy(update={"trace": trace, "autoscale": autoscale, "name": "azure_conv"})
+        workload = build_workload(scenario, traces_dir=args.traces_dir)
+        experiments.append(("(a2) Azure conversation trace, 1 h", scenario, workload))
+    if args.workload in ("servegen", "both", "frontier", "sinusoid"):
         scenario = seeded(load_scenario(SCENARIOS / "09_autoscale_servegen_diurnal.yaml"), args.seed, args.router_limit)
         assert isinstance(scenario.trace, ServeGenTraceConfig)
         flags = {
@@ -430,7 +627,14 @@ def main() -> None:
             f"({workload.duration_s / 60:.0f} min), peak {workload.peak_rate_per_s:g} req/s, "
             f"trough {min(workload.rates_per_s):.1f} req/s"
         )
-        experiments.append((title, scenario, workload))
+        if args.workload == "sinusoid" or is_frontier:
+            # Scenario 09's fleet, target and lengths; the rate a sinusoid (Dynamo's planner test shape).
+            wave = sinusoid_workload(
+                workload, low=1.0, high=24.0, period_s=600.0, duration_s=1800.0, seed=scenario.seed
+            )
+            experiments.append(("(s) sinusoid 1-24 req/s, 10 min period, 30 min", scenario, wave))
+        if args.workload != "sinusoid":
+            experiments.append((title, scenario, workload))
 
     if args.workload in ("servegen-day", "servegen-day-x4"):
         name, label = ("13_autoscale_servegen_day", "(c)")
@@ -448,6 +652,11 @@ def main() -> None:
 
     for title, scenario, workload in experiments:
         assert scenario.autoscale is not None
+        if args.startup is not None:
+            scenario = scenario.model_copy(
+                update={"autoscale": scenario.autoscale.model_copy(update={"startup_s": args.startup})}
+            )
+            assert scenario.autoscale is not None
         if args.static_replicas is not None:
             static = run(scenario, workload, "static", static_replicas=args.static_replicas)
         else:
@@ -456,6 +665,7 @@ def main() -> None:
         if args.initial_replicas is not None:
             fleet = scenario.fleet.model_copy(update={"num_replicas": args.initial_replicas})
             scenario = scenario.model_copy(update={"fleet": fleet})
+        assert scenario.autoscale is not None
         rows = [run(scenario, workload, policy) for policy in policies]
         for i, overrides in enumerate(args.shoal_variant):
             overrides = dict(overrides)
@@ -466,6 +676,33 @@ def main() -> None:
             name = policy if oracle is None else f"{policy} on the true rate {float(lead_s):g} s ahead"
             variant.policy = f"{name} {json.dumps(overrides)}"
             rows.insert(min(1 + i, len(rows)), variant)
+        if is_frontier:
+            started = time.monotonic()
+            clairvoyant = []
+            for factor in args.frontier_factors:
+                for hold_s in args.frontier_holds:
+                    bound = run(scenario, workload, "shoal", arrival_oracle=(factor, hold_s, static.request_mean_s))
+                    bound.policy = f"clairvoyant {factor:g}x, hold {hold_s:g} s"
+                    clairvoyant.append(bound)
+            a = scenario.autoscale
+            full = (
+                f"{title}; {scenario.fleet.preset}, {describe_startup(a.startup_s)}, "
+                f"TTFT <= {scenario.slo.ttft_s:g} s, {a.target_requests_per_replica:g} requests per replica, "
+                f"{a.min_replicas}..{a.max_replicas} replicas"
+            )
+            frontier_report(full, [*rows], clairvoyant, static, args.attainment, is_sinusoid=title.startswith("(s)"))
+            cpu = sum(r.cpu_s for r in [*rows, static, *clairvoyant])
+            wall_s = time.monotonic() - started
+            print(
+                f"  {len(rows) + len(clairvoyant) + 1} runs, {cpu:.0f} s CPU; the clairvoyant sweep took {wall_s:.0f} s"
+            )
+            if args.plot_dir is not None:
+                args.plot_dir.mkdir(parents=True, exist_ok=True)
+                name = "".join(c if c.isalnum() else "_" for c in title.split(",")[0]).strip("_").lower()
+                path = args.plot_dir / f"autoscale_frontier_{name}.png"
+                if plot_frontier(path, full, rows, clairvoyant, static):
+                    print(f"  plot: {path}")
+            continue
         for factor, hold_s in args.clairvoyant:
             bound = run(scenario, workload, "shoal", arrival_oracle=(factor, hold_s, static.request_mean_s))
             bound.policy = f"clairvoyant: {factor:g}x the future arrivals' in-flight requests, kept {hold_s:g} s"
@@ -473,7 +710,7 @@ def main() -> None:
         slo = f"TTFT <= {scenario.slo.ttft_s:g} s"
         a = scenario.autoscale
         table(
-            f"{title}; {scenario.fleet.preset}, {a.startup_s:g} s cold starts, {slo}, "
+            f"{title}; {scenario.fleet.preset}, {describe_startup(a.startup_s)}, {slo}, "
             f"{a.target_requests_per_replica:g} requests per replica, {a.min_replicas}..{a.max_replicas} replicas",
             [*rows, static],
             static,
@@ -481,7 +718,7 @@ def main() -> None:
             is_where_missed=args.where_missed,
         )
         if args.clairvoyant:
-            print(idle_gaps(workload, scenario.autoscale.startup_s, static))
+            print(idle_gaps(workload, startup_quantile_s(scenario.autoscale.startup_s), static))
 
 
 if __name__ == "__main__":

@@ -326,7 +326,9 @@ def add_up_command(subparsers: Any) -> None:
         action="store_true",
         help="let `shoal autoscaler` start and stop replicas with the load (--replicas is then ignored)",
     )
-    parser.add_argument("--min-replicas", type=int, default=1, help="with --autoscale: fewest replicas (default 1)")
+    parser.add_argument(
+        "--min-replicas", type=int, default=1, help="with --autoscale: fewest replicas (default 1; 0: scale to zero)"
+    )
     parser.add_argument("--max-replicas", type=int, default=4, help="with --autoscale: most replicas (default 4)")
     parser.set_defaults(run=_run_up)
 

@@ -6,7 +6,9 @@ until their health checks pass. Ctrl-C (or SIGTERM) stops every child; a child t
 `shoal up` killed outright takes its children with it (Linux: `replica.children`).
 
 With `--autoscale`, the router starts empty and `shoal autoscaler` with its local actuator owns the replicas: it
-starts `--min-replicas`, grows to `--max-replicas` under load and drains and stops them when the load goes. The two
+starts `--min-replicas`, grows to `--max-replicas` under load and drains and stops them when the load goes. With
+`--min-replicas 0` it starts none: the router holds the first request, the autoscaler sees it held and wakes a
+replica, and after an idle window (`SHOAL_AUTOSCALER_POLICY__SCALE_TO_ZERO__IDLE_S`) the fleet is at zero again. The two
 processes share a random admin token (passed in their environment, never on a command line). The autoscaler is run
 as `python -m autoscaler.cli`: the replica package never imports the autoscaler (DESIGN.md's layers).
 """
@@ -81,8 +83,8 @@ def run_up(
     if num_replicas < 1:
         print("shoal up: --replicas must be at least 1", file=sys.stderr)
         return 2
-    if autoscale and not 1 <= min_replicas <= max_replicas:
-        print("shoal up: need 1 <= --min-replicas <= --max-replicas", file=sys.stderr)
+    if autoscale and not (0 <= min_replicas <= max_replicas and max_replicas >= 1):
+        print("shoal up: need 0 <= --min-replicas <= --max-replicas, and --max-replicas >= 1", file=sys.stderr)
         return 2
     step = _Steps()
     if model == "demo":
@@ -191,7 +193,11 @@ _DEMO_POLICY_ENV = {
     "SHOAL_AUTOSCALER_POLICY__STABLE_WINDOW_S": "20",
     "SHOAL_AUTOSCALER_POLICY__SCALE_DOWN__STABILIZATION_WINDOW_S": "60",
     "SHOAL_AUTOSCALER_POLICY__SCALE_DOWN__PERIOD_S": "15",
+    "SHOAL_AUTOSCALER_POLICY__SCALE_TO_ZERO__IDLE_S": "120",
 }
+_WAKE_HOLD_S = "300"
+"""With --min-replicas 0, seconds the router holds a request that wakes the fleet (unless the environment sets
+`SHOAL_ROUTER_HOLD__MAX_WAIT_S`): a replica's whole start, the model's load included, not just a restart."""
 
 
 class _Steps:
@@ -218,10 +224,13 @@ def _start_autoscaled(
     min_replicas: int,
     max_replicas: int,
 ) -> str:
-    """An empty router and the autoscaler that fills it; returns the router's URL once a replica serves."""
+    """An empty router and the autoscaler that fills it; returns the router's URL once a replica serves (at once with
+    `min_replicas` 0: the first request wakes one)."""
     token = secrets.token_urlsafe(24)
     endpoint = f"http://127.0.0.1:{port}"
     router_env = {**os.environ, "SHOAL_ROUTER_ADMIN_TOKEN": token}
+    if min_replicas == 0:
+        router_env.setdefault("SHOAL_ROUTER_HOLD__MAX_WAIT_S", _WAKE_HOLD_S)
     procs.append(start_child([*shoal, "router", "--port", str(port), "--no-request-log"], env=router_env))
     _wait_healthy(endpoint + "/health", procs, timeout_s=60)
     metrics_port = port + 1
@@ -235,17 +244,22 @@ def _start_autoscaled(
     cmd += ["--min-replicas", str(min_replicas), "--max-replicas", str(max_replicas)]
     cmd += ["--metrics-port", str(metrics_port)]
     procs.append(start_child(cmd, env=env))
-    # The router answers /ready 200 while it holds requests; wait for a replica in rotation.
-    _wait_healthy(
-        endpoint + "/ready",
-        procs,
-        timeout_s=300,
-        is_ready=lambda body: json.loads(body).get("status") == "ready",
-        what=f"no replica was serving behind {endpoint}",
-    )
+    # The router answers /ready 200 while it holds requests; wait for a replica in rotation, unless the fleet
+    # starts at zero (then the autoscaler's own /metrics answering says it is up).
+    if min_replicas == 0:
+        _wait_healthy(f"http://127.0.0.1:{metrics_port}/metrics", procs, timeout_s=60)
+    else:
+        _wait_healthy(
+            endpoint + "/ready",
+            procs,
+            timeout_s=300,
+            is_ready=lambda body: json.loads(body).get("status") == "ready",
+            what=f"no replica was serving behind {endpoint}",
+        )
+    woken = "; the first request wakes a replica" if min_replicas == 0 else ""
     print(
         f"\nShoal is up: {endpoint}/v1 (OpenAI API), autoscaling {min_replicas}-{max_replicas} replica(s) "
-        f"on ports from {replica_base_port}"
+        f"on ports from {replica_base_port}{woken}"
     )
     print(f"  metrics: {endpoint}/metrics   autoscaler: http://127.0.0.1:{metrics_port}/metrics")
     return endpoint

@@ -5,12 +5,12 @@ Every `interval_s` the simulation hands the driver a `FleetObservation` and asks
 engine's `startup_s` and join the router when ready; surplus replicas are drained (no new requests, removed once
 idle), replicas still starting first, then those with the fewest requests in flight and the least cached data.
 
-Drivers here: `FixedFleet` (never scales), `ScheduledFleet` (a replica count per time, for experiments and
-tests), and `PolicyFleet`, which runs one of `autoscaler.policy`'s pure policies (Shoal's `decide`, or the HPA,
-KEDA and static baselines) on an observation built from the `FleetObservation`, as its live counterpart would see
-the fleet: Shoal reads the routers' demand (in flight plus held) and each starting replica's creation time; the
-HPA a per-pod metric from ready pods only (starting ones have none); KEDA a fleet-wide query. Metrics are fresh
-at each tick (no scrape lag is modelled, for every policy alike).
+Drivers here: `FixedFleet` (never scales), `ScheduledFleet` (a replica count per time, for experiments and tests),
+and `PolicyFleet`, which runs one of `autoscaler.policy`'s pure policies (Shoal's `decide`, or the HPA, KEDA and
+static baselines) on an observation built from the `FleetObservation`, as its live counterpart would see the fleet:
+Shoal reads the routers' and engines' demand (`fleet_demand`: in flight, engine-queued and held) and each starting
+replica's creation time; the HPA a per-pod metric from ready pods only (starting ones have none); KEDA a fleet-wide
+query. Metrics are fresh at each tick (no scrape lag is modelled, for every policy alike).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from autoscaler.policy import Demand, Observation, ScalerState, ScalingPolicyConfig, decide
+from autoscaler.policy import Observation, ScalerState, ScalingPolicyConfig, decide, fleet_demand
 from autoscaler.policy.baselines import (
     HPAConfig,
     HPAObservation,
@@ -35,6 +35,7 @@ from autoscaler.policy.baselines import (
     keda_decide,
     static_decide,
 )
+from simulations.startup import StartupTime, startup_quantile_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +121,10 @@ class AutoscaleConfig(_Config):
     min_replicas: int = Field(default=1, ge=0)
     """Floor of shoal and hpa. KEDA keeps its own default (`minReplicaCount` 0) unless `keda` sets it."""
     max_replicas: int = Field(default=16, ge=1)
-    startup_s: float = Field(default=120.0, ge=0.0)
-    """Seconds from a replica's creation to ready (replaces the engine preset's `startup_s`)."""
+    startup_s: StartupTime = 120.0
+    """Seconds from a replica's creation to ready, or a distribution of them (`simulations.startup`: lognormal
+    p50/p90, or measured samples); replaces the engine preset's `startup_s`. Shoal's `expected_start_s` is its
+    p90 unless `shoal` sets it."""
     interval_s: float = Field(default=5.0, gt=0.0)
     """Seconds between observations (the Shoal controller's scrape interval). HPA and KEDA act only on their
     own sync and polling periods (15 s, 30 s), which their state tracks."""
@@ -161,7 +164,7 @@ class AutoscaleConfig(_Config):
                     **bounds,
                     "min_replicas": max(1, self.min_replicas),
                     "target_requests_per_replica": target,
-                    "expected_start_s": self.startup_s or 1.0,
+                    "expected_start_s": startup_quantile_s(self.startup_s) or 1.0,
                     **self.shoal,
                 }
             )
@@ -189,8 +192,8 @@ class PolicyFleet:
         self.config = config.policy_config()
         self.metric_lag_s = config.metric_lag_s
         self.reasons: Counter[str] = Counter()
-        self._history: deque[tuple[float, int, int, int]] = deque()
-        """(time, in flight, held, waiting at the routers) of past ticks, for `metric_lag_s`."""
+        self._history: deque[tuple[float, tuple[int, int, int, int]]] = deque()
+        """(time, `_lagged`'s counts) of past ticks, for `metric_lag_s`."""
         self._shoal = ScalerState()
         self._hpa = HPAState()
         self._keda = KEDAState()
@@ -198,10 +201,15 @@ class PolicyFleet:
     def desired_replicas(self, observation: FleetObservation) -> int | None:
         obs, now = observation, observation.now_s
         current = obs.num_ready + obs.num_starting
-        in_flight, held, waiting = self._lagged(obs)
+        in_flight, held, waiting, engine_waiting = self._lagged(obs)
         config = self.config
         if isinstance(config, ScalingPolicyConfig):
-            demand = Demand(requests=in_flight + held, waiting=waiting + held)
+            demand = fleet_demand(
+                in_flight=in_flight,
+                waiting=waiting,
+                held=held,
+                engine_waiting=engine_waiting,
+            )
             seen = Observation(demand=demand, num_ready=obs.num_ready, starting_since=obs.starting_since)
             decision, self._shoal = decide(seen, self._shoal, config, now=now)
             self.reasons[decision.reason.value] += 1
@@ -220,19 +228,18 @@ class PolicyFleet:
         self.reasons[static.reason.value] += 1
         return static.target_replicas
 
-    def _lagged(self, obs: FleetObservation) -> tuple[int, int, int]:
-        """(in flight, held, waiting) as of `metric_lag_s` ago: the newest tick at least that old (the oldest
-        one while the run is younger than the lag)."""
-        current = (obs.in_flight, obs.held, obs.router_waiting)
+    def _lagged(self, obs: FleetObservation) -> tuple[int, int, int, int]:
+        """(in flight, held, waiting at the routers, waiting in engines) as of `metric_lag_s` ago: the
+        newest tick at least that old (the oldest one while the run is younger than the lag)."""
+        current = (obs.in_flight, obs.held, obs.router_waiting, obs.engine_waiting)
         if self.metric_lag_s <= 0.0:
             return current
         history = self._history
-        history.append((obs.now_s, *current))
+        history.append((obs.now_s, current))
         cutoff = obs.now_s - self.metric_lag_s
         while len(history) > 1 and history[1][0] <= cutoff:
             history.popleft()
-        _, in_flight, held, waiting = history[0]
-        return in_flight, held, waiting
+        return history[0][1]
 
 
 ScalingConfig = FixedScalingConfig | ScheduledScalingConfig

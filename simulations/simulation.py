@@ -30,6 +30,7 @@ from simulations.replica import Seq, SimReplica
 from simulations.routing import INDEX_BLIND_POLICIES, SimRouter, Ticket
 from simulations.scaling import FleetObservation, ScalingDriver, build_scaling
 from simulations.scenario import PolicyEntry, Scenario
+from simulations.startup import StartupSampler
 from simulations.workload import PrefillOnlyWorkload, Request, Workload
 
 
@@ -94,7 +95,8 @@ class Simulation:
         self.recorder = Recorder()
         self.scaling: ScalingDriver = build_scaling(scenario.autoscale or scenario.scaling)
         autoscale = scenario.autoscale
-        self._startup_s = self.engine.startup_s if autoscale is None else autoscale.startup_s
+        startup = self.engine.startup_s if autoscale is None else autoscale.startup_s
+        self._startup = StartupSampler(startup, seed=scenario.seed)
         num_replicas = scenario.fleet.num_replicas
         self._initial_replicas = num_replicas if autoscale is None else autoscale.replicas_at_start(num_replicas)
         self._members: dict[str, Member] = {}
@@ -171,7 +173,7 @@ class Simulation:
         active = [m for m in self._live_members() if not m.is_draining]
         if desired > len(active):
             for _ in range(desired - len(active)):
-                self._add_replica(startup_s=self._startup_s)
+                self._add_replica(startup_s=self._startup())
         elif desired < len(active):
             # Starting replicas first, then the fewest requests in flight, then the least cached data.
             def cost(m: Member) -> tuple[bool, int, int, str]:

@@ -44,6 +44,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from simulations.startup import StartupTime
+
 PRESETS_DIR = Path(__file__).parent / "presets"
 
 
@@ -99,9 +101,10 @@ class EngineConfig(_Model):
     8192 for the online server on datacenter GPUs)."""
     enable_prefix_caching: bool = True
     """Block-level prefix caching (vLLM's default in V1). Off: no prompt ever hits the cache."""
-    startup_s: float = Field(default=0.0, ge=0.0)
-    """Seconds from a replica's creation to its first request (weights load, CUDA graphs); applies to replicas
-    added while the simulation runs, not to the initial fleet."""
+    startup_s: StartupTime = 0.0
+    """Seconds from a replica's creation to its first request (image pull, weights load, CUDA graphs), or a
+    distribution of them (`simulations.startup`); applies to replicas added while the simulation runs, not to
+    the initial fleet."""
 
 
 class SpeculationConfig(_Model):

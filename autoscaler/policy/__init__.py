@@ -25,6 +25,7 @@ from autoscaler.policy.config import (
     ScalingPolicyConfig,
 )
 from autoscaler.policy.decide import decide, is_start_overdue
+from autoscaler.policy.demand import fleet_demand
 from autoscaler.policy.types import (
     Action,
     Cap,
@@ -60,6 +61,7 @@ __all__ = [
     "StaticConfig",
     "Window",
     "decide",
+    "fleet_demand",
     "hpa_decide",
     "is_start_overdue",
     "keda_decide",

@@ -146,9 +146,10 @@ class ScalingPolicyConfig(_Config):
     """KV cache fraction (0..1) one replica should run at; desired = ceil(sum of replicas' usage / this).
     Unset (off): only engines that export a KV gauge can feed it. 0.8 suits long-context workloads."""
     target_ttft_s: float | None = Field(None, gt=0)
-    """Time to first token (seconds, at `ttft_quantile`) the fleet should keep; desired = ceil(ready x observed
-    / target). Unset (off): TTFT is not additive, so it is a guard beside the absolute signals, not their
-    replacement."""
+    """Time to first token (seconds, at `ttft_quantile`) the fleet should keep, usually the TTFT SLO. Two uses:
+    the averaged signal desired = ceil(ready x observed / target), and the breach rule: a latest interval whose
+    TTFT exceeds it asks at once for one replica more than are ready (reason `ttft_breach`). Unset (off): TTFT
+    is not additive, so it is a guard beside the absolute signals, not their replacement."""
     ttft_quantile: float = Field(0.9, gt=0, lt=1)
     """Quantile of the routers' TTFT histogram compared with `target_ttft_s`. p90: tail enough to matter,
     with enough samples per scrape interval to be stable."""

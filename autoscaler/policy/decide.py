@@ -17,6 +17,10 @@ Per call:
    (`forecast.py`: the stable mean carried along the recent trend) may raise the recommendation of steps 4-5
    (window `forecast`): above the current size once past the tolerance band, else up to the current size, so a
    rising trend also holds off a scale-down. It never lowers it.
+5c. TTFT breach (with `target_ttft_s`): when the latest observation's TTFT quantile exceeds the target, the
+   recommendation is at least one more than the ready replicas (window `latest`, reason `ttft_breach`), and panic
+   mode is armed so nothing is removed for a stable window. Replicas still starting count towards it, so a breach
+   that lasts through a cold start adds one replica per cold start, not one per tick.
 6. Up at once, capped by the rate policy over its period; down to the highest recommendation over the
    stabilization window, by at most the down step per period. To zero only after the idle window with nothing
    starting (the idle window is its own stabilization); from zero, any waiting request wakes the fleet.
@@ -125,6 +129,20 @@ def decide(
         wanted, recommended = ahead.wanted, ahead.recommended
         figures = f"{ahead.figures}; {figures}"
         is_within_tolerance = False
+    is_breach = _is_ttft_breach(demand, observation.num_ready, config)
+    if is_breach:
+        panic_until = now + config.stable_window_s
+        is_panicking = True
+        breach_n = observation.num_ready + 1
+        figures = (
+            f"TTFT {demand.ttft_s:.2f} s over the latest interval breaches the {config.target_ttft_s:g} s target: "
+            f"needs more than the {observation.num_ready} ready; {figures}"
+        )
+        if breach_n >= recommended and breach_n > current:
+            window, signal, wanted, recommended = Window.LATEST, Signal.TTFT, breach_n, breach_n
+            is_within_tolerance = False
+        else:
+            recommended = max(recommended, current)  # panic mode: never down right after a breach
     is_resuming = state.failed_observations > 0
     state = ScalerState(
         samples=samples,
@@ -163,6 +181,7 @@ def decide(
             is_panicking=is_panicking,
             is_within_tolerance=is_within_tolerance,
             is_wake=current == 0 and demand.is_busy,
+            is_breach=is_breach and window is Window.LATEST,
             is_resuming=is_resuming,
             figures=figures,
         )
@@ -191,6 +210,7 @@ def _size(
     is_panicking: bool,
     is_within_tolerance: bool,
     is_wake: bool,
+    is_breach: bool,
     is_resuming: bool,
     figures: str,
 ) -> tuple[_Verdict, ScalerState]:
@@ -214,7 +234,7 @@ def _size(
         target = min(recommended, _up_limit(current, state.scale_steps, config.scale_up, now=now))
         if target < recommended:
             cap = Cap.SCALE_UP_RATE
-        reason = Reason.WAKE_FROM_ZERO if is_wake else Reason.SCALE_UP
+        reason = Reason.WAKE_FROM_ZERO if is_wake else Reason.TTFT_BREACH if is_breach else Reason.SCALE_UP
         return _Verdict(target, reason, window, recommended, cap, figures), state
     if recommended < current:
         stabilized = min(max(r for _, r in recommendations), config.max_replicas)
@@ -236,6 +256,13 @@ def _size(
     else:
         reason = Reason.AT_TARGET
     return _Verdict(current, reason, window, recommended, cap if recommended != wanted else None, figures), state
+
+
+def _is_ttft_breach(demand: Demand, num_ready: int, config: ScalingPolicyConfig) -> bool:
+    """True when the latest TTFT quantile exceeds `target_ttft_s` on a fleet that serves (at zero, the waiting
+    requests wake it instead)."""
+    target = config.target_ttft_s
+    return target is not None and demand.ttft_s is not None and num_ready > 0 and demand.ttft_s > target
 
 
 def _without_metrics(

@@ -1,4 +1,12 @@
-"""Demand in replicas: the figures `decide` reads from the samples, and the replicas each signal asks for."""
+"""Demand in replicas: the figures `decide` reads from the samples, and the replicas each signal asks for.
+
+Queue time is demand. `fleet_demand` is where a driver's counts become a `Demand`: requests held at a router (no
+replica can take them: a cold start, a fleet at zero, every replica at its in-flight limit) and requests queued
+inside engines (in the routers' in-flight and waiting counts, and, beyond those, the engines' scraped
+`num_requests_waiting` when other clients reach the engines) all count as requests and as waiting ones. So a queue
+that grows while each running batch looks fine still raises the requests signal: the per-replica figure is requests
+waiting *or* running.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +18,38 @@ from autoscaler.policy.types import Demand, Sample, Signal
 
 CEIL_SLACK = 1e-9
 """Float demand that lands a hair above an integer number of replicas (8.000000001 / 8) must not add one."""
+
+
+def fleet_demand(
+    *,
+    in_flight: float,
+    waiting: float,
+    held: float,
+    engine_waiting: float | None = None,
+    prefill_backlog_tokens: float = 0.0,
+    kv_usage: float | None = None,
+    ttft_s: float | None = None,
+) -> Demand:
+    """The fleet's demand from the routers' and engines' counts.
+
+    `in_flight`: requests the routers sent to replicas and not finished; `waiting`: of those, the ones without a
+    first byte (queued in an engine or in prefill); `held`: requests the routers hold for want of a replica;
+    `engine_waiting`: the engines' own queue gauges summed (None when not scraped). Engine-queued requests beyond
+    the routers' waiting ones (clients that reach the engines directly) are added to both figures. Engines'
+    running counts are not read: they lag the routers' own counts by a scrape, and a finished batch would then
+    read as load for that long.
+    """
+    for name, value in (("in_flight", in_flight), ("waiting", waiting), ("held", held)):
+        if value < 0 or math.isnan(value):
+            raise ValueError(f"{name} must be a count >= 0, got {value}")
+    unseen = max(0.0, (engine_waiting or 0.0) - waiting)
+    return Demand(
+        requests=in_flight + unseen + held,
+        waiting=waiting + unseen + held,
+        prefill_backlog_tokens=prefill_backlog_tokens,
+        kv_usage=kv_usage,
+        ttft_s=ttft_s,
+    )
 
 
 def mean_demand(samples: tuple[Sample, ...], since: float) -> Demand:

@@ -38,6 +38,9 @@ class Reason(enum.StrEnum):
 
     SCALE_UP = "scale_up"
     """Demand needs more replicas than are ready or starting."""
+    TTFT_BREACH = "ttft_breach"
+    """The routers observed TTFT above `target_ttft_s` over the latest interval: one replica more than are ready,
+    at once, however the averaged signals read (a queue can grow while the per-replica figures look fine)."""
     SCALE_DOWN = "scale_down"
     """Demand has needed fewer replicas for the whole stabilization window."""
     AT_TARGET = "at_target"
@@ -67,6 +70,8 @@ class Window(enum.StrEnum):
     PANIC = "panic"
     FORECAST = "forecast"
     """The demand forecast at now + the expected start time (predictive scale-up)."""
+    LATEST = "latest"
+    """The latest observation alone: a TTFT breach is acted on without averaging."""
     STABILIZATION = "stabilization"
     """The highest recommendation over the scale-down stabilization window."""
     IDLE = "idle"

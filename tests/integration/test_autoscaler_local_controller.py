@@ -397,3 +397,34 @@ async def test_metrics_endpoint(aiohttp_client: AiohttpClient, rig: Rig) -> None
     assert 'shoal_autoscaler_capped_decisions_total{cap="min_replicas"} 1.0' in text
     for name in ("ready", "starting", "draining"):
         assert f"shoal_autoscaler_{name}_replicas" in text
+
+
+async def test_a_ttft_breach_at_the_router_scales_up_in_one_step(rig: Rig) -> None:
+    # One replica, one slow first byte (0.8 s, over the 0.5 s target): the requests signal wants one replica,
+    # the router's TTFT histogram since the previous step shows the breach, and the very next step adds one.
+    await _bring_up(rig, 1)
+    rig.controller.config = POLICY.model_copy(update={"target_ttft_s": 0.5})
+    assert (await rig.step()).action is Action.HOLD
+    rig.actuator.fake("r0").config.first_byte_delay_s = 0.8
+    status, _ = await _stream(rig.router, "slow")
+    assert status == 200
+    decision = await rig.step()
+    assert decision.action is Action.UP and decision.target_replicas == 2
+    assert decision.reason is Reason.TTFT_BREACH and "breaches the 0.5 s target" in decision.detail
+    assert len(rig.actuator.replicas) == 2
+
+
+async def test_requests_queued_in_the_engine_count_as_demand(rig: Rig) -> None:
+    # The engine reports 6 requests waiting that never went through this router; the router scrapes the gauge
+    # and lists it, and the controller sizes on it: 6 at 2 per replica is 3 replicas.
+    await _bring_up(rig, 1)
+    rig.actuator.fake("r0").config.metric_overrides = {"running": 0, "waiting": 6}
+
+    async def is_scraped() -> bool:
+        return (await rig.router.replicas())["r0"]["engine"].get("num_waiting") == 6
+
+    await eventually(is_scraped, what="the engine's queue scraped by the router")
+    decision = await rig.step()
+    assert decision.action is Action.UP and decision.target_replicas == 3
+    view = rig.controller.fleet.last_view
+    assert view is not None and view.demand is not None and view.demand.waiting == 6

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 import yaml
 
@@ -169,9 +170,9 @@ def kubeconfig(kube_api: KubeApi, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     return use_kubeconfig(kube_api, tmp_path / "kubeconfig", monkeypatch)
 
 
-def autoscaler_config(path: Path, *, replica_port: int, metrics_port: int) -> Path:
+def autoscaler_config(path: Path, *, replica_port: int, metrics_port: int, **policy: Any) -> Path:
     """Second-long windows: 4 queued requests at 2 per replica want 2 replicas at once; one request left wants 1
-    after a 2 s stabilization window; at most one removal per 5 s."""
+    after a 2 s stabilization window; at most one removal per 5 s. `policy` overrides the policy's fields."""
     config = {
         "actuator": "kubernetes",
         "interval_s": 0.25,
@@ -197,6 +198,7 @@ def autoscaler_config(path: Path, *, replica_port: int, metrics_port: int) -> Pa
             "expected_start_s": 10,
             "scale_up": {"period_s": 1},
             "scale_down": {"stabilization_window_s": 2, "max_replicas": 1, "max_percent": 0, "period_s": 5},
+            **policy,
         },
     }
     path.write_text(yaml.safe_dump(config))
@@ -306,3 +308,77 @@ def _router_polled(api: KubeApi) -> bool:
         r.params.get("labelSelector") == f"kubernetes.io/service-name={ROUTER_SERVICE}"
         for r in api.received(ENDPOINT_SLICES, methods=("GET",))
     )
+
+
+async def test_the_autoscaler_process_wakes_a_deployment_at_zero_and_returns_it_to_zero(
+    kube_api: KubeApi, kubeconfig: Path, start_router: StartRouter, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    # The Deployment starts at zero: no pod, no EndpointSlice, a router with nothing to route to, holding.
+    cluster = Cluster(kube_api)
+    await kube_api.create_object(DEPLOYMENTS, NS, _deployment(0))
+    router = await start_router(
+        num_ready=0, discovery=DiscoverySettings(kind="kubernetes", namespace=NS, service=DEPLOYMENT, port_name="http")
+    )
+    cluster.router = router
+    router_port = int(router.url.rsplit(":", 1)[1])
+    await kube_api.create_object(
+        ENDPOINT_SLICES, NS, _slice("shoal-router-1", ROUTER_SERVICE, router_port, [("127.0.0.1", "router-0")])
+    )
+    metrics_port = free_ports(1)
+    replica_port = free_ports(1)
+    config = autoscaler_config(
+        tmp_path / "autoscaler.yaml",
+        replica_port=replica_port,
+        metrics_port=metrics_port,
+        scale_to_zero={"enabled": True, "idle_s": 2},
+    )
+    cluster.port = replica_port
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+    env |= {"SHOAL_AUTOSCALER_ADMIN_TOKEN": ADMIN_TOKEN, "POD_NAME": POD_NAME}
+    log_path = tmp_path / "autoscaler.log"
+    shoal = Path(sys.executable).parent / "shoal"
+    playing = asyncio.create_task(cluster.run())
+    with log_path.open("wb") as log:
+        process = await asyncio.create_subprocess_exec(
+            str(shoal), "autoscaler", "--config", str(config), env=env, stdout=log, stderr=asyncio.subprocess.STDOUT
+        )
+    try:
+        await eventually(
+            lambda: (_holder(kube_api) or "").startswith(POD_NAME + "_"), timeout_s=15, what="the Lease taken"
+        )
+        await eventually(lambda: _router_polled(kube_api), timeout_s=5, what="the router Service listed")
+        assert _scale_patches(kube_api) == [] and cluster.live == [], "idle at zero: nothing scaled"
+
+        # Two requests through the official client: held at the router, they wake one pod and are answered.
+        async with openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=30) as c:
+            replies = await asyncio.gather(
+                *(
+                    c.completions.create(model=MODEL, prompt=unique_text(100, f"wake{i}"), max_tokens=4)
+                    for i in range(2)
+                )
+            )
+        assert all(r.choices[0].text for r in replies)
+        assert _scale_patches(kube_api)[:1] == [1] and cluster.live == ["replica-a"]
+
+        # Idle for 2 s: the pod is drained at the router, marked, and the Deployment goes to zero.
+        await eventually(lambda: cluster.deleted != [], timeout_s=15, what="the pod removed")
+        assert _scale_patches(kube_api) == [1, 0]
+        assert cluster.deleted == [("replica-a", VICTIM_COST, "draining")]
+        assert kube_api.read_object(DEPLOYMENTS, NS, DEPLOYMENT)["spec"]["replicas"] == 0
+        async with http.get(f"http://127.0.0.1:{metrics_port}/metrics") as resp:
+            text = await resp.text()
+        assert 'shoal_autoscaler_decisions_total{action="up",reason="wake_from_zero"} 1.0' in text
+        assert 'shoal_autoscaler_decisions_total{action="down",reason="scale_to_zero"} 1.0' in text
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), timeout=10) == 0
+    except BaseException:
+        print(log_path.read_text(errors="replace")[-6000:])
+        raise
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        playing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await playing
+        await cluster.close()
