@@ -49,7 +49,8 @@ class ServiceTime:
 
 
 def _alpha(half_life: float, num_observations: int) -> float:
-    return max(1.0 - 0.5 ** (1.0 / half_life), 1.0 / num_observations)
+    floor: float = 1.0 - 0.5 ** (1.0 / half_life)
+    return max(floor, 1.0 / num_observations)
 
 
 class ServiceTimeEstimator(BaseModel):
