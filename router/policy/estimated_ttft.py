@@ -11,7 +11,8 @@ r.waiting requests) and `c(r)` = cached_tokens(r) (predicted prefix match, from 
     prefill(r)  = W / rate + attn * W**2 / (2 * k) + own(r)
     decode(r)   = decode_s_per_seq_step * max(r.streaming, r.num_running or 0) * (1 + (W + u) / prefill_tokens_per_step)
     pressure(r) = kv_pressure_s * x**2,   x = max(0, kv_usage - kv_pressure_threshold) / (1 - kv_pressure_threshold)
-    ttft(r)     = prefill(r) + decode(r) + pressure(r)
+    queue(r)    = (n - B + 1) * slot_s / B  if n >= B else 0        # n = r.queue_depth, B = r.batch_slots
+    ttft(r)     = prefill(r) + decode(r) + pressure(r) + queue(r) + r.fixed_s
     fleet(r)    = fleet_cost_weight * (own(r) - min_r' own(r'))
     cost(r)     = ttft(r) + fleet(r)
 
@@ -30,6 +31,11 @@ r.waiting requests) and `c(r)` = cached_tokens(r) (predicted prefix match, from 
 - pressure: above the threshold the KV cache is close to full and a new request waits for blocks (or causes a
   preemption); the term grows quadratically to `kv_pressure_s` at a full cache. It is 0 when the engine does
   not export KV usage.
+- queue: an engine runs at most B sequences at once (`max_num_seqs`); past them a request waits for a slot
+  whatever its cache, n - B + 1 completions at B / slot_s per second. B and slot_s (seconds a request holds a
+  slot) and the fixed per-request time `fixed_s` are learned per replica (`service_time`), B from the engine's
+  gauges when they say it. This is what spills a hot prefix whose replica's queue costs more than a cold prefill
+  elsewhere, whether prefill, decode or a fixed cost makes that queue; the term is 0 until learned.
 - fleet: TTFT alone is a greedy, per-request view. Recomputing a prefix that another replica holds spends fleet
   capacity, and every request that queues behind that work pays for it: in a queue at utilisation rho, work x
   delays the requests after it by about x * rho / (1 - rho) in total. So a placement is charged its prefill time
@@ -45,21 +51,23 @@ smallest id. Idle replicas therefore take cache misses in turn instead of the fi
 difference (a cache hit, a backlog, a faster replica) still decides.
 
 Branch: ONLY_REPLICA for a single replica, OVERLOADED as above, else CACHE_HIT / SPILL / CACHE_MISS as in
-`decisions.cache_branch`. The decision carries the chosen replica's `ttft(r)` as `predicted_ttft_s` (the fleet
-term is a cost, not a latency).
+`decisions.cache_branch`, with SPILL made SPILL_QUEUE when a replica with the longest match would have been tied
+with the choice but for its slot wait. The decision carries the chosen replica's `ttft(r)` as `predicted_ttft_s`
+(the fleet term is a cost, not a latency).
 
 Speed. The router decides once per request over every replica, so `select` keeps, between decisions, each
-replica's terms that do not depend on the request (`ttft_terms.FleetTerms`: backlog, decode and pressure
-seconds, the cap test, the tie key), re-derived only for the replicas whose `ReplicaState.version` moved. Every
-cost, cached terms or not, is summed by `ttft_terms.ttfts_s`, so `estimate_s` and `select` give the same floats;
-tests/unit/test_estimated_ttft_fast_path.py holds `select` to a plain reference of the formula, bit for bit.
+replica's terms that do not depend on the request (`ttft_terms.FleetTerms`: backlog, decode, pressure, slot
+wait and fixed seconds, the cap test, the tie key), re-derived only for the replicas whose `ReplicaState.version`
+moved. Every cost, cached terms or not, is summed by `ttft_terms.ttfts_s`, so `estimate_s` and `select` give the
+same floats; tests/unit/test_estimated_ttft_fast_path.py holds `select` to a plain reference of the formula, bit
+for bit.
 
 Parameters: `EstimatedTTFTConfig` below.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import compress, repeat
 from operator import le
 from typing import Literal
@@ -67,7 +75,7 @@ from typing import Literal
 from pydantic import Field
 
 from router.policy.decisions import branch_for_blocks, decision
-from router.policy.ttft_terms import FleetTerms, floored_rate, rate_pooling, replica_row, ttfts_s
+from router.policy.ttft_terms import QUEUE, FleetTerms, floored_rate, rate_pooling, replica_row, ttfts_s
 from router.policy.types import Branch, Decision, PolicyConfigModel, ReplicaState, RouteRequest
 
 
@@ -230,4 +238,20 @@ class EstimatedTTFT:
         chosen_id = replicas[best].id
         is_overloaded = not terms.num_under_cap
         branch = Branch.OVERLOADED if is_overloaded else branch_for_blocks(best_blocks, matched.get(chosen_id, 0))
+        if branch is Branch.SPILL and self._is_queue_spill(matched, best_blocks, costs, tied_below_s):
+            branch = Branch.SPILL_QUEUE
         return decision(request, chosen_id, branch, ttfts[best])
+
+    def _is_queue_spill(
+        self, matched: Mapping[str, int], best_blocks: int, costs: Sequence[float], tied_below_s: float
+    ) -> bool:
+        """Whether a replica holding the longest match would have been tied with the choice but for its wait for
+        a batch slot: the request left its cached replica because of queueing, not of prefill backlog."""
+        terms = self._terms
+        for rid, blocks in matched.items():
+            i = terms.positions.get(rid)
+            if i is not None and blocks >= best_blocks:
+                queue_s = terms.rows[i][QUEUE]
+                if queue_s > 0.0 and costs[i] - queue_s <= tied_below_s:
+                    return True
+        return False

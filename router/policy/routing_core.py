@@ -9,7 +9,7 @@ object, so the simulator's verdicts are those of the router's own steps. Per att
     ticket   = core.begin(decision, prepared, now)     # waiting for its first byte, uncached tokens on the backlog
     core.commit(prepared, decision, now, has_live_kv_events=...)   # once the request is on its way
     core.first_byte(ticket, now, is_stream=...)        # waiting -> streaming; a stream teaches the prefill rate
-    core.finish(ticket)
+    core.finish(ticket, now)                           # a request answered teaches the service time
 
 - choose: the replicas under `max_in_flight_per_replica` (`admission.with_room`); a session's pin while it holds
   (`session.SessionTable`); ONLY_REPLICA without asking the policy when one is left; else `policy.select` over
@@ -22,7 +22,11 @@ object, so the simulator's verdicts are those of the router's own steps. Per att
 - first_byte: the replica's prefill-rate estimate (`prefill_rate`) learns from the time to first byte and the
   backlog ahead at routing time, only for a stream: the first byte of a whole answer comes after its decode, and
   says nothing of the prefill. A replica's first observation re-seeds the replicas never observed with the fleet's
-  mean, so that cache misses do not all go to the one replica that learned a higher rate than the prior.
+  mean, so that cache misses do not all go to the one replica that learned a higher rate than the prior. A stream
+  too short to teach the rate teaches the fixed per-request time instead (`service_time`); replicas never
+  observed take the fleet's mean fixed time and slot time, as they do its rate.
+- finish with `now`, once the replica answered (streamed or not): its duration and the requests it joined behind
+  teach the replica's batch-slot terms (`service_time`), which `estimated_ttft` turns into a wait for a slot.
 
 Other routers of a fleet (`sharing.FleetView`): their decisions are recorded as this router's own commits would be
 (`record_peer`), their session pins remembered (`pin`), and their load added to the replicas' load views
@@ -36,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from router.policy.admission import free_slots, with_room
 from router.policy.hashing import (
@@ -50,6 +54,7 @@ from router.policy.kv_events import KVEvent
 from router.policy.prefill_rate import PrefillRate, PrefillRateEstimator
 from router.policy.prefix_index import PrefixIndex
 from router.policy.routing_text import RoutingKey
+from router.policy.service_time import ServiceTime, ServiceTimeEstimator
 from router.policy.session import SessionAffinityConfig, SessionTable
 from router.policy.types import Branch, Decision, Policy, ReplicaState, RouteRequest
 
@@ -72,6 +77,7 @@ class RoutingConfig:
     """Replicas at this many requests in flight are not offered to the policy; 0: no limit."""
     session: SessionAffinityConfig = field(default_factory=SessionAffinityConfig)
     prefill_rate: PrefillRateEstimator = field(default_factory=PrefillRateEstimator)
+    service_time: ServiceTimeEstimator = field(default_factory=ServiceTimeEstimator)
     use_index: bool = True
     """Match and record prompts in the prefix index. Off only for a policy that reads neither the match nor the
     backlog it feeds (the simulator's index-blind baselines), whose choices do not depend on it."""
@@ -124,6 +130,8 @@ class Ticket:
     started: float
     tokens_ahead: int
     """Prefill backlog on the replica when this request joined it: part of what its first byte waited for."""
+    num_ahead: int = 0
+    """Requests in flight on the replica (all routers') when this one joined it: what it may queue behind."""
     is_waiting: bool = True
     is_done: bool = False
     ttfb_s: float | None = None
@@ -134,6 +142,7 @@ class Ticket:
 class _Tracked:
     state: ReplicaState
     rate: PrefillRate
+    service: ServiceTime = field(default_factory=ServiceTime)
 
 
 class RoutingCore:
@@ -154,8 +163,10 @@ class RoutingCore:
         """A replica joined: its load view is `state` (the driver's object, which policies will be shown); it
         starts at the fleet's mean observed prefill rate, or the prior."""
         rate = self._unobserved_rate()
-        self._replicas[state.id] = _Tracked(state, rate)
+        service = self._unobserved_service()
+        self._replicas[state.id] = _Tracked(state, rate, service)
         state.set_prefill_rate(rate.tokens_per_s)
+        state.set_service(service.slot_s, service.slots, service.fixed_s)
         self.index.add_replica(state.id, state.kv_capacity_blocks)
 
     def remove_replica(self, replica_id: str) -> None:
@@ -334,7 +345,9 @@ class RoutingCore:
         """The request goes to `decision.replica` (a joined replica): count it as waiting for its first byte."""
         state = self._replicas[decision.replica].state
         uncached = max(0, prepared.prompt_tokens - decision.predicted_cached_tokens)
-        ticket = Ticket(decision.replica, state, decision, uncached, now, state.waiting_prompt_tokens)
+        ticket = Ticket(
+            decision.replica, state, decision, uncached, now, state.waiting_prompt_tokens, state.queue_depth
+        )
         state.begin(uncached, now)
         return ticket
 
@@ -350,18 +363,79 @@ class RoutingCore:
                 self._learn(tracked, ticket, ttfb_s)
         return ttfb_s
 
-    def finish(self, ticket: Ticket) -> None:
-        """The attempt is over (answered, failed or abandoned); once per ticket, later calls do nothing."""
+    def finish(self, ticket: Ticket, now: float | None = None) -> None:
+        """The attempt is over (answered, failed or abandoned); once per ticket, later calls do nothing. With `now`,
+        an attempt the replica answered (it had a first byte) teaches the replica's service time."""
         if ticket.is_done:
             return
         ticket.is_done = True
         ticket.state.finish(ticket.uncached_tokens, is_waiting=ticket.is_waiting)
         ticket.is_waiting = False
+        if now is None or ticket.ttfb_s is None:
+            return
+        tracked = self._replicas.get(ticket.replica_id)
+        if tracked is None or tracked.state is not ticket.state:
+            return
+        service = self.config.service_time.observe_finish(
+            tracked.service,
+            duration_s=now - ticket.started,
+            num_ahead=ticket.num_ahead,
+            known_slots=tracked.state.max_num_seqs,
+        )
+        self._set_service(tracked, service)
+
+    def service_time(self, replica_id: str) -> ServiceTime:
+        """The replica's learned service terms (`service_time.ServiceTime`)."""
+        return self._replicas[replica_id].service
+
+    def _set_service(self, tracked: _Tracked, service: ServiceTime) -> None:
+        before = tracked.service
+        if service is before:
+            return
+        tracked.service = service
+        tracked.state.set_service(service.slot_s, service.slots, service.fixed_s)
+        if (before.num_fixed_observations == 0 < service.num_fixed_observations) or (
+            before.num_slot_observations == 0 < service.num_slot_observations
+        ):
+            # As with prefill rates: a replica never observed takes the fleet's mean, or the one that learned a
+            # fixed cost would look slower than replicas that merely have not shown theirs yet.
+            start = self._unobserved_service()
+            for other in self._replicas.values():
+                s = other.service
+                if s.num_fixed_observations == 0 or s.num_slot_observations == 0:
+                    fixed_s = start.fixed_s if s.num_fixed_observations == 0 else s.fixed_s
+                    slot_s = start.slot_s if s.num_slot_observations == 0 else s.slot_s
+                    other.service = replace(s, fixed_s=fixed_s, slot_s=slot_s)
+                    other.state.set_service(slot_s, s.slots, fixed_s)
+
+    def _unobserved_service(self) -> ServiceTime:
+        """The service terms of a replica never observed: the means of the observed replicas' (module docstring)."""
+        services = [t.service for t in self._replicas.values()]
+        fixed = [s.fixed_s for s in services if s.num_fixed_observations > 0]
+        slot = [s.slot_s for s in services if s.num_slot_observations > 0 and s.slot_s is not None]
+        return ServiceTime(
+            slot_s=sum(slot) / len(slot) if slot else None, fixed_s=sum(fixed) / len(fixed) if fixed else 0.0
+        )
 
     def _learn(self, tracked: _Tracked, ticket: Ticket, ttfb_s: float) -> None:
+        slots = tracked.state.batch_slots
+        had_free_slot = ticket.num_ahead < (slots if slots is not None else 1)
+        self._set_service(
+            tracked,
+            self.config.service_time.observe_first_byte(
+                tracked.service,
+                ttfb_s=ttfb_s,
+                work_tokens=ticket.uncached_tokens + ticket.tokens_ahead,
+                tokens_per_s=tracked.rate.tokens_per_s,
+                had_free_slot=had_free_slot,
+            ),
+        )
         before = tracked.rate
         tracked.rate = self.config.prefill_rate.update(
-            before, uncached_tokens=ticket.uncached_tokens, ttfb_s=ttfb_s, queue_tokens_ahead=ticket.tokens_ahead
+            before,
+            uncached_tokens=ticket.uncached_tokens,
+            ttfb_s=ttfb_s - tracked.service.fixed_s,
+            queue_tokens_ahead=ticket.tokens_ahead,
         )
         if tracked.rate is before:
             return

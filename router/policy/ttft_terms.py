@@ -6,10 +6,10 @@ terms each replica's cost needs whatever the prompt (backlog, decode and KV-pres
 the tie key) are kept by position in the replica list and re-derived only for the replicas that are another
 object than last time or whose `ReplicaState.version` moved (its methods bump it on every change).
 
-A replica's estimate from its terms `(W, decode_s, attention_s, pressure_s)` (`ttfts_s`, the one place of the sum),
-with its pooled prefill `rate`, its own prefill `own` and `u` uncached tokens:
+A replica's estimate from its terms `(W, decode_s, attention_s, pressure_s, queue_s, fixed_s)` (`ttfts_s`, the one
+place of the sum), with its pooled prefill `rate`, its own prefill `own` and `u` uncached tokens:
 
-    W / rate + own + decode_s * (1 + (W + u) / prefill_tokens_per_step) + attention_s + pressure_s
+    W / rate + own + decode_s * (1 + (W + u) / prefill_tokens_per_step) + attention_s + pressure_s + queue_s + fixed_s
 """
 
 from __future__ import annotations
@@ -36,13 +36,29 @@ bound calls homogeneous is one by the policy's own float arithmetic too."""
 
 _version_of = attrgetter("version")
 
-Row = tuple[int, float, float, float]
+Row = tuple[int, float, float, float, float, float]
 """A replica's request-independent terms: (backlog tokens W, decode s per engine step, the backlog's attention s,
-KV pressure s)."""
+KV pressure s, wait for a batch slot s, fixed per-request s)."""
+
+QUEUE = 4
+"""Position of the slot wait in a `Row`."""
+
+
+def slot_wait_s(r: ReplicaState) -> float:
+    """Seconds a new request waits for a batch slot on `r` (`service_time`): with n requests there and B slots
+    held slot_s each, it waits for n - B + 1 completions at B / slot_s per second; 0 while a slot is free or
+    either figure is unknown."""
+    slots = r.batch_slots
+    slot_s = r.slot_s
+    n = r.queue_depth
+    if slots is None or slot_s is None or slots <= 0 or n < slots:
+        return 0.0
+    return (n - slots + 1) * slot_s / slots
 
 
 def replica_row(r: ReplicaState, config: EstimatedTTFTConfig) -> Row:
-    """The terms of `r` (estimated_ttft's module docstring: W, decode, the backlog's attention, pressure)."""
+    """The terms of `r` (estimated_ttft's module docstring: W, decode, the backlog's attention, pressure, queue,
+    fixed)."""
     backlog = r.waiting_prompt_tokens
     running = r.num_running or 0
     streaming = r.streaming
@@ -54,7 +70,7 @@ def replica_row(r: ReplicaState, config: EstimatedTTFTConfig) -> Row:
     kv = r.kv_usage
     excess = ((kv if kv < 1.0 else 1.0) - threshold) if kv is not None and kv > threshold else 0.0
     pressure_s = config.kv_pressure_s / ((1.0 - threshold) ** 2) * excess * excess
-    return (backlog, decode_s, attention_s, pressure_s)
+    return (backlog, decode_s, attention_s, pressure_s, slot_wait_s(r), r.fixed_s)
 
 
 def ttfts_s(
@@ -67,8 +83,10 @@ def ttfts_s(
     """The estimate of each replica, the one place of the sum: terms `rows`, pooled `rates` (tokens/s), the prompt's
     own prefill there `owns_s` over `uncached` tokens; `inv_step_tokens` is 1 / prefill_tokens_per_step."""
     return [
-        w / rate + own_s + decode_s * (1.0 + (w + u) * inv_step_tokens) + attention_s + pressure_s
-        for (w, decode_s, attention_s, pressure_s), rate, own_s, u in zip(rows, rates, owns_s, uncached, strict=True)
+        w / rate + own_s + decode_s * (1.0 + (w + u) * inv_step_tokens) + attention_s + pressure_s + queue_s + fixed_s
+        for (w, decode_s, attention_s, pressure_s, queue_s, fixed_s), rate, own_s, u in zip(
+            rows, rates, owns_s, uncached, strict=True
+        )
     ]
 
 
@@ -116,7 +134,7 @@ class FleetTerms:
                 changed = [i for i in range(n) if versions[i] != before[i] or replicas[i] is not held[i]]
         else:
             changed = range(n)
-            self.rows = [(0, 0.0, 0.0, 0.0)] * n
+            self.rows = [(0, 0.0, 0.0, 0.0, 0.0, 0.0)] * n
             self.rates = [math.nan] * n
             self.is_under_cap = [False] * n
             self.tie_keys = [(0, 0.0, "")] * n

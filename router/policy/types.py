@@ -27,7 +27,10 @@ class Branch(enum.StrEnum):
     CACHE_MISS = "cache_miss"
     """No replica holds a useful prefix; the least-loaded (or cheapest) replica was chosen."""
     SPILL = "spill"
-    """A replica held a longer prefix, but its load made another replica the better choice."""
+    """A replica held a longer prefix, but its prefill backlog (or speed) made another replica the better choice."""
+    SPILL_QUEUE = "spill_queue"
+    """A replica held a longer prefix, but its queue for batch slots made another replica the better choice: without
+    its slot wait it would have won."""
     IMBALANCE = "imbalance"
     """Load imbalance overrode cache affinity (sglang_cache_aware's switch)."""
     OVERLOADED = "overloaded"
@@ -72,6 +75,15 @@ class ReplicaState:
     """KV cache size in index blocks, when known (from settings or the engine)."""
     last_selected: float = float("-inf")
     """`now` of the last time a policy chose this replica (least-recently-chosen tie break)."""
+    max_num_seqs: int | None = None
+    """The engine's batch slots (sequences it runs at once), when known: scraped (sglang:max_running_requests), or
+    the largest running count of a scrape that saw requests queued in the engine. None: unknown."""
+    slot_s: float | None = None
+    """Learned mean seconds a request holds a batch slot here (`service_time`); None until one finished."""
+    learned_slots: float | None = None
+    """Batch slots learned from latencies (`service_time`), used when `max_num_seqs` is unknown."""
+    fixed_s: float = 0.0
+    """Learned seconds of each first byte that no prefill token explains (`service_time`)."""
     peer_in_flight: int = 0
     """Of `in_flight`, the requests other routers reported (router fleet, `sharing`); 0 for a router alone."""
     peer_waiting: int = 0
@@ -112,12 +124,36 @@ class ReplicaState:
             self.streaming -= 1
         self.version += 1
 
-    def set_gauges(self, num_running: int | None, num_waiting: int | None, kv_usage: float | None) -> None:
-        """The engine's gauges, as a scrape of its metrics read them."""
+    def set_gauges(
+        self,
+        num_running: int | None,
+        num_waiting: int | None,
+        kv_usage: float | None,
+        max_num_seqs: int | None = None,
+    ) -> None:
+        """The engine's gauges, as a scrape of its metrics read them; `max_num_seqs` when the engine exports its
+        batch limit. Without it, a scrape that sees requests queued beside running ones takes the running count as
+        the limit (an engine queues only with its slots, or its KV cache, full)."""
         self.num_running = num_running
         self.num_waiting = num_waiting
         self.kv_usage = kv_usage
+        if max_num_seqs is not None and max_num_seqs > 0:
+            self.max_num_seqs = max_num_seqs
+        elif num_running and num_waiting and num_running > (self.max_num_seqs or 0):
+            self.max_num_seqs = num_running  # the largest such count: a request between two steps queues briefly
         self.version += 1
+
+    def set_service(self, slot_s: float | None, learned_slots: float | None, fixed_s: float) -> None:
+        """The learned service terms (`service_time.ServiceTime`)."""
+        self.slot_s = slot_s
+        self.learned_slots = learned_slots
+        self.fixed_s = fixed_s
+        self.version += 1
+
+    @property
+    def batch_slots(self) -> float | None:
+        """Batch slots the policy assumes: the engine's known limit, else the learned one, else None."""
+        return float(self.max_num_seqs) if self.max_num_seqs is not None else self.learned_slots
 
     def set_prefill_rate(self, tokens_per_s: float) -> None:
         self.prefill_tokens_per_s = tokens_per_s

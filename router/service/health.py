@@ -95,7 +95,8 @@ class _ProbeError(Exception):
 
 
 class MetricsScraper:
-    """Reads engine gauges into each replica's `ReplicaState` every `interval_s`."""
+    """Reads engine gauges (queue, KV usage and, where the engine exports it, its batch limit) into each replica's
+    `ReplicaState` every `interval_s`."""
 
     def __init__(self, settings: ScrapeSettings, pool: ReplicaPool, session: aiohttp.ClientSession) -> None:
         self.settings = settings
@@ -120,6 +121,10 @@ class MetricsScraper:
             log.debug("scrape of %s failed: %s", replica.id, exc)
             return
         running, waiting, kv = gauges.get("num_running"), gauges.get("num_waiting"), gauges.get("kv_usage")
+        limit = gauges.get("max_num_seqs")
         replica.state.set_gauges(
-            int(running) if running is not None else None, int(waiting) if waiting is not None else None, kv
+            int(running) if running is not None else None,
+            int(waiting) if waiting is not None else None,
+            kv,
+            int(limit) if limit is not None else None,
         )

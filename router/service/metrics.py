@@ -67,7 +67,8 @@ class RouterMetrics:
     def __init__(self, pool: ReplicaPool) -> None:
         self.requests = Counter(
             "shoal_router_requests",
-            "Requests answered, by HTTP status, route branch and replica",
+            "Requests answered, by HTTP status, route branch (spill: left its cached replica for prefill backlog, "
+            "spill_queue: for its queue for batch slots) and replica",
             ["status", "branch", "replica"],
         )
         self.retries = Counter("shoal_router_retries", "Attempts retried on another replica, by reason", ["reason"])
@@ -163,6 +164,21 @@ class _PoolCollector(Collector):
         rate = GaugeMetricFamily(
             "shoal_router_replica_prefill_tokens_per_second", "Learned prefill rate", labels=["replica"]
         )
+        slot = GaugeMetricFamily(
+            "shoal_router_replica_slot_seconds",
+            "Learned seconds a request holds one of the replica's batch slots (absent until one finished)",
+            labels=["replica"],
+        )
+        slots = GaugeMetricFamily(
+            "shoal_router_replica_batch_slots",
+            "Batch slots assumed for the replica: its scraped limit, else learned from latencies",
+            labels=["replica"],
+        )
+        fixed = GaugeMetricFamily(
+            "shoal_router_replica_fixed_seconds",
+            "Learned seconds of each first byte that no prefill token explains",
+            labels=["replica"],
+        )
         up = GaugeMetricFamily(
             "shoal_router_replica_up", "1 when the replica takes new requests", labels=["replica", "status"]
         )
@@ -175,10 +191,18 @@ class _PoolCollector(Collector):
                 family.add_metric([replica.id], value)
                 totals[key] += value
             rate.add_metric([replica.id], s.prefill_tokens_per_s)
+            if s.slot_s is not None:
+                slot.add_metric([replica.id], s.slot_s)
+            if (batch_slots := s.batch_slots) is not None:
+                slots.add_metric([replica.id], batch_slots)
+            fixed.add_metric([replica.id], s.fixed_s)
             up.add_metric([replica.id, replica.status.value], 1.0 if replica.is_eligible else 0.0)
             by_status[replica.status] += 1
         yield from per_replica.values()
         yield rate
+        yield slot
+        yield slots
+        yield fixed
         yield up
         yield GaugeMetricFamily("shoal_router_in_flight", "Requests in flight, all replicas", value=totals["in_flight"])
         yield GaugeMetricFamily(

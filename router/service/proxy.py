@@ -159,7 +159,7 @@ class Proxy:
                 self.metrics.retries.inc((failure.reason,))
                 continue
             finally:
-                self.core.finish(ticket)
+                self.core.finish(ticket, self._clock())
                 if self.held:
                     self.held.release()
             self.metrics.request_seconds.observe(self._clock() - started)

@@ -138,8 +138,9 @@ class RoutingCore:
         """The replica answered; returns the time to first byte. Streams teach the prefill-rate estimate."""
         return self.core.first_byte(ticket.route, now, is_stream=is_stream)
 
-    def finish(self, ticket: Ticket) -> None:
-        self.core.finish(ticket.route)
+    def finish(self, ticket: Ticket, now: float | None = None) -> None:
+        """The attempt is over; with `now`, an answered attempt teaches the replica's service time."""
+        self.core.finish(ticket.route, now)
 
     def add_replica(self, replica: Replica) -> None:
         self.core.add_replica(replica.state)

@@ -17,11 +17,13 @@ _GAUGES: dict[str, tuple[str, str]] = {
     "sglang:num_running_reqs": ("num_running", "sum"),
     "sglang:num_queue_reqs": ("num_waiting", "sum"),
     "sglang:token_usage": ("kv_usage", "max"),
+    "sglang:max_running_requests": ("max_num_seqs", "sum"),
 }
 
 
 def parse_engine_metrics(text: str) -> dict[str, float]:
-    """Return {num_running, num_waiting, kv_usage} for the gauges present in `text` (others are absent)."""
+    """Return {num_running, num_waiting, kv_usage, max_num_seqs} for the gauges present in `text` (others are
+    absent)."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -57,7 +57,14 @@ class FakeReplicaConfig:
     prefix_cache_blocks: int = 4096
     """Capacity of the emulated prefix cache in blocks; `kv_cache_usage_perc` is its fill fraction."""
     max_num_running: int = 256
-    """Requests served at once; more wait, and count as `num_requests_waiting` in `/metrics`."""
+    """Batch slots: requests served at once; more wait (FIFO) for a slot, and count as `num_requests_waiting` in
+    `/metrics`. With `first_byte_delay_s` as a fixed per-request time, a small value makes a batch-slot-bound
+    engine, whose latency the queue for slots decides rather than prefill tokens."""
+    max_num_waiting: int | None = None
+    """Requests that may wait for a slot; past them an inference request is answered 503 at once. None: no limit."""
+    exports_batch_limit: bool = False
+    """Export `max_num_running` in `/metrics` (as SGLang's `sglang:max_running_requests`, under either flavor:
+    vLLM has no such gauge)."""
     is_healthy: bool = True
     fail_status: int = 500
     fail_next_n: int = 0
@@ -298,6 +305,8 @@ class FakeReplica:
             }
             counters = {}
             labels = 'model_name="{}"'
+        if self.config.exports_batch_limit:
+            gauges["sglang:max_running_requests"] = self.config.max_num_running
         lines = []
         for kind, values in (("gauge", gauges), ("counter", counters)):
             for metric, value in values.items():
@@ -363,6 +372,9 @@ class FakeReplica:
             )
         if config.drop_connection_after_chunks is not None and not body.get("stream"):
             await self._drop(request, state)
+        if config.max_num_waiting is not None and self.in_flight - self.running > config.max_num_waiting:
+            self.failed += 1
+            return web.json_response(_error_body("queue full", 503), status=503, headers=self._headers())
 
         assert self._slots is not None
         async with self._slots:
@@ -477,6 +489,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill-s-per-token", type=float, default=0.0)
     parser.add_argument("--num-output-tokens", type=int, default=8)
     parser.add_argument("--metrics-flavor", choices=("vllm", "sglang"), default="vllm")
+    parser.add_argument("--max-num-running", type=int, default=256, help="batch slots (requests served at once)")
     args = parser.parse_args(argv)
     config = FakeReplicaConfig(
         name=args.name,
@@ -486,6 +499,7 @@ def main(argv: list[str] | None = None) -> None:
         prefill_s_per_token=args.prefill_s_per_token,
         num_output_tokens=args.num_output_tokens,
         metrics_flavor=args.metrics_flavor,
+        max_num_running=args.max_num_running,
     )
 
     async def serve() -> None:

@@ -23,6 +23,15 @@ from router.policy.estimated_ttft import EstimatedTTFT
 from router.policy.types import Branch, Decision, ReplicaState, RouteRequest
 
 
+def reference_queue_s(r: ReplicaState) -> float:
+    """Seconds of wait for a batch slot: n - B + 1 completions at B / slot_s per second once n >= B."""
+    slots = r.max_num_seqs if r.max_num_seqs is not None else r.learned_slots
+    n = max(r.in_flight, (r.num_running or 0) + (r.num_waiting or 0))
+    if slots is None or r.slot_s is None or n < slots:
+        return 0.0
+    return (n - slots + 1) * r.slot_s / slots
+
+
 def reference_costs(
     cfg: EstimatedTTFTConfig, request: RouteRequest, replicas: Sequence[ReplicaState]
 ) -> list[tuple[float, float]]:
@@ -54,6 +63,8 @@ def reference_costs(
         if r.kv_usage is not None and r.kv_usage > threshold:
             excess = min(r.kv_usage, 1.0) - threshold
             ttft += cfg.kv_pressure_s / (1.0 - threshold) ** 2 * excess * excess
+        ttft += reference_queue_s(r)
+        ttft += r.fixed_s
         owns.append(own)
         ttfts.append(ttft)
     floor = min(owns)
@@ -77,6 +88,12 @@ def reference_select(cfg: EstimatedTTFTConfig, request: RouteRequest, replicas: 
         branch = Branch.CACHE_MISS
     else:
         branch = Branch.CACHE_HIT if blocks >= longest else Branch.SPILL
+    if branch is Branch.SPILL:
+        band = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
+        for i, r in enumerate(replicas):
+            queue_s = reference_queue_s(r)
+            if request.matched_blocks.get(r.id, 0) >= longest and queue_s > 0 and costs[i][1] - queue_s <= band:
+                branch = Branch.SPILL_QUEUE
     return Decision(rid, branch, blocks, request.cached_tokens(rid), costs[chosen][0])
 
 
@@ -98,6 +115,10 @@ replica_rows = st.fixed_dictionaries(
         "kv_usage": st.none() | st.floats(0.0, 1.0) | st.sampled_from([0.8, 1.0]),
         "prefill_tokens_per_s": st.sampled_from([10_000.0, 0.5]) | st.floats(100.0, 60_000.0),
         "last_selected": st.sampled_from([-math.inf, 0.0, 1.0]),
+        "max_num_seqs": st.none() | st.integers(1, 8),
+        "slot_s": st.none() | st.floats(0.0, 2.0),
+        "learned_slots": st.none() | st.floats(1.0, 8.0),
+        "fixed_s": st.sampled_from([0.0, 0.05]),
     }
 )
 configs = st.builds(
@@ -120,6 +141,7 @@ changes = st.lists(
                 "finish",
                 "scrape",
                 "rate",
+                "service",
                 "uniform_rates",
                 "subset",
                 "swap",
@@ -172,6 +194,8 @@ def apply(change: tuple[str, int, dict[str, object]], replicas: list[ReplicaStat
             r.set_gauges(row["num_running"], row["num_waiting"], row["kv_usage"])  # type: ignore[arg-type]
         case "rate":
             r.set_prefill_rate(float(row["prefill_tokens_per_s"]))  # type: ignore[arg-type]
+        case "service":
+            r.set_service(row["slot_s"], row["learned_slots"], row["fixed_s"])  # type: ignore[arg-type]
         case "uniform_rates":
             for other in replicas:
                 other.set_prefill_rate(9_000.0 + k % 3)

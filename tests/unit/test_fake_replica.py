@@ -169,6 +169,23 @@ async def test_waiting_requests_show_in_metrics() -> None:
         await fake.wait_until(lambda r: r.in_flight == 0)
 
 
+async def test_a_batch_slot_bound_fake_exports_its_limit_and_refuses_past_its_queue() -> None:
+    config = FakeReplicaConfig(max_num_running=2, max_num_waiting=1, exports_batch_limit=True, first_byte_delay_s=10.0)
+    async with FakeReplica(config) as fake, aiohttp.ClientSession() as session:
+        requests = [asyncio.create_task(session.post(f"{fake.url}/v1/completions", json={})) for _ in range(3)]
+        await fake.wait_until(lambda r: r.in_flight == 3 and r.running == 2)
+        async with session.post(f"{fake.url}/v1/completions", json={}) as resp:
+            assert resp.status == 503 and "queue full" in (await resp.json())["error"]["message"]
+        async with session.get(f"{fake.url}/metrics") as resp:
+            text = await resp.text()
+        assert 'sglang:max_running_requests{engine="0",model_name="shoal-demo"} 2.0' in text
+        assert 'vllm:num_requests_waiting{engine="0",model_name="shoal-demo"} 1.0' in text
+        for task in requests:
+            task.cancel()
+        await asyncio.gather(*requests, return_exceptions=True)
+        await fake.wait_until(lambda r: r.in_flight == 0)
+
+
 async def test_kill_drops_streams_and_restart_serves_on_the_same_port() -> None:
     config = FakeReplicaConfig(name="k", per_token_delay_s=0.05, num_output_tokens=100)
     async with FakeReplica(config) as fake, aiohttp.ClientSession() as session:

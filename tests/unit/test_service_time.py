@@ -1,0 +1,142 @@
+"""Batch slots and fixed per-request time: the estimator, the routing core that feeds it, and the policy's use of it."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.policy.estimated_ttft import EstimatedTTFT, EstimatedTTFTConfig
+from router.policy.prefix_index import PrefixIndex, PrefixIndexConfig
+from router.policy.routing_core import RoutingConfig, RoutingCore
+from router.policy.service_time import ServiceTime, ServiceTimeEstimator
+from router.policy.types import Branch, ReplicaState, RouteRequest
+
+HOT = RouteRequest(hashes=list(range(32)), prompt_tokens=520, tokens_per_block=16.0, matched_blocks={"a": 32})
+"""A short prompt whose 512-token prefix replica `a` holds: a cache hit that is cheap to recompute elsewhere."""
+
+
+def fleet(**hot: object) -> list[ReplicaState]:
+    replicas = [ReplicaState(rid, max_num_seqs=4, slot_s=0.5) for rid in ("a", "b", "c")]
+    for name, value in hot.items():
+        setattr(replicas[0], name, value)
+    return replicas
+
+
+def test_a_replica_at_its_batch_limit_with_a_queue_loses_a_cheap_cache_hit_to_an_idle_replica() -> None:
+    replicas = fleet(in_flight=8, streaming=8, num_running=4, num_waiting=4)
+    d = EstimatedTTFT(EstimatedTTFTConfig()).select(HOT, replicas, now=0.0)
+    assert d.replica in ("b", "c")
+    assert d.branch is Branch.SPILL_QUEUE
+    # The wait it avoided: 8 ahead of 4 slots, 5 completions at 4 / 0.5 s per second.
+    assert EstimatedTTFT(EstimatedTTFTConfig()).estimate_s(HOT, replicas[0]) >= 5 * 0.5 / 4
+
+
+def test_with_a_free_batch_slot_affinity_holds() -> None:
+    replicas = fleet(in_flight=3, streaming=3, num_running=3, num_waiting=0)
+    d = EstimatedTTFT(EstimatedTTFTConfig()).select(HOT, replicas, now=0.0)
+    assert (d.replica, d.branch) == ("a", Branch.CACHE_HIT)
+
+
+def test_without_learned_service_terms_the_queue_is_invisible_and_the_hot_prefix_stays() -> None:
+    replicas = fleet(in_flight=8, streaming=8, num_running=4, num_waiting=4, slot_s=None)
+    d = EstimatedTTFT(EstimatedTTFTConfig()).select(HOT, replicas, now=0.0)
+    assert (d.replica, d.branch) == ("a", Branch.CACHE_HIT)
+
+
+def test_a_prefill_backlog_spill_is_still_a_plain_spill() -> None:
+    replicas = fleet(in_flight=2, waiting=2, waiting_prompt_tokens=40_000)
+    d = EstimatedTTFT(EstimatedTTFTConfig()).select(HOT, replicas, now=0.0)
+    assert d.replica != "a" and d.branch is Branch.SPILL
+
+
+def test_a_scrape_that_sees_a_queue_takes_the_largest_running_count_as_the_batch_limit() -> None:
+    r = ReplicaState("a")
+    r.set_gauges(3, 0, None)
+    assert r.max_num_seqs is None
+    r.set_gauges(2, 1, None)  # a request between two steps
+    r.set_gauges(4, 6, None)
+    r.set_gauges(3, 1, None)
+    assert r.max_num_seqs == 4
+    r.set_gauges(1, 0, None, max_num_seqs=16)  # the engine's own figure wins
+    assert r.batch_slots == 16.0
+
+
+def test_known_slots_turn_every_duration_into_a_slot_time() -> None:
+    est = ServiceTimeEstimator()
+    state = ServiceTime()
+    # B = 4, slot_s = 0.2: a request behind n others takes max(4, n + 1) * 0.2 / 4.
+    for n in (0, 2, 7, 11, 3, 15):
+        state = est.observe_finish(state, duration_s=max(4, n + 1) * 0.2 / 4, num_ahead=n, known_slots=4)
+    assert state.slot_s == pytest.approx(0.2)
+    assert state.slots is None
+
+
+def test_unknown_slots_are_learned_from_the_durations_of_requests_that_queued() -> None:
+    est = ServiceTimeEstimator()
+    state = est.observe_finish(ServiceTime(), duration_s=0.2, num_ahead=0, known_slots=None)
+    for n in (1, 2, 9, 13, 6, 21, 0, 17):
+        state = est.observe_finish(state, duration_s=max(3, n + 1) * 0.2 / 3, num_ahead=n, known_slots=None)
+    assert state.slot_s == pytest.approx(0.2)
+    assert state.slots == pytest.approx(3.0)
+
+
+def test_nonsense_durations_teach_nothing() -> None:
+    est = ServiceTimeEstimator()
+    state = ServiceTime(slot_s=0.2, num_slot_observations=3)
+    assert est.observe_finish(state, duration_s=0.0, num_ahead=1, known_slots=None) is state
+    assert est.observe_finish(state, duration_s=float("nan"), num_ahead=1, known_slots=4) is state
+    assert est.observe_finish(state, duration_s=1.0, num_ahead=-1, known_slots=4) is state
+
+
+def make_core() -> tuple[RoutingCore, list[ReplicaState]]:
+    core = RoutingCore(RoutingConfig(), PrefixIndex(PrefixIndexConfig()), EstimatedTTFT(EstimatedTTFTConfig()))
+    states = [ReplicaState(rid) for rid in ("a", "b", "c")]
+    for state in states:
+        core.add_replica(state)
+    return core, states
+
+
+def test_whole_answers_behind_a_two_slot_engine_teach_its_slots_and_then_the_hot_prefix_spills() -> None:
+    core, states = make_core()
+    prepared = core.prepare_hashes(list(range(32)), 520)
+    first = core.choose(prepared, states, 0.0)
+    assert first is not None
+    hot = first.replica
+    core.commit(prepared, first, 0.0)
+    # Ten requests sent to the hot replica at once, none streamed; it serves 2 at a time, 0.3 s each (FIFO).
+    tickets = [core.begin(first, prepared, 0.0) for _ in range(10)]
+    for i, ticket in enumerate(tickets):
+        done = (i // 2 + 1) * 0.3
+        core.first_byte(ticket, done, is_stream=False)
+        core.finish(ticket, done)
+    service = core.service_time(hot)
+    assert service.slot_s == pytest.approx(0.3)
+    # The model spreads completions evenly (B / slot_s per second); this engine frees its slots in pairs.
+    assert service.slots == pytest.approx(2.0, rel=0.1)
+    # With six cache hits streaming on it, the hot replica's slot queue now costs more than a cold prefill.
+    hit = core.choose(prepared, states, 4.0)
+    assert hit is not None and (hit.replica, hit.branch) == (hot, Branch.CACHE_HIT)
+    for _ in range(6):
+        core.first_byte(core.begin(hit, prepared, 4.0), 4.01, is_stream=True)
+    d = core.choose(prepared, states, 4.0)
+    assert d is not None and d.replica != hot and d.branch is Branch.SPILL_QUEUE
+
+
+def test_short_streams_teach_the_fixed_time_and_the_prefill_rate_is_learned_net_of_it() -> None:
+    core, states = make_core()
+    rid = states[0].id
+    decision = core.choose(core.prepare_hashes([], 16), [states[0]], 0.0)
+    assert decision is not None
+    t = 0.0
+    for _ in range(4):  # 16-token prompts, alone on the replica: 0.1 s fixed + 16 / 10k s prefill
+        ticket = core.begin(decision, core.prepare_hashes([], 16), t)
+        core.first_byte(ticket, t + 0.1 + 16 / 10_000, is_stream=True)
+        core.finish(ticket, t + 0.2)
+        t += 1.0
+    assert core.service_time(rid).fixed_s == pytest.approx(0.1, rel=0.02)
+    # Replicas never observed take the fleet's mean, so the one that learned a fixed cost does not look slower.
+    assert states[1].fixed_s == states[2].fixed_s == pytest.approx(0.1, rel=0.02)
+    long = core.prepare_hashes([], 4000)
+    ticket = core.begin(decision, long, t)
+    core.first_byte(ticket, t + 0.1 + 4000 / 20_000, is_stream=True)
+    assert core.prefill_rate(rid).tokens_per_s == pytest.approx(20_000, rel=0.02)
+    assert states[0].fixed_s == pytest.approx(0.1, rel=0.02)
