@@ -124,8 +124,9 @@ class SimRouter:
         """The router saw the replica's first byte: its first token when streamed, else its whole answer."""
         self.core.first_byte(ticket, now, is_stream=is_stream)
 
-    def finish(self, ticket: Ticket) -> None:
-        self.core.finish(ticket)
+    def finish(self, ticket: Ticket, now: float) -> None:
+        """The request ended; as at the live router, its duration teaches the replica's service-time terms."""
+        self.core.finish(ticket, now)
 
     def scrape(self, replica_id: str, num_running: int, num_waiting: int, kv_usage: float) -> None:
         """The gauges a scrape of the replica's /metrics returned now."""

@@ -242,7 +242,7 @@ class Simulation:
         ticket: Ticket = seq.ticket
         if not seq.request.is_stream:  # the router's first byte of a whole answer is its end
             self.router.first_byte(ticket, self.sim.now, is_stream=False)
-        self.router.finish(ticket)
+        self.router.finish(ticket, self.sim.now)
         now = self.sim.now
         request = seq.request
         assert seq.first_token_s is not None and seq.hit_tokens is not None
@@ -269,7 +269,7 @@ class Simulation:
     def _reject(self, seq: Seq) -> None:
         """The engine refused the request (longer than its KV cache): it ends now, unserved."""
         ticket: Ticket = seq.ticket
-        self.router.finish(ticket)
+        self.router.finish(ticket, self.sim.now)
         self.recorder.num_rejected += 1
         self._in_flight -= 1
         self._end_s = max(self._end_s, self.sim.now)

@@ -130,16 +130,17 @@ class ReplicaState:
         num_waiting: int | None,
         kv_usage: float | None,
         max_num_seqs: int | None = None,
+        infer_max_num_seqs: bool = False,
     ) -> None:
         """The engine's gauges, as a scrape of its metrics read them; `max_num_seqs` when the engine exports its
-        batch limit. Without it, a scrape that sees requests queued beside running ones takes the running count as
-        the limit (an engine queues only with its slots, or its KV cache, full)."""
+        batch limit. With `infer_max_num_seqs`, a scrape that sees requests queued beside running ones takes the
+        running count as the limit; off by default, since an engine whose KV cache is full queues too."""
         self.num_running = num_running
         self.num_waiting = num_waiting
         self.kv_usage = kv_usage
         if max_num_seqs is not None and max_num_seqs > 0:
             self.max_num_seqs = max_num_seqs
-        elif num_running and num_waiting and num_running > (self.max_num_seqs or 0):
+        elif infer_max_num_seqs and num_running and num_waiting and num_running > (self.max_num_seqs or 0):
             self.max_num_seqs = num_running  # the largest such count: a request between two steps queues briefly
         self.version += 1
 

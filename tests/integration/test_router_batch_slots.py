@@ -30,6 +30,7 @@ MEASURED_REQUESTS = 192
 RUN_TIMEOUT_S = 20.0
 SLOT_BOUND = {
     "max_num_running": 4,
+    "exports_batch_limit": True,
     "first_byte_delay_s": 0.04,
     "per_token_delay_s": 0.008,
     "num_output_tokens": 8,

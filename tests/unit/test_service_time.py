@@ -50,11 +50,13 @@ def test_a_prefill_backlog_spill_is_still_a_plain_spill() -> None:
 
 def test_a_scrape_that_sees_a_queue_takes_the_largest_running_count_as_the_batch_limit() -> None:
     r = ReplicaState("a")
-    r.set_gauges(3, 0, None)
-    assert r.max_num_seqs is None
-    r.set_gauges(2, 1, None)  # a request between two steps
     r.set_gauges(4, 6, None)
-    r.set_gauges(3, 1, None)
+    assert r.max_num_seqs is None  # inferring is opt-in: a full KV cache queues requests too
+    r.set_gauges(3, 0, None, infer_max_num_seqs=True)
+    assert r.max_num_seqs is None
+    r.set_gauges(2, 1, None, infer_max_num_seqs=True)  # a request between two steps
+    r.set_gauges(4, 6, None, infer_max_num_seqs=True)
+    r.set_gauges(3, 1, None, infer_max_num_seqs=True)
     assert r.max_num_seqs == 4
     r.set_gauges(1, 0, None, max_num_seqs=16)  # the engine's own figure wins
     assert r.batch_slots == 16.0
@@ -71,7 +73,7 @@ def test_known_slots_turn_every_duration_into_a_slot_time() -> None:
 
 
 def test_unknown_slots_are_learned_from_the_durations_of_requests_that_queued() -> None:
-    est = ServiceTimeEstimator()
+    est = ServiceTimeEstimator(learn_slots=True)
     state = est.observe_finish(ServiceTime(), duration_s=0.2, num_ahead=0, known_slots=None)
     for n in (1, 2, 9, 13, 6, 21, 0, 17):
         state = est.observe_finish(state, duration_s=max(3, n + 1) * 0.2 / 3, num_ahead=n, known_slots=None)
@@ -87,8 +89,9 @@ def test_nonsense_durations_teach_nothing() -> None:
     assert est.observe_finish(state, duration_s=1.0, num_ahead=-1, known_slots=4) is state
 
 
-def make_core() -> tuple[RoutingCore, list[ReplicaState]]:
-    core = RoutingCore(RoutingConfig(), PrefixIndex(PrefixIndexConfig()), EstimatedTTFT(EstimatedTTFTConfig()))
+def make_core(*, learn_slots: bool = False) -> tuple[RoutingCore, list[ReplicaState]]:
+    config = RoutingConfig(service_time=ServiceTimeEstimator(learn_slots=learn_slots))
+    core = RoutingCore(config, PrefixIndex(PrefixIndexConfig()), EstimatedTTFT(EstimatedTTFTConfig()))
     states = [ReplicaState(rid) for rid in ("a", "b", "c")]
     for state in states:
         core.add_replica(state)
@@ -96,7 +99,7 @@ def make_core() -> tuple[RoutingCore, list[ReplicaState]]:
 
 
 def test_whole_answers_behind_a_two_slot_engine_teach_its_slots_and_then_the_hot_prefix_spills() -> None:
-    core, states = make_core()
+    core, states = make_core(learn_slots=True)
     prepared = core.prepare_hashes(list(range(32)), 520)
     first = core.choose(prepared, states, 0.0)
     assert first is not None

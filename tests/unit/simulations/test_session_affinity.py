@@ -54,7 +54,7 @@ def replicas_by(policy: str, *, is_session_affinity: bool) -> tuple[dict[str, se
     for request in AgenticWorkload(AGENTS, block_size=BLOCK).requests():
         ticket = sim_router.route(request.hashes, request.prompt_tokens, request.arrival_s, request.session)
         assert ticket is not None and request.session is not None
-        sim_router.finish(ticket)
+        sim_router.finish(ticket, request.arrival_s)
         by_session[request.session].add(ticket.replica_id)
         by_kind[request.hashes[0]].add(ticket.replica_id)
     return by_session, by_kind
