@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import shlex
 import shutil
 import signal
@@ -113,6 +114,18 @@ class Service:
                 self.process.wait(timeout=10)
 
 
+def machine_description() -> str:
+    """CPU model, cores, kernel and load average, for the header of the tables."""
+    model = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.partition(":")[2].strip()
+                break
+    load = " ".join(f"{value:.2f}" for value in os.getloadavg())
+    return f"{model}, {os.cpu_count()} cores, Linux {os.uname().release}, load average {load}"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -175,6 +188,48 @@ def process_tree_cpu_s(root_pid: int) -> float:
         tree.update(children)
         frontier += children
     return sum(ticks.get(pid, 0) for pid in tree) / CLOCK_TICKS_PER_S
+
+
+def run_wrk(
+    url: str, core: int, concurrency: int, args: argparse.Namespace, num_requests: int, duration_s: float
+) -> dict[str, Any]:
+    """One wrk run (`wrk_chat.lua`, one thread, `concurrency` connections) pinned to `core`: a report with
+    loadgen.py's keys, from the JSON line the script's done() prints. Its CPU time comes from getrusage of the
+    reaped child (only wrk is reaped while it runs)."""
+    argv = [
+        "taskset",
+        "-c",
+        str(core),
+        args.wrk,
+        "-t1",
+        f"-c{concurrency}",
+        f"-d{max(1, round(duration_s))}s",
+        "--timeout",
+        "10s",
+        "-s",
+        str(BENCH / "wrk_chat.lua"),
+        url,
+        "--",
+        str(args.prompt_bytes),
+        str(args.prefixes),
+        str(args.variants),
+        str(num_requests),
+        MODEL,
+    ]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=duration_s + 30)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("WRK_JSON ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"wrk failed ({done.returncode}): {done.stdout[-1000:]}{done.stderr[-1000:]}")
+    raw: dict[str, Any] = json.loads(lines[-1].removeprefix("WRK_JSON "))
+    num_errors = sum(raw[key] for key in raw if key.startswith("errors_"))
+    return {
+        **raw,
+        "num_ok": max(0, raw["num_requests"] - raw["errors_status"]),
+        "num_errors": num_errors,
+        "cpu_s": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
+    }
 
 
 def run_loadgen(url: str, core: int, extra: list[str], timeout_s: float) -> dict[str, Any]:
@@ -290,6 +345,9 @@ def running(service: Service) -> Iterator[Service]:
 
 
 def warm_up(url: str, args: argparse.Namespace) -> None:
+    if args.client == "wrk":
+        run_wrk(url, args.loadgen_core, 16, args, args.warmup_requests, 10)
+        return
     warmup = [
         "--concurrency",
         "16",
@@ -318,7 +376,10 @@ def measure_point(name: str, url: str, pid: int | None, concurrency: int, args: 
         args.client,
     ]
     cpu_before_s = process_tree_cpu_s(pid) if pid else 0.0
-    report = run_loadgen(url, args.loadgen_core, extra, args.duration_s + 60)
+    if args.client == "wrk":
+        report = run_wrk(url, args.loadgen_core, concurrency, args, args.requests, args.duration_s)
+    else:
+        report = run_loadgen(url, args.loadgen_core, extra, args.duration_s + 60)
     cpu_s = process_tree_cpu_s(pid) - cpu_before_s if pid else 0.0
     num_requests = max(1, report["num_ok"] + report["num_errors"])
     report["router_cpu_us_per_request"] = cpu_s * 1e6 / num_requests if pid else None
@@ -377,11 +438,16 @@ def start_router(
 def print_tables(
     results: dict[str, dict[int, dict[str, Any]]], streams: dict[str, dict[str, Any]], args: argparse.Namespace
 ) -> None:
+    if args.client == "wrk":
+        client = "wrk (wrk_chat.lua, 1 thread)"
+        prompts = f" over {args.prefixes} shared prefixes ({args.prefixes * args.variants} bodies)"
+    else:
+        client, prompts = f"loadgen.py ({args.client} client)", " sharing one prefix (64 bodies)"
     for concurrency in args.concurrency:
         print(
             f"\nconcurrency {concurrency}: {args.requests} requests per router or {args.duration_s:g} s, "
-            f"{args.prompt_bytes}-byte chat prompts, canned nginx backend; median of {args.rounds} interleaved"
-            f" round{'s' if args.rounds != 1 else ''}"
+            f"{args.prompt_bytes}-byte chat prompts{prompts}, canned nginx backend, {client}; median of "
+            f"{args.rounds} interleaved round{'s' if args.rounds != 1 else ''}"
         )
         header = (
             f"{'router':16s}{'req/s':>9s}{'x smg':>8s}{'x smg range':>13s}{'p50 ms':>9s}{'p99 ms':>9s}"
@@ -435,10 +501,18 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, default=3, help="runs of each point, interleaved across routers; tables show the median"
     )
     parser.add_argument("--warmup-requests", type=int, default=300)
-    parser.add_argument("--prompt-bytes", type=int, default=1024)
+    parser.add_argument("--prompt-bytes", type=int, default=None, help="default 2048 with --client wrk, else 1024")
     parser.add_argument("--num-replicas", type=int, default=2, help="nginx listens on this many ports, one a replica")
     parser.add_argument("--peer-policy", default="cache_aware", help="--policy of sglang-router and smg")
-    parser.add_argument("--client", choices=("raw", "aiohttp"), default="raw", help="loadgen.py's HTTP client")
+    parser.add_argument(
+        "--client",
+        choices=("raw", "aiohttp", "wrk"),
+        default="raw",
+        help="load generator: loadgen.py's raw or aiohttp client, or wrk with wrk_chat.lua (an independent one)",
+    )
+    parser.add_argument("--wrk", default="wrk", help="the wrk binary (--client wrk)")
+    parser.add_argument("--prefixes", type=int, default=48, help="--client wrk: distinct system prompts")
+    parser.add_argument("--variants", type=int, default=16, help="--client wrk: distinct questions per prefix")
     parser.add_argument("--router-core", type=int, default=0)
     parser.add_argument("--loadgen-core", type=int, default=1, help="also runs nginx and the fake replica")
     parser.add_argument("--startup-timeout-s", type=float, default=60.0)
@@ -446,6 +520,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--setup-peers", action="store_true", help=f"create benchmarks/.venvs/ for {PEER_PACKAGES}")
     args = parser.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if args.prompt_bytes is None:
+        args.prompt_bytes = 2048 if args.client == "wrk" else 1024
+    if min(args.concurrency) < 1 or args.requests < 1 or args.duration_s <= 0 or args.prompt_bytes < 64:
+        parser.error("--concurrency and --requests must be positive, --duration-s too, --prompt-bytes at least 64")
+    if args.prefixes < 1 or args.variants < 1:
+        parser.error("--prefixes and --variants must be at least 1")
+    if args.client == "wrk" and shutil.which(args.wrk) is None:
+        parser.error(f"{args.wrk} not found: apt-get install -y wrk")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     names = [n.strip() for n in args.routers.split(",") if n.strip()]
@@ -454,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown routers {sorted(unknown)}; known: {ROUTERS}")
 
     print("$ " + shlex.join([sys.executable, *sys.argv]))
+    print(f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; machine: {machine_description()}", flush=True)
     if args.setup_peers:
         setup_peers()
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
