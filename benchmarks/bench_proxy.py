@@ -52,6 +52,52 @@ SHOAL_FROM_SOURCE = (
     "a = p.parse_args(sys.argv[1:]); sys.exit(a.run(a))"
 )
 
+# `--probe`: Shoal run with an event-loop lag sampler and gc pause timing around its own serve(). SIGUSR1 writes what
+# was seen since the last one to $SHOAL_PROBE_OUT (JSON) and starts afresh, so each point gets its own figures.
+SHOAL_PROBE = r"""
+import asyncio, gc, json, os, signal, time
+import router.service.server as _server
+_INTERVAL_S = 0.002
+_lags, _gc, _gc_start = [], {0: [], 1: [], 2: []}, [0.0]
+def _on_gc(phase, info):
+    if phase == "start":
+        _gc_start[0] = time.perf_counter()
+    else:
+        _gc[info["generation"]].append(time.perf_counter() - _gc_start[0])
+gc.callbacks.append(_on_gc)
+_serve = _server._serve
+async def _probed(settings):
+    if os.environ.get("SHOAL_PROBE_GC_THRESHOLD"):
+        gc.set_threshold(*map(int, os.environ["SHOAL_PROBE_GC_THRESHOLD"].split(",")))
+    loop = asyncio.get_running_loop()
+    due = [time.perf_counter() + _INTERVAL_S]
+    def tick():
+        now = time.perf_counter()
+        _lags.append(now - due[0])
+        due[0] = now + _INTERVAL_S
+        loop.call_later(_INTERVAL_S, tick)
+    loop.call_later(_INTERVAL_S, tick)
+    def dump():
+        lags = sorted(_lags)
+        def q(f):
+            return 1000 * lags[min(len(lags) - 1, int(f * len(lags)))] if lags else 0.0
+        report = {"ticks": len(lags), "lag_p50_ms": q(0.5), "lag_p99_ms": q(0.99), "lag_max_ms": q(1.0),
+                  "lag_over_5ms": sum(1 for x in lags if x > 0.005),
+                  "gen2_objects": len(gc.get_objects(2)), "frozen": gc.get_freeze_count(), "gc": {
+                      str(g): {"count": len(v), "total_ms": 1000 * sum(v), "max_ms": 1000 * max(v, default=0.0)}
+                      for g, v in _gc.items()}}
+        _lags.clear()
+        for v in _gc.values():
+            v.clear()
+        path = os.environ["SHOAL_PROBE_OUT"]
+        with open(path + ".tmp", "w") as f:
+            json.dump(report, f)
+        os.replace(path + ".tmp", path)
+    loop.add_signal_handler(signal.SIGUSR1, dump)
+    await _serve(settings)
+_server._serve = _probed
+"""
+
 CANNED_CHAT = {
     "id": "chatcmpl-canned",
     "object": "chat.completion",
@@ -265,14 +311,18 @@ def nginx_config(workdir: Path, ports: list[int]) -> Path:
     return path
 
 
-def router_argv(name: str, port: int, upstreams: list[str], peer_policy: str) -> tuple[list[str] | None, str]:
+def router_argv(
+    name: str, port: int, upstreams: list[str], peer_policy: str, probe: bool = False
+) -> tuple[list[str] | None, str]:
     """The command line of one router, or None and why it cannot run here."""
     if name == "bare":
         argv = [sys.executable, str(BENCH / "bare_proxy.py"), "--host", "127.0.0.1", "--port", str(port)]
         return argv + [a for u in upstreams for a in ("--upstream", u)], ""
-    if name in ("shoal", "shoal-nolog") or name.startswith("shoal:"):
+    if is_shoal(name):
         shoal = REPO / ".venv" / "bin" / "shoal"
-        if shoal.exists():
+        if probe:
+            command = [str(REPO / ".venv" / "bin" / "python"), "-c", SHOAL_PROBE + SHOAL_FROM_SOURCE]
+        elif shoal.exists():
             command = [str(shoal)]
         elif (REPO / "router" / "cli.py").exists():  # not installed (`make install`): run the source tree's CLI
             command = [str(REPO / ".venv" / "bin" / "python"), "-c", SHOAL_FROM_SOURCE]
@@ -361,7 +411,26 @@ def warm_up(url: str, args: argparse.Namespace) -> None:
     run_loadgen(url, args.loadgen_core, warmup, args.duration_s + 60)
 
 
-def measure_point(name: str, url: str, pid: int | None, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
+def is_shoal(name: str) -> bool:
+    return name in ("shoal", "shoal-nolog", "shoal-gc") or name.startswith("shoal:")
+
+
+def read_probe(pid: int, path: Path) -> dict[str, Any]:
+    """Ask a probed router (SIGUSR1) for what its probe saw since the last ask, and wait for the file."""
+    path.unlink(missing_ok=True)
+    os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the probe of router {pid} wrote nothing to {path} within 10 s")
+        time.sleep(0.01)
+    report: dict[str, Any] = json.loads(path.read_text())
+    return report
+
+
+def measure_point(
+    name: str, url: str, pid: int | None, concurrency: int, args: argparse.Namespace, record: bool = False
+) -> dict[str, Any]:
     """One closed-loop run of `concurrency` connections through one router: loadgen's report plus the router's CPU."""
     extra = [
         "--concurrency",
@@ -375,12 +444,28 @@ def measure_point(name: str, url: str, pid: int | None, concurrency: int, args: 
         "--client",
         args.client,
     ]
+    probe_path = Path(args.workdir) / f"{name}.probe.json"
+    is_probed = args.probe and is_shoal(name) and pid is not None
+    if is_probed:
+        read_probe(pid, probe_path)  # forget what the probe saw before this point
+    spy = None
+    if record and args.py_spy_s > 0 and is_shoal(name) and pid is not None:
+        out = BENCH / "out" / f"py-spy-{name.replace(':', '-')}-c{concurrency}-{time.strftime('%H%M%S')}.txt"
+        out.parent.mkdir(exist_ok=True)
+        spy_argv = [str(REPO / ".venv" / "bin" / "py-spy"), "record", "--pid", str(pid), "--nonblocking"]
+        spy_argv += ["--rate", "250", "--duration", str(max(1, round(args.py_spy_s))), "--format", "raw"]
+        spy_argv += ["--output", str(out)]
+        spy = subprocess.Popen(["taskset", "-c", str(args.loadgen_core), *spy_argv], stdout=subprocess.DEVNULL)
     cpu_before_s = process_tree_cpu_s(pid) if pid else 0.0
     if args.client == "wrk":
         report = run_wrk(url, args.loadgen_core, concurrency, args, args.requests, args.duration_s)
     else:
         report = run_loadgen(url, args.loadgen_core, extra, args.duration_s + 60)
     cpu_s = process_tree_cpu_s(pid) - cpu_before_s if pid else 0.0
+    if is_probed:
+        report["probe"] = read_probe(pid, probe_path)
+    if spy is not None:
+        spy.wait(timeout=args.py_spy_s + 30)
     num_requests = max(1, report["num_ok"] + report["num_errors"])
     report["router_cpu_us_per_request"] = cpu_s * 1e6 / num_requests if pid else None
     report["loadgen_cpu_percent"] = 100 * report["cpu_s"] / max(1e-9, report["elapsed_s"])
@@ -423,10 +508,14 @@ def start_router(
     name: str, upstreams: list[str], args: argparse.Namespace, workdir: Path, ready_body: bytes
 ) -> tuple[Service | None, str, str]:
     port = free_port()
-    argv, why = router_argv(name, port, upstreams, args.peer_policy)
+    probe = args.probe and is_shoal(name)
+    argv, why = router_argv(name, port, upstreams, args.peer_policy, probe)
     if argv is None:
         return None, "", why
-    service = start_service(name, argv, args.router_core, workdir, env={"TOKIO_WORKER_THREADS": "1"})
+    env = {"TOKIO_WORKER_THREADS": "1", "SHOAL_PROBE_OUT": str(workdir / f"{name}.probe.json")}
+    if name == "shoal-gc":
+        env["SHOAL_PROBE_GC_THRESHOLD"] = args.probe_gc_threshold
+    service = start_service(name, argv, args.router_core, workdir, env=env)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     error = wait_ready(service, url, ready_body, args.startup_timeout_s)
     if error:
@@ -470,6 +559,22 @@ def print_tables(
             print(
                 f"{label:16s}{row['requests_per_s']:9.0f}{ratio:>8s}{spread:>13s}{row['p50_ms']:9.3f}{row['p99_ms']:9.3f}"
                 f"{added:>9s}{cpu_text:>12s}{row['loadgen_cpu_percent']:12.0f}%{row['num_errors']:8d}"
+            )
+    probed = [(n, c, r["probe"]) for n, by_c in results.items() for c, r in by_c.items() if "probe" in r]
+    if probed:
+        print("\nprobe (median round): event-loop lag of a 2 ms timer, and gc pauses (gc.callbacks) per generation")
+        header = (
+            f"{'router':16s}{'conc':>5s}{'lag p50':>9s}{'lag p99':>9s}{'lag max':>9s}{'>5ms':>6s}"
+            f"{'gc0 n/ms/max':>16s}{'gc1 n/ms/max':>16s}{'gc2 n/ms/max':>16s}{'gen2 objs':>10s}"
+        )
+        print(header)
+        print("-" * len(header))
+        for name, concurrency, probe in probed:
+            gcs = [probe["gc"][g] for g in "012"]
+            per_gen = "".join(f"{g['count']:>6d}/{g['total_ms']:.0f}/{g['max_ms']:.1f}".rjust(16) for g in gcs)
+            print(
+                f"{name:16s}{concurrency:5d}{probe['lag_p50_ms']:9.2f}{probe['lag_p99_ms']:9.2f}"
+                f"{probe['lag_max_ms']:9.2f}{probe['lag_over_5ms']:6d}{per_gen}{probe['gen2_objects']:10d}"
             )
     if streams:
         print(
@@ -517,6 +622,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loadgen-core", type=int, default=1, help="also runs nginx and the fake replica")
     parser.add_argument("--startup-timeout-s", type=float, default=60.0)
     parser.add_argument("--stream-requests", type=int, default=30, help="0 skips the streaming check")
+    parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="run Shoal with an event-loop lag sampler and gc pause timing, and print what they saw per point",
+    )
+    parser.add_argument(
+        "--probe-gc-threshold",
+        default="",
+        help="A,B,C: with --probe, also run a `shoal-gc` row, Shoal with gc.set_threshold(A, B, C)",
+    )
+    parser.add_argument(
+        "--py-spy-s",
+        type=float,
+        default=0.0,
+        help="record Shoal with py-spy (on the load generator's core) for this long during each point at the "
+        "highest concurrency of the last round; flame graphs under benchmarks/out/",
+    )
     parser.add_argument("--setup-peers", action="store_true", help=f"create benchmarks/.venvs/ for {PEER_PACKAGES}")
     args = parser.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -531,7 +653,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     names = [n.strip() for n in args.routers.split(",") if n.strip()]
-    unknown = {n for n in names if n not in ROUTERS and not n.startswith("shoal:")}
+    if args.probe and args.probe_gc_threshold:
+        names.append("shoal-gc")
+    unknown = {n for n in names if n not in (*ROUTERS, "shoal-gc") and not n.startswith("shoal:")}
     if unknown:
         parser.error(f"unknown routers {sorted(unknown)}; known: {ROUTERS}")
 
@@ -558,6 +682,7 @@ def main(argv: list[str] | None = None) -> int:
     skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="shoal-bench-") as tmp:
         workdir = Path(tmp)
+        args.workdir = str(workdir)
         ports = [free_port() for _ in range(args.num_replicas)]
         upstreams = [f"http://127.0.0.1:{p}" for p in ports]
         config = nginx_config(workdir, ports)
@@ -610,7 +735,8 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"concurrency {concurrency}, round {k + 1} of {args.rounds}:", flush=True)
                         for name in order if k % 2 == 0 else order[::-1]:
                             pid, url = urls[name]
-                            rounds[name].append(measure_point(name, url, pid, concurrency, args))
+                            record = k == args.rounds - 1 and concurrency == max(args.concurrency)
+                            rounds[name].append(measure_point(name, url, pid, concurrency, args, record))
                     for name in order:
                         results.setdefault(name, {})[concurrency] = median_report(rounds[name], rounds.get("smg"))
             if args.stream_requests:
