@@ -178,14 +178,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_service(name: str, argv: list[str], core: int, workdir: Path, env: dict[str, str] | None = None) -> Service:
+def start_service(
+    name: str, argv: list[str], core: int, workdir: Path, env: dict[str, str] | None = None, cwd: Path = REPO
+) -> Service:
     log_path = workdir / f"{name}.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             ["taskset", "-c", str(core), *argv],
             stdout=log,
             stderr=subprocess.STDOUT,
-            cwd=REPO,
+            cwd=cwd,
             env={**os.environ, **(env or {})},
             start_new_session=True,
         )
@@ -322,6 +324,8 @@ def router_argv(
         shoal = REPO / ".venv" / "bin" / "shoal"
         if probe:
             command = [str(REPO / ".venv" / "bin" / "python"), "-c", SHOAL_PROBE + SHOAL_FROM_SOURCE]
+        elif name == "shoal@base":  # run from the baseline's tree (its cwd), with this venv's packages
+            command = [str(REPO / ".venv" / "bin" / "python"), "-c", SHOAL_FROM_SOURCE]
         elif shoal.exists():
             command = [str(shoal)]
         elif (REPO / "router" / "cli.py").exists():  # not installed (`make install`): run the source tree's CLI
@@ -412,7 +416,7 @@ def warm_up(url: str, args: argparse.Namespace) -> None:
 
 
 def is_shoal(name: str) -> bool:
-    return name in ("shoal", "shoal-nolog", "shoal-gc") or name.startswith("shoal:")
+    return name in ("shoal", "shoal-nolog", "shoal-gc", "shoal@base") or name.startswith("shoal:")
 
 
 def read_probe(pid: int, path: Path) -> dict[str, Any]:
@@ -515,7 +519,11 @@ def start_router(
     env = {"TOKIO_WORKER_THREADS": "1", "SHOAL_PROBE_OUT": str(workdir / f"{name}.probe.json")}
     if name == "shoal-gc":
         env["SHOAL_PROBE_GC_THRESHOLD"] = args.probe_gc_threshold
-    service = start_service(name, argv, args.router_core, workdir, env=env)
+    cwd = REPO
+    if name == "shoal@base":
+        cwd = Path(args.baseline_dir)
+        env["PYTHONPATH"] = str(cwd)
+    service = start_service(name, argv, args.router_core, workdir, env=env, cwd=cwd)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     error = wait_ready(service, url, ready_body, args.startup_timeout_s)
     if error:
@@ -633,6 +641,11 @@ def main(argv: list[str] | None = None) -> int:
         help="A,B,C: with --probe, also run a `shoal-gc` row, Shoal with gc.set_threshold(A, B, C)",
     )
     parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also run a `shoal@base` row: Shoal at its defaults with router/ as it was at git revision REV",
+    )
+    parser.add_argument(
         "--py-spy-s",
         type=float,
         default=0.0,
@@ -655,7 +668,9 @@ def main(argv: list[str] | None = None) -> int:
     names = [n.strip() for n in args.routers.split(",") if n.strip()]
     if args.probe and args.probe_gc_threshold:
         names.append("shoal-gc")
-    unknown = {n for n in names if n not in (*ROUTERS, "shoal-gc") and not n.startswith("shoal:")}
+    if args.baseline:
+        names.insert(names.index("shoal") + 1 if "shoal" in names else 0, "shoal@base")
+    unknown = {n for n in names if n not in (*ROUTERS, "shoal-gc", "shoal@base") and not n.startswith("shoal:")}
     if unknown:
         parser.error(f"unknown routers {sorted(unknown)}; known: {ROUTERS}")
 
@@ -683,6 +698,18 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="shoal-bench-") as tmp:
         workdir = Path(tmp)
         args.workdir = str(workdir)
+        if args.baseline:
+            base = workdir / "base"
+            base.mkdir()
+            archive = subprocess.run(
+                ["git", "-C", str(REPO), "archive", args.baseline, "router"], capture_output=True, timeout=60
+            )
+            if archive.returncode != 0:
+                print(f"git archive {args.baseline} failed: {archive.stderr.decode()[-500:]}", file=sys.stderr)
+                return 1
+            subprocess.run(["tar", "-x", "-C", str(base)], input=archive.stdout, check=True, timeout=60)
+            args.baseline_dir = str(base)
+            print(f"shoal@base: router/ at {args.baseline}", flush=True)
         ports = [free_port() for _ in range(args.num_replicas)]
         upstreams = [f"http://127.0.0.1:{p}" for p in ports]
         config = nginx_config(workdir, ports)
