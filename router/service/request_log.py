@@ -9,11 +9,8 @@ flushes what is queued and stops the thread, waiting at most `close_timeout_s` f
 Lines leave in the order `record` was called: one deque, one writer.
 
 The sink is an unbuffered file of the log's own (`open_sink`: a file, or a duplicate of standard error), so a
-writer blocked in it holds no lock that the router's other logging needs. On a pipe (or a terminal, a socket)
-writes go out in pieces of at most `_PIPE_BUF` bytes cut at line ends, so on a pipe shared with other log lines no
-line is torn. A regular file gets a batch in pieces of up to `_FILE_PIECE_BYTES` (Linux writes each whole under the
-file's lock): every write drops the GIL and takes it back from the busy event loop, and under load a batch cut into
-4 KiB pieces made dozens of those hand-offs, each a chance for the loop to stall behind the writer.
+writer blocked in it holds no lock that the router's other logging needs. Writes go out in pieces of at most
+`_PIPE_BUF` bytes cut at line ends, so on a pipe shared with other log lines no line is torn.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import stat
 import threading
 import time
 from collections.abc import Callable
@@ -36,8 +32,6 @@ _BATCH_LINES = 512
 """Lines queued at which the writer is woken before its interval is up."""
 _PIPE_BUF = 4096
 """Bytes Linux writes to a pipe atomically (POSIX PIPE_BUF)."""
-_FILE_PIECE_BYTES = 1 << 20
-"""Bytes written to a regular file in one call: a whole batch at a few thousand requests a second."""
 
 
 def open_sink(path: Path | None) -> BinaryIO:
@@ -65,8 +59,6 @@ class RequestLog:
         """Called (on the event loop) for each line dropped because the writer is behind."""
         self.num_dropped = 0
         self.num_written = 0
-        self.piece_bytes = _FILE_PIECE_BYTES if _is_regular_file(sink) else _PIPE_BUF
-        """The most bytes one write carries."""
         self._pending: collections.deque[dict[str, Any]] = collections.deque()
         self._wake = threading.Event()
         self._is_stopping = False
@@ -129,7 +121,7 @@ class RequestLog:
         piece: list[bytes] = []
         size = 0
         for line in lines:
-            if piece and size + len(line) + 1 > self.piece_bytes:
+            if piece and size + len(line) + 1 > _PIPE_BUF:
                 self._write_all(b"".join(piece))
                 piece, size = [], 0
             piece.append(line + b"\n")
@@ -142,10 +134,3 @@ class RequestLog:
         while view:
             written = self.sink.write(view)
             view = view[written or 0 :]
-
-
-def _is_regular_file(sink: BinaryIO) -> bool:
-    try:
-        return stat.S_ISREG(os.fstat(sink.fileno()).st_mode)
-    except (OSError, ValueError):  # no descriptor (an in-memory sink): pieces a pipe would take
-        return False

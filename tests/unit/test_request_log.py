@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import pytest
 
@@ -85,53 +83,3 @@ def test_a_failing_sink_turns_the_log_off(tmp_path: Path) -> None:
         request_log.record({"n": i})
     assert request_log.num_dropped == 90  # bounded even with no writer
     request_log.close()
-
-
-class CountingFile(io.FileIO):
-    """A real unbuffered file (or pipe end) that remembers the size of every write."""
-
-    def __init__(self, fd: int) -> None:
-        super().__init__(fd, "wb")
-        self.sizes: list[int] = []
-
-    def write(self, data: Any, /) -> int:
-        written = super().write(data)
-        self.sizes.append(written or 0)
-        return written or 0
-
-
-def _log_lines(sink: CountingFile, num_lines: int) -> RequestLog:
-    request_log = RequestLog(sink, max_pending_lines=100_000, flush_interval_s=0.05)
-    for i in range(num_lines):  # queued before the writer starts: one batch
-        request_log.record({"event": "request", "n": i, "path": "/v1/chat/completions", "pad": "x" * 100})
-    request_log.start()
-    wait_until(lambda: request_log.num_written == num_lines)
-    return request_log
-
-
-def test_a_batch_goes_to_a_regular_file_in_one_write(tmp_path: Path) -> None:
-    path = tmp_path / "requests.jsonl"
-    sink = CountingFile(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND))
-    request_log = _log_lines(sink, 2000)
-    request_log.close()
-    assert sink.sizes == [path.stat().st_size] and path.stat().st_size > 200_000
-    assert [json.loads(line)["n"] for line in path.read_text().splitlines()] == list(range(2000))
-
-
-def test_a_batch_goes_to_a_pipe_in_atomic_pieces() -> None:
-    read_fd, write_fd = os.pipe()
-    received = bytearray()
-
-    def drain() -> None:
-        while chunk := os.read(read_fd, 65536):
-            received.extend(chunk)
-
-    reader = threading.Thread(target=drain)
-    reader.start()
-    sink = CountingFile(write_fd)
-    request_log = _log_lines(sink, 2000)
-    request_log.close()
-    reader.join(5)
-    os.close(read_fd)
-    assert len(sink.sizes) > 50 and max(sink.sizes) <= 4096
-    assert [json.loads(line)["n"] for line in received.decode().splitlines()] == list(range(2000))
