@@ -55,7 +55,7 @@ SHOAL_FROM_SOURCE = (
 # `--probe`: Shoal run with an event-loop lag sampler and gc pause timing around its own serve(). SIGUSR1 writes what
 # was seen since the last one to $SHOAL_PROBE_OUT (JSON) and starts afresh, so each point gets its own figures.
 SHOAL_PROBE = r"""
-import asyncio, gc, json, os, signal, time
+import asyncio, gc, json, os, signal, sys, time
 import router.service.server as _server
 _INTERVAL_S = 0.002
 _lags, _gc, _gc_start = [], {0: [], 1: [], 2: []}, [0.0]
@@ -69,6 +69,8 @@ _serve = _server._serve
 async def _probed(settings):
     if os.environ.get("SHOAL_PROBE_GC_THRESHOLD"):
         gc.set_threshold(*map(int, os.environ["SHOAL_PROBE_GC_THRESHOLD"].split(",")))
+    if os.environ.get("SHOAL_PROBE_SWITCH_INTERVAL_S"):
+        sys.setswitchinterval(float(os.environ["SHOAL_PROBE_SWITCH_INTERVAL_S"]))
     loop = asyncio.get_running_loop()
     due = [time.perf_counter() + _INTERVAL_S]
     def tick():
@@ -416,7 +418,7 @@ def warm_up(url: str, args: argparse.Namespace) -> None:
 
 
 def is_shoal(name: str) -> bool:
-    return name in ("shoal", "shoal-nolog", "shoal-gc", "shoal@base") or name.startswith("shoal:")
+    return name in ("shoal", "shoal-nolog", "shoal-tuned", "shoal@base") or name.startswith("shoal:")
 
 
 def read_probe(pid: int, path: Path) -> dict[str, Any]:
@@ -517,8 +519,9 @@ def start_router(
     if argv is None:
         return None, "", why
     env = {"TOKIO_WORKER_THREADS": "1", "SHOAL_PROBE_OUT": str(workdir / f"{name}.probe.json")}
-    if name == "shoal-gc":
+    if name == "shoal-tuned":
         env["SHOAL_PROBE_GC_THRESHOLD"] = args.probe_gc_threshold
+        env["SHOAL_PROBE_SWITCH_INTERVAL_S"] = args.probe_switch_interval_s
     cwd = REPO
     if name == "shoal@base":
         cwd = Path(args.baseline_dir)
@@ -638,7 +641,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--probe-gc-threshold",
         default="",
-        help="A,B,C: with --probe, also run a `shoal-gc` row, Shoal with gc.set_threshold(A, B, C)",
+        help="A,B,C: with --probe, also run a `shoal-tuned` row, Shoal with gc.set_threshold(A, B, C)",
+    )
+    parser.add_argument(
+        "--probe-switch-interval-s",
+        default="",
+        help="with --probe, also run a `shoal-tuned` row, Shoal with sys.setswitchinterval(S) (default 0.005)",
     )
     parser.add_argument(
         "--baseline",
@@ -666,11 +674,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     names = [n.strip() for n in args.routers.split(",") if n.strip()]
-    if args.probe and args.probe_gc_threshold:
-        names.append("shoal-gc")
+    if args.probe and (args.probe_gc_threshold or args.probe_switch_interval_s):
+        names.append("shoal-tuned")
     if args.baseline:
         names.insert(names.index("shoal") + 1 if "shoal" in names else 0, "shoal@base")
-    unknown = {n for n in names if n not in (*ROUTERS, "shoal-gc", "shoal@base") and not n.startswith("shoal:")}
+    unknown = {n for n in names if n not in (*ROUTERS, "shoal-tuned", "shoal@base") and not n.startswith("shoal:")}
     if unknown:
         parser.error(f"unknown routers {sorted(unknown)}; known: {ROUTERS}")
 
