@@ -13,6 +13,11 @@ The streaming check sends streamed requests one at a time through each router to
 SSE chunk every 2 ms, and reports the time to the first body byte and to the end of the stream next to the same
 figures straight from the replica: a router without TCP_NODELAY adds ~40 ms stalls (Nagle and delayed ACKs).
 
+`--client wrk` drives the load with wrk and `wrk_chat.lua` instead (2 KiB prompts over 48 shared prefixes), a load
+generator that shares no code with the routers. `--probe` runs Shoal under a wrapper that samples event-loop lag
+and times garbage collections, per point; `--py-spy-s` records it with py-spy; `--baseline REV` adds Shoal as it
+was at a git revision, in the same interleaved run.
+
 Not a test: it prints tables (and writes JSON under benchmarks/out/). Every load run is bounded by a request count
 and a time limit.
 """
