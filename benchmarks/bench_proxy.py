@@ -687,7 +687,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown routers {sorted(unknown)}; known: {ROUTERS}")
 
-    print("$ " + shlex.join([sys.executable, *sys.argv]))
+    python = Path(sys.executable)
+    with contextlib.suppress(ValueError):  # the repository's own venv: say it without this machine's path
+        python = python.relative_to(REPO)
+    print("$ " + shlex.join([str(python), *sys.argv]))
     print(f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; machine: {machine_description()}", flush=True)
     if args.setup_peers:
         setup_peers()
