@@ -13,6 +13,11 @@ The streaming check sends streamed requests one at a time through each router to
 SSE chunk every 2 ms, and reports the time to the first body byte and to the end of the stream next to the same
 figures straight from the replica: a router without TCP_NODELAY adds ~40 ms stalls (Nagle and delayed ACKs).
 
+`--client wrk` drives the load with wrk and `wrk_chat.lua` instead (2 KiB prompts over 48 shared prefixes), a load
+generator that shares no code with the routers. `--probe` runs Shoal under a wrapper that samples event-loop lag
+and times garbage collections, per point; `--py-spy-s` records it with py-spy; `--baseline REV` adds Shoal as it
+was at a git revision, in the same interleaved run.
+
 Not a test: it prints tables (and writes JSON under benchmarks/out/). Every load run is bounded by a request count
 and a time limit.
 """
@@ -23,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import shlex
 import shutil
 import signal
@@ -50,6 +56,54 @@ SHOAL_FROM_SOURCE = (
     "p = argparse.ArgumentParser(prog='shoal'); add_router_command(p.add_subparsers(dest='command')); "
     "a = p.parse_args(sys.argv[1:]); sys.exit(a.run(a))"
 )
+
+# `--probe`: Shoal run with an event-loop lag sampler and gc pause timing around its own serve(). SIGUSR1 writes what
+# was seen since the last one to $SHOAL_PROBE_OUT (JSON) and starts afresh, so each point gets its own figures.
+SHOAL_PROBE = r"""
+import asyncio, gc, json, os, signal, sys, time
+import router.service.server as _server
+_INTERVAL_S = 0.002
+_lags, _gc, _gc_start = [], {0: [], 1: [], 2: []}, [0.0]
+def _on_gc(phase, info):
+    if phase == "start":
+        _gc_start[0] = time.perf_counter()
+    else:
+        _gc[info["generation"]].append(time.perf_counter() - _gc_start[0])
+gc.callbacks.append(_on_gc)
+_serve = _server._serve
+async def _probed(settings):
+    if os.environ.get("SHOAL_PROBE_GC_THRESHOLD"):
+        gc.set_threshold(*map(int, os.environ["SHOAL_PROBE_GC_THRESHOLD"].split(",")))
+    if os.environ.get("SHOAL_PROBE_SWITCH_INTERVAL_S"):
+        sys.setswitchinterval(float(os.environ["SHOAL_PROBE_SWITCH_INTERVAL_S"]))
+    loop = asyncio.get_running_loop()
+    due = [time.perf_counter() + _INTERVAL_S]
+    def tick():
+        now = time.perf_counter()
+        _lags.append(now - due[0])
+        due[0] = now + _INTERVAL_S
+        loop.call_later(_INTERVAL_S, tick)
+    loop.call_later(_INTERVAL_S, tick)
+    def dump():
+        lags = sorted(_lags)
+        def q(f):
+            return 1000 * lags[min(len(lags) - 1, int(f * len(lags)))] if lags else 0.0
+        report = {"ticks": len(lags), "lag_p50_ms": q(0.5), "lag_p99_ms": q(0.99), "lag_max_ms": q(1.0),
+                  "lag_over_5ms": sum(1 for x in lags if x > 0.005),
+                  "gen2_objects": len(gc.get_objects(2)), "frozen": gc.get_freeze_count(), "gc": {
+                      str(g): {"count": len(v), "total_ms": 1000 * sum(v), "max_ms": 1000 * max(v, default=0.0)}
+                      for g, v in _gc.items()}}
+        _lags.clear()
+        for v in _gc.values():
+            v.clear()
+        path = os.environ["SHOAL_PROBE_OUT"]
+        with open(path + ".tmp", "w") as f:
+            json.dump(report, f)
+        os.replace(path + ".tmp", path)
+    loop.add_signal_handler(signal.SIGUSR1, dump)
+    await _serve(settings)
+_server._serve = _probed
+"""
 
 CANNED_CHAT = {
     "id": "chatcmpl-canned",
@@ -113,20 +167,34 @@ class Service:
                 self.process.wait(timeout=10)
 
 
+def machine_description() -> str:
+    """CPU model, cores, kernel and load average, for the header of the tables."""
+    model = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.partition(":")[2].strip()
+                break
+    load = " ".join(f"{value:.2f}" for value in os.getloadavg())
+    return f"{model}, {os.cpu_count()} cores, Linux {os.uname().release}, load average {load}"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
-def start_service(name: str, argv: list[str], core: int, workdir: Path, env: dict[str, str] | None = None) -> Service:
+def start_service(
+    name: str, argv: list[str], core: int, workdir: Path, env: dict[str, str] | None = None, cwd: Path = REPO
+) -> Service:
     log_path = workdir / f"{name}.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             ["taskset", "-c", str(core), *argv],
             stdout=log,
             stderr=subprocess.STDOUT,
-            cwd=REPO,
+            cwd=cwd,
             env={**os.environ, **(env or {})},
             start_new_session=True,
         )
@@ -177,6 +245,48 @@ def process_tree_cpu_s(root_pid: int) -> float:
     return sum(ticks.get(pid, 0) for pid in tree) / CLOCK_TICKS_PER_S
 
 
+def run_wrk(
+    url: str, core: int, concurrency: int, args: argparse.Namespace, num_requests: int, duration_s: float
+) -> dict[str, Any]:
+    """One wrk run (`wrk_chat.lua`, one thread, `concurrency` connections) pinned to `core`: a report with
+    loadgen.py's keys, from the JSON line the script's done() prints. Its CPU time comes from getrusage of the
+    reaped child (only wrk is reaped while it runs)."""
+    argv = [
+        "taskset",
+        "-c",
+        str(core),
+        args.wrk,
+        "-t1",
+        f"-c{concurrency}",
+        f"-d{max(1, round(duration_s))}s",
+        "--timeout",
+        "10s",
+        "-s",
+        str(BENCH / "wrk_chat.lua"),
+        url,
+        "--",
+        str(args.prompt_bytes),
+        str(args.prefixes),
+        str(args.variants),
+        str(num_requests),
+        MODEL,
+    ]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=duration_s + 30)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("WRK_JSON ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"wrk failed ({done.returncode}): {done.stdout[-1000:]}{done.stderr[-1000:]}")
+    raw: dict[str, Any] = json.loads(lines[-1].removeprefix("WRK_JSON "))
+    num_errors = sum(raw[key] for key in raw if key.startswith("errors_"))
+    return {
+        **raw,
+        "num_ok": max(0, raw["num_requests"] - raw["errors_status"]),
+        "num_errors": num_errors,
+        "cpu_s": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
+    }
+
+
 def run_loadgen(url: str, core: int, extra: list[str], timeout_s: float) -> dict[str, Any]:
     """One loadgen.py run pinned to `core`: its JSON report."""
     argv = ["taskset", "-c", str(core), sys.executable, str(BENCH / "loadgen.py"), "--url", url, *extra]
@@ -210,14 +320,20 @@ def nginx_config(workdir: Path, ports: list[int]) -> Path:
     return path
 
 
-def router_argv(name: str, port: int, upstreams: list[str], peer_policy: str) -> tuple[list[str] | None, str]:
+def router_argv(
+    name: str, port: int, upstreams: list[str], peer_policy: str, probe: bool = False
+) -> tuple[list[str] | None, str]:
     """The command line of one router, or None and why it cannot run here."""
     if name == "bare":
         argv = [sys.executable, str(BENCH / "bare_proxy.py"), "--host", "127.0.0.1", "--port", str(port)]
         return argv + [a for u in upstreams for a in ("--upstream", u)], ""
-    if name in ("shoal", "shoal-nolog") or name.startswith("shoal:"):
+    if is_shoal(name):
         shoal = REPO / ".venv" / "bin" / "shoal"
-        if shoal.exists():
+        if probe:
+            command = [str(REPO / ".venv" / "bin" / "python"), "-c", SHOAL_PROBE + SHOAL_FROM_SOURCE]
+        elif name == "shoal@base":  # run from the baseline's tree (its cwd), with this venv's packages
+            command = [str(REPO / ".venv" / "bin" / "python"), "-c", SHOAL_FROM_SOURCE]
+        elif shoal.exists():
             command = [str(shoal)]
         elif (REPO / "router" / "cli.py").exists():  # not installed (`make install`): run the source tree's CLI
             command = [str(REPO / ".venv" / "bin" / "python"), "-c", SHOAL_FROM_SOURCE]
@@ -290,6 +406,9 @@ def running(service: Service) -> Iterator[Service]:
 
 
 def warm_up(url: str, args: argparse.Namespace) -> None:
+    if args.client == "wrk":
+        run_wrk(url, args.loadgen_core, 16, args, args.warmup_requests, 10)
+        return
     warmup = [
         "--concurrency",
         "16",
@@ -303,7 +422,26 @@ def warm_up(url: str, args: argparse.Namespace) -> None:
     run_loadgen(url, args.loadgen_core, warmup, args.duration_s + 60)
 
 
-def measure_point(name: str, url: str, pid: int | None, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
+def is_shoal(name: str) -> bool:
+    return name in ("shoal", "shoal-nolog", "shoal-tuned", "shoal@base") or name.startswith("shoal:")
+
+
+def read_probe(pid: int, path: Path) -> dict[str, Any]:
+    """Ask a probed router (SIGUSR1) for what its probe saw since the last ask, and wait for the file."""
+    path.unlink(missing_ok=True)
+    os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the probe of router {pid} wrote nothing to {path} within 10 s")
+        time.sleep(0.01)
+    report: dict[str, Any] = json.loads(path.read_text())
+    return report
+
+
+def measure_point(
+    name: str, url: str, pid: int | None, concurrency: int, args: argparse.Namespace, record: bool = False
+) -> dict[str, Any]:
     """One closed-loop run of `concurrency` connections through one router: loadgen's report plus the router's CPU."""
     extra = [
         "--concurrency",
@@ -317,9 +455,28 @@ def measure_point(name: str, url: str, pid: int | None, concurrency: int, args: 
         "--client",
         args.client,
     ]
+    probe_path = Path(args.workdir) / f"{name}.probe.json"
+    is_probed = args.probe and is_shoal(name) and pid is not None
+    if is_probed:
+        read_probe(pid, probe_path)  # forget what the probe saw before this point
+    spy = None
+    if record and args.py_spy_s > 0 and is_shoal(name) and pid is not None:
+        out = BENCH / "out" / f"py-spy-{name.replace(':', '-')}-c{concurrency}-{time.strftime('%H%M%S')}.txt"
+        out.parent.mkdir(exist_ok=True)
+        spy_argv = [str(REPO / ".venv" / "bin" / "py-spy"), "record", "--pid", str(pid), "--nonblocking"]
+        spy_argv += ["--rate", "250", "--duration", str(max(1, round(args.py_spy_s))), "--format", "raw"]
+        spy_argv += ["--output", str(out)]
+        spy = subprocess.Popen(["taskset", "-c", str(args.loadgen_core), *spy_argv], stdout=subprocess.DEVNULL)
     cpu_before_s = process_tree_cpu_s(pid) if pid else 0.0
-    report = run_loadgen(url, args.loadgen_core, extra, args.duration_s + 60)
+    if args.client == "wrk":
+        report = run_wrk(url, args.loadgen_core, concurrency, args, args.requests, args.duration_s)
+    else:
+        report = run_loadgen(url, args.loadgen_core, extra, args.duration_s + 60)
     cpu_s = process_tree_cpu_s(pid) - cpu_before_s if pid else 0.0
+    if is_probed:
+        report["probe"] = read_probe(pid, probe_path)
+    if spy is not None:
+        spy.wait(timeout=args.py_spy_s + 30)
     num_requests = max(1, report["num_ok"] + report["num_errors"])
     report["router_cpu_us_per_request"] = cpu_s * 1e6 / num_requests if pid else None
     report["loadgen_cpu_percent"] = 100 * report["cpu_s"] / max(1e-9, report["elapsed_s"])
@@ -362,10 +519,19 @@ def start_router(
     name: str, upstreams: list[str], args: argparse.Namespace, workdir: Path, ready_body: bytes
 ) -> tuple[Service | None, str, str]:
     port = free_port()
-    argv, why = router_argv(name, port, upstreams, args.peer_policy)
+    probe = args.probe and is_shoal(name)
+    argv, why = router_argv(name, port, upstreams, args.peer_policy, probe)
     if argv is None:
         return None, "", why
-    service = start_service(name, argv, args.router_core, workdir, env={"TOKIO_WORKER_THREADS": "1"})
+    env = {"TOKIO_WORKER_THREADS": "1", "SHOAL_PROBE_OUT": str(workdir / f"{name}.probe.json")}
+    if name == "shoal-tuned":
+        env["SHOAL_PROBE_GC_THRESHOLD"] = args.probe_gc_threshold
+        env["SHOAL_PROBE_SWITCH_INTERVAL_S"] = args.probe_switch_interval_s
+    cwd = REPO
+    if name == "shoal@base":
+        cwd = Path(args.baseline_dir)
+        env["PYTHONPATH"] = str(cwd)
+    service = start_service(name, argv, args.router_core, workdir, env=env, cwd=cwd)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     error = wait_ready(service, url, ready_body, args.startup_timeout_s)
     if error:
@@ -377,11 +543,16 @@ def start_router(
 def print_tables(
     results: dict[str, dict[int, dict[str, Any]]], streams: dict[str, dict[str, Any]], args: argparse.Namespace
 ) -> None:
+    if args.client == "wrk":
+        client = "wrk (wrk_chat.lua, 1 thread)"
+        prompts = f" over {args.prefixes} shared prefixes ({args.prefixes * args.variants} bodies)"
+    else:
+        client, prompts = f"loadgen.py ({args.client} client)", " sharing one prefix (64 bodies)"
     for concurrency in args.concurrency:
         print(
             f"\nconcurrency {concurrency}: {args.requests} requests per router or {args.duration_s:g} s, "
-            f"{args.prompt_bytes}-byte chat prompts, canned nginx backend; median of {args.rounds} interleaved"
-            f" round{'s' if args.rounds != 1 else ''}"
+            f"{args.prompt_bytes}-byte chat prompts{prompts}, canned nginx backend, {client}; median of "
+            f"{args.rounds} interleaved round{'s' if args.rounds != 1 else ''}"
         )
         header = (
             f"{'router':16s}{'req/s':>9s}{'x smg':>8s}{'x smg range':>13s}{'p50 ms':>9s}{'p99 ms':>9s}"
@@ -404,6 +575,22 @@ def print_tables(
             print(
                 f"{label:16s}{row['requests_per_s']:9.0f}{ratio:>8s}{spread:>13s}{row['p50_ms']:9.3f}{row['p99_ms']:9.3f}"
                 f"{added:>9s}{cpu_text:>12s}{row['loadgen_cpu_percent']:12.0f}%{row['num_errors']:8d}"
+            )
+    probed = [(n, c, r["probe"]) for n, by_c in results.items() for c, r in by_c.items() if "probe" in r]
+    if probed:
+        print("\nprobe (median round): event-loop lag of a 2 ms timer, and gc pauses (gc.callbacks) per generation")
+        header = (
+            f"{'router':16s}{'conc':>5s}{'lag p50':>9s}{'lag p99':>9s}{'lag max':>9s}{'>5ms':>6s}"
+            f"{'gc0 n/ms/max':>16s}{'gc1 n/ms/max':>16s}{'gc2 n/ms/max':>16s}{'gen2 objs':>10s}"
+        )
+        print(header)
+        print("-" * len(header))
+        for name, concurrency, probe in probed:
+            gcs = [probe["gc"][g] for g in "012"]
+            per_gen = "".join(f"{g['count']:>6d}/{g['total_ms']:.0f}/{g['max_ms']:.1f}".rjust(16) for g in gcs)
+            print(
+                f"{name:16s}{concurrency:5d}{probe['lag_p50_ms']:9.2f}{probe['lag_p99_ms']:9.2f}"
+                f"{probe['lag_max_ms']:9.2f}{probe['lag_over_5ms']:6d}{per_gen}{probe['gen2_objects']:10d}"
             )
     if streams:
         print(
@@ -435,25 +622,76 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, default=3, help="runs of each point, interleaved across routers; tables show the median"
     )
     parser.add_argument("--warmup-requests", type=int, default=300)
-    parser.add_argument("--prompt-bytes", type=int, default=1024)
+    parser.add_argument("--prompt-bytes", type=int, default=None, help="default 2048 with --client wrk, else 1024")
     parser.add_argument("--num-replicas", type=int, default=2, help="nginx listens on this many ports, one a replica")
     parser.add_argument("--peer-policy", default="cache_aware", help="--policy of sglang-router and smg")
-    parser.add_argument("--client", choices=("raw", "aiohttp"), default="raw", help="loadgen.py's HTTP client")
+    parser.add_argument(
+        "--client",
+        choices=("raw", "aiohttp", "wrk"),
+        default="raw",
+        help="load generator: loadgen.py's raw or aiohttp client, or wrk with wrk_chat.lua (an independent one)",
+    )
+    parser.add_argument("--wrk", default="wrk", help="the wrk binary (--client wrk)")
+    parser.add_argument("--prefixes", type=int, default=48, help="--client wrk: distinct system prompts")
+    parser.add_argument("--variants", type=int, default=16, help="--client wrk: distinct questions per prefix")
     parser.add_argument("--router-core", type=int, default=0)
     parser.add_argument("--loadgen-core", type=int, default=1, help="also runs nginx and the fake replica")
     parser.add_argument("--startup-timeout-s", type=float, default=60.0)
     parser.add_argument("--stream-requests", type=int, default=30, help="0 skips the streaming check")
+    parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="run Shoal with an event-loop lag sampler and gc pause timing, and print what they saw per point",
+    )
+    parser.add_argument(
+        "--probe-gc-threshold",
+        default="",
+        help="A,B,C: with --probe, also run a `shoal-tuned` row, Shoal with gc.set_threshold(A, B, C)",
+    )
+    parser.add_argument(
+        "--probe-switch-interval-s",
+        default="",
+        help="with --probe, also run a `shoal-tuned` row, Shoal with sys.setswitchinterval(S) (default 0.005)",
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also run a `shoal@base` row: Shoal at its defaults with router/ as it was at git revision REV",
+    )
+    parser.add_argument(
+        "--py-spy-s",
+        type=float,
+        default=0.0,
+        help="record Shoal with py-spy (on the load generator's core) for this long during each point at the "
+        "highest concurrency of the last round; flame graphs under benchmarks/out/",
+    )
     parser.add_argument("--setup-peers", action="store_true", help=f"create benchmarks/.venvs/ for {PEER_PACKAGES}")
     args = parser.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if args.prompt_bytes is None:
+        args.prompt_bytes = 2048 if args.client == "wrk" else 1024
+    if min(args.concurrency) < 1 or args.requests < 1 or args.duration_s <= 0 or args.prompt_bytes < 64:
+        parser.error("--concurrency and --requests must be positive, --duration-s too, --prompt-bytes at least 64")
+    if args.prefixes < 1 or args.variants < 1:
+        parser.error("--prefixes and --variants must be at least 1")
+    if args.client == "wrk" and shutil.which(args.wrk) is None:
+        parser.error(f"{args.wrk} not found: apt-get install -y wrk")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     names = [n.strip() for n in args.routers.split(",") if n.strip()]
-    unknown = {n for n in names if n not in ROUTERS and not n.startswith("shoal:")}
+    if args.probe and (args.probe_gc_threshold or args.probe_switch_interval_s):
+        names.append("shoal-tuned")
+    if args.baseline:
+        names.insert(names.index("shoal") + 1 if "shoal" in names else 0, "shoal@base")
+    unknown = {n for n in names if n not in (*ROUTERS, "shoal-tuned", "shoal@base") and not n.startswith("shoal:")}
     if unknown:
         parser.error(f"unknown routers {sorted(unknown)}; known: {ROUTERS}")
 
-    print("$ " + shlex.join([sys.executable, *sys.argv]))
+    python = Path(sys.executable)
+    with contextlib.suppress(ValueError):  # the repository's own venv: say it without this machine's path
+        python = python.relative_to(REPO)
+    print("$ " + shlex.join([str(python), *sys.argv]))
+    print(f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; machine: {machine_description()}", flush=True)
     if args.setup_peers:
         setup_peers()
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
@@ -475,6 +713,19 @@ def main(argv: list[str] | None = None) -> int:
     skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="shoal-bench-") as tmp:
         workdir = Path(tmp)
+        args.workdir = str(workdir)
+        if args.baseline:
+            base = workdir / "base"
+            base.mkdir()
+            archive = subprocess.run(
+                ["git", "-C", str(REPO), "archive", args.baseline, "router"], capture_output=True, timeout=60
+            )
+            if archive.returncode != 0:
+                print(f"git archive {args.baseline} failed: {archive.stderr.decode()[-500:]}", file=sys.stderr)
+                return 1
+            subprocess.run(["tar", "-x", "-C", str(base)], input=archive.stdout, check=True, timeout=60)
+            args.baseline_dir = str(base)
+            print(f"shoal@base: router/ at {args.baseline}", flush=True)
         ports = [free_port() for _ in range(args.num_replicas)]
         upstreams = [f"http://127.0.0.1:{p}" for p in ports]
         config = nginx_config(workdir, ports)
@@ -527,7 +778,8 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"concurrency {concurrency}, round {k + 1} of {args.rounds}:", flush=True)
                         for name in order if k % 2 == 0 else order[::-1]:
                             pid, url = urls[name]
-                            rounds[name].append(measure_point(name, url, pid, concurrency, args))
+                            record = k == args.rounds - 1 and concurrency == max(args.concurrency)
+                            rounds[name].append(measure_point(name, url, pid, concurrency, args, record))
                     for name in order:
                         results.setdefault(name, {})[concurrency] = median_report(rounds[name], rounds.get("smg"))
             if args.stream_requests:
