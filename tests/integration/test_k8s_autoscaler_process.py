@@ -284,7 +284,7 @@ async def test_the_autoscaler_process_leads_scales_up_on_queued_demand_and_drain
 
         # SIGTERM: a clean exit that hands the Lease back.
         process.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(process.wait(), timeout=10) == 0
+        assert await asyncio.wait_for(process.wait(), timeout=30) == 0
         assert _holder(kube_api) == ""
     except BaseException:
         print(log_path.read_text(errors="replace")[-6000:])
