@@ -69,6 +69,11 @@ class ServiceTimeEstimator(BaseModel):
     is too small, and the wait for a slot it predicts moves requests off their cached replica for nothing (the
     Mooncake scenario 01: SLO attainment 0.947 -> 0.836 with it on)."""
 
+    learn_fixed: bool = False
+    """Learn a fixed per-request time from short streams' first bytes. Off by default: replicas alike learn
+    slightly different values from noisy first bytes, and those differences outweigh the tie-break on requests in
+    flight, so idle replicas stop sharing cache misses evenly."""
+
     queued_ratio: float = Field(default=1.5, gt=1.0)
     """With the batch limit unknown, a request that took more than this many times `slot_s` is taken to have
     waited for a slot. 1.5: above the spread of similar requests' durations on a free engine, below the 2x that
@@ -101,7 +106,7 @@ class ServiceTimeEstimator(BaseModel):
     ) -> ServiceTime:
         """The state after a stream's first byte came `ttfb_s` after it was sent, with `work_tokens` of prefill
         ahead of it at `tokens_per_s`; only short work on a free slot teaches `fixed_s`."""
-        if not had_free_slot or work_tokens >= self.max_fixed_tokens or not ttfb_s >= 0.0:
+        if not self.learn_fixed or not had_free_slot or work_tokens >= self.max_fixed_tokens or not ttfb_s >= 0.0:
             return state
         observed = max(0.0, ttfb_s - max(work_tokens, 0) / tokens_per_s)
         n = state.num_fixed_observations + 1

@@ -89,8 +89,8 @@ def test_nonsense_durations_teach_nothing() -> None:
     assert est.observe_finish(state, duration_s=1.0, num_ahead=-1, known_slots=4) is state
 
 
-def make_core(*, learn_slots: bool = False) -> tuple[RoutingCore, list[ReplicaState]]:
-    config = RoutingConfig(service_time=ServiceTimeEstimator(learn_slots=learn_slots))
+def make_core(*, learn_slots: bool = False, learn_fixed: bool = False) -> tuple[RoutingCore, list[ReplicaState]]:
+    config = RoutingConfig(service_time=ServiceTimeEstimator(learn_slots=learn_slots, learn_fixed=learn_fixed))
     core = RoutingCore(config, PrefixIndex(PrefixIndexConfig()), EstimatedTTFT(EstimatedTTFTConfig()))
     states = [ReplicaState(rid) for rid in ("a", "b", "c")]
     for state in states:
@@ -125,7 +125,7 @@ def test_whole_answers_behind_a_two_slot_engine_teach_its_slots_and_then_the_hot
 
 
 def test_short_streams_teach_the_fixed_time_and_the_prefill_rate_is_learned_net_of_it() -> None:
-    core, states = make_core()
+    core, states = make_core(learn_fixed=True)
     rid = states[0].id
     decision = core.choose(core.prepare_hashes([], 16), [states[0]], 0.0)
     assert decision is not None
