@@ -19,11 +19,11 @@ from typing import Any
 from replica.tokenizer import ENDOFTEXT, IM_END
 
 CHAT_TEMPLATE = r"""
-{%- macro text(content, where) -%}
-    {%- if content is string -%}
-        {{- content -}}
-    {%- elif content is iterable and content is not mapping -%}
-        {%- for part in content -%}
+{%- macro text(message, where) -%}
+    {%- if message.content is string -%}
+        {{- message.content -}}
+    {%- elif message.content is iterable and message.content is not mapping -%}
+        {%- for part in message.content -%}
             {%- if part is not mapping or part.type != 'text' or part.text is not string -%}
                 {{- raise_exception(where ~ ' must hold text content parts only') -}}
             {%- endif -%}
@@ -43,7 +43,7 @@ CHAT_TEMPLATE = r"""
     {%- endfor -%}
     {%- set tools_block = ns.tools_block ~ '\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' -%}
     {%- if messages[0].role == 'system' -%}
-        {{- '<|im_start|>system\n' ~ text(messages[0].content, 'messages[0].content') ~ '\n\n' ~ tools_block ~ '<|im_end|>\n' -}}
+        {{- '<|im_start|>system\n' ~ text(messages[0], 'messages[0].content') ~ '\n\n' ~ tools_block ~ '<|im_end|>\n' -}}
         {%- set first = 1 -%}
     {%- else -%}
         {{- '<|im_start|>system\n' ~ tools_block ~ '<|im_end|>\n' -}}
@@ -64,7 +64,7 @@ CHAT_TEMPLATE = r"""
         {%- if message.role != 'assistant' -%}
             {{- raise_exception(where ~ ' has tool_calls; only assistant messages call tools') -}}
         {%- endif -%}
-        {%- set content = '' if message.content is none or message.content is undefined else text(message.content, where ~ '.content') -%}
+        {%- set content = '' if message.content is none or message.content is undefined else text(message, where ~ '.content') -%}
         {{- '<|im_start|>assistant\n' ~ content -}}
         {%- for call in message.tool_calls -%}
             {%- if call.function is not mapping or call.function.name is not string or call.function.arguments is not mapping -%}
@@ -80,7 +80,7 @@ CHAT_TEMPLATE = r"""
         {%- if message.content is undefined -%}
             {{- raise_exception(where ~ ' is missing content') -}}
         {%- endif -%}
-        {{- '<|im_start|>' ~ message.role ~ '\n' ~ text(message.content, where ~ '.content') ~ '<|im_end|>\n' -}}
+        {{- '<|im_start|>' ~ message.role ~ '\n' ~ text(message, where ~ '.content') ~ '<|im_end|>\n' -}}
     {%- endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}

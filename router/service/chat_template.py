@@ -26,7 +26,7 @@ import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-_LOOPS_OVER_CONTENT = re.compile(r"\bfor\s+\w+\s+in\s+\w+(?:\.content\b|\[\s*['\"]content['\"]\s*\])")
+_LOOPS_OVER_CONTENT = re.compile(r"\bfor\s+\w+\s+in\s+[\w\[\]]+(?:\.content\b|\[\s*['\"]content['\"]\s*\])")
 """A template that iterates a message's content takes OpenAI content parts as they are (vLLM's "openai" content
 format); any other gets each message's text parts as one string (its "string" format)."""
 
