@@ -1,6 +1,6 @@
-"""A tiny Shoal checkpoint for tests: a BPE tokenizer trained on a slice of the demo corpus and a randomly
-initialised MoE (2 layers, 8 experts top-2, shared expert), and the chat template's tokenizer_config.json. Its outputs are random but deterministic, which is all
-the server, router and engine tests need; builds in about a second."""
+"""A tiny Shoal checkpoint for tests: a BPE tokenizer trained on a slice of the demo corpus, the chat template's
+tokenizer_config.json, and a randomly initialised MoE (2 layers, 8 experts top-2, shared expert). Its outputs are
+random but deterministic, which is all the server, router and engine tests need; builds in about a second."""
 
 from __future__ import annotations
 

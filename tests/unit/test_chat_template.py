@@ -46,8 +46,16 @@ def demo_chats() -> list[dict[str, Any]]:
                     "role": "assistant",
                     "content": None,
                     "tool_calls": [
-                        {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"大阪"}'}},
-                        {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "京都"}}},
+                        {
+                            "id": "a",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city":"大阪"}'},
+                        },
+                        {
+                            "id": "b",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": {"city": "京都"}},
+                        },
                     ],
                 },
                 {"role": "tool", "tool_call_id": "a", "content": "晴れ"},
@@ -76,8 +84,12 @@ def test_the_demo_template_renders_what_the_replica_renders(add_generation_promp
     bodies = demo_chats()
     assert sum(bool(b.get("tools")) for b in bodies) > 20
     for body in bodies:
-        expected = apply_chat_template(body["messages"], tools=body.get("tools"), add_generation_prompt=add_generation_prompt)
-        rendered = template.render(body["messages"], tools=body.get("tools"), add_generation_prompt=add_generation_prompt)
+        expected = apply_chat_template(
+            body["messages"], tools=body.get("tools"), add_generation_prompt=add_generation_prompt
+        )
+        rendered = template.render(
+            body["messages"], tools=body.get("tools"), add_generation_prompt=add_generation_prompt
+        )
         assert rendered == expected
 
 
