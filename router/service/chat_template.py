@@ -120,8 +120,8 @@ class ChatTemplate:
         content = message.get("content")
         tool_calls = message.get("tool_calls")
         if isinstance(content, list) and not self.takes_content_parts:
-            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+            texts = [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            if len(texts) != len(content) or any(p.get("type") != "text" for p in content):
                 raise ChatTemplateError("only text content parts can be rendered by this template")
             message = {**message, "content": "\n".join(texts)}
         if isinstance(tool_calls, list) and message.get("role") == "assistant":
