@@ -193,11 +193,11 @@ class TokenizerSettings(_Section):
     max_request_bytes: int = Field(512 * 1024, gt=0)
     """Request bodies larger than this route on text (counted as `oversized`): they would hold a core for long.
     512 KiB is some 128k tokens, the most a prompt is hashed over at the default `hashing.max_blocks`."""
-    off_loop_min_bytes: int = Field(16 * 1024, ge=0)
+    off_loop_min_bytes: int = Field(4 * 1024, ge=0)
     """Request bodies of at least this many bytes are tokenized on a worker thread, smaller ones on the event loop.
-    The encode releases the GIL, so a thread keeps the loop serving other requests through a long prompt's
-    ~10 ms; for short prompts the hand-off costs more than it frees (benchmarks/bench_chat_tokenize.py). 16 KiB
-    is some 4k tokens; 0: every request on a thread."""
+    The encode releases the GIL, so a thread keeps the loop serving other requests through a prompt's 2-13 ms
+    (1k-8k tokens on the development machine, benchmarks/bench_chat_tokenize.py); below ~1k tokens the loop pauses
+    under 2 ms and the thread hand-off is a larger share. 4 KiB is some 1k tokens; 0: every request on a thread."""
     exclude_tools_when_tool_choice_none: bool = True
     """Render no tools when `tool_choice` is `none`, as Shoal's replica does. vLLM renders them unless started
     with `--exclude-tools-when-tool-choice-none`: set False in front of a stock vLLM."""

@@ -88,7 +88,8 @@ def prompt_ids(replica: ReplicaHandle, messages: list[dict[str, Any]]) -> list[i
 async def test_a_chat_served_once_is_a_hit_on_the_replica_that_holds_it(
     start_replica: StartReplica, start_router: StartRouter, tiny_checkpoint: Path, has_tokenizer: bool
 ) -> None:
-    tokenizer = TokenizerSettings(models={MODEL: tiny_checkpoint}) if has_tokenizer else None
+    # off_loop_min_bytes=0: every chat is tokenized on a worker thread (the rejection test below keeps the loop).
+    tokenizer = TokenizerSettings(models={MODEL: tiny_checkpoint}, off_loop_min_bytes=0) if has_tokenizer else None
     router, replicas = await start_pair(start_replica, start_router, tokenizer)
     holder = replicas[1]
     answer = await serve_directly(holder, TURN1)
@@ -124,3 +125,15 @@ async def test_a_chat_the_template_rejects_still_routes_and_is_counted(
     assert reply.status == 400 and reply.replica is not None  # routed on text; the replica's own answer
     text = await router.metrics()
     assert metric_value(text, "shoal_router_tokenize_fallbacks_total", {"reason": "template_error"}) == 1
+
+
+async def test_an_oversized_chat_routes_on_text_and_is_counted(
+    start_replica: StartReplica, start_router: StartRouter, tiny_checkpoint: Path
+) -> None:
+    tokenizer = TokenizerSettings(models={MODEL: tiny_checkpoint}, max_request_bytes=256)
+    router, _ = await start_pair(start_replica, start_router, tokenizer)
+    reply = await router.chat(TURN1, max_tokens=1)
+    assert reply.status == 200 and reply.replica is not None
+    text = await router.metrics()
+    assert metric_value(text, "shoal_router_tokenize_fallbacks_total", {"reason": "oversized"}) == 1
+    assert metric_value(text, "shoal_router_tokenize_fallbacks_total", {"reason": "template_error"}) is None
