@@ -199,3 +199,26 @@ def test_a_rejected_chat_falls_back_with_its_reason() -> None:
     assert caught.value.reason == "unsupported"
     key = tokenizer.routing_key("/v1/completions", {"prompt": "見積書を送ってください"})
     assert key.token_ids == Tokenizer.from_file(PACKAGED_DIR / "tokenizer.json").encode("見積書を送ってください")
+
+
+def test_rendering_equals_transformers_apply_chat_template() -> None:
+    """Against transformers itself where it is installed (it is no dependency of the project)."""
+    transformers = pytest.importorskip("transformers")
+    config = json.loads((PACKAGED_DIR / "tokenizer_config.json").read_text(encoding="utf-8"))
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(PACKAGED_DIR / "tokenizer.json"), eos_token=config["eos_token"]
+    )
+    qwen_source = QWEN_TEMPLATE.read_text(encoding="utf-8")
+    for body in demo_chats()[::3]:
+        messages = json.loads(json.dumps(body["messages"]))
+        for message in messages:  # as vLLM hands them over: tool-call arguments as objects
+            for call in message.get("tool_calls") or []:
+                if isinstance(call["function"]["arguments"], str):
+                    call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+        for ours, source in ((demo_template(), config["chat_template"]), (qwen(), qwen_source)):
+            if source is qwen_source and any(isinstance(m.get("content"), list) for m in messages):
+                continue  # vLLM joins the parts for this template before transformers sees them
+            expected = hf.apply_chat_template(
+                messages, tools=body.get("tools"), chat_template=source, tokenize=False, add_generation_prompt=True
+            )
+            assert ours.render(body["messages"], tools=body.get("tools")) == expected
