@@ -3,19 +3,20 @@
 Two Shoal replicas of the demo model on the CPU, each with a small KV cache (`--num-blocks` blocks of 16 tokens),
 behind one router, all in this process on loopback. Traffic: `--sessions` demo conversations (a system prompt, then
 user and assistant turns, half of them Japanese), taken a turn at a time in rotation, each request the session's
-history up to its next user turn, one request at a time (the official openai client, `max_tokens` 4). Together the
-sessions need more KV than the replicas hold, so the replicas evict, and a router that believes a replica still
-holds a prefix it evicted sends the session to a cold cache. Per router mode, on fresh replicas:
+history up to its next user turn, `--concurrency` requests at a time (the official openai client, `max_tokens` 4).
+Together the sessions need more KV than the replicas hold, so the replicas evict, and a router that believes a
+replica still holds a prefix it evicted sends the session to a cold cache. Per router mode, on fresh replicas:
 
 - `approximate`: no KV events; the index holds the router's own decisions (text keys, estimated capacity);
 - `exact, text`: the replicas' KV events on (SSE), no tokenizer: chat keys are routing text no event names;
 - `exact, tokens`: KV events and the demo tokenizer (`tokenizer.models`): chats hash on the prefilled token ids.
 
 `hit` is the replicas' cached prompt tokens over all prompt tokens (`usage.prompt_tokens_details`); `predicted`
-what the router expected cached, over the same total. The `ceiling` is the hit ratio of one replica with an
+what the router expected cached, over the same total; latency is the whole request at the client; branches are
+the router's reasons (`shoal_router_requests_total`). The `ceiling` is the hit ratio of one replica with an
 unbounded cache: the prefix the traffic shares at all.
 
-    .venv/bin/python benchmarks/bench_chat_hits.py [--sessions 12] [--num-blocks 192] [--turns 4]
+    .venv/bin/python benchmarks/bench_chat_hits.py [--sessions 12] [--num-blocks 192] [--turns 4] [--concurrency 1]
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ MODEL = "shoal-demo"
 MODES = ("approximate", "exact, text", "exact, tokens")
 
 
-def requests_of(num_sessions: int, num_turns: int, seed: int) -> list[list[dict[str, Any]]]:
-    """Chat histories in send order: turn t of every session, then turn t + 1 of every session."""
+def requests_of(num_sessions: int, num_turns: int, seed: int) -> list[list[list[dict[str, Any]]]]:
+    """Chat histories in waves: turn t of every session, then (next wave) turn t + 1 of every session."""
     sessions = []
     for conversation in generate_conversations(num_sessions * 4, seed=seed):
         turns = [i for i, m in enumerate(conversation) if m["role"] == "user"]
@@ -56,7 +57,7 @@ def requests_of(num_sessions: int, num_turns: int, seed: int) -> list[list[dict[
             break
     if len(sessions) < num_sessions:
         raise ValueError("not enough multi-turn plain conversations in the corpus for --sessions")
-    return [s[t] for t in range(num_turns) for s in sessions if t < len(s)]
+    return [[s[t] for s in sessions if t < len(s)] for t in range(num_turns)]
 
 
 async def start_replica(num_blocks: int) -> tuple[web.AppRunner, str]:
@@ -77,7 +78,9 @@ async def start_replica(num_blocks: int) -> tuple[web.AppRunner, str]:
     return runner, f"http://{host}:{port}"
 
 
-async def run_mode(mode: str, chats: list[list[dict[str, Any]]], num_blocks: int, num_replicas: int) -> dict[str, Any]:
+async def run_mode(
+    mode: str, waves: list[list[list[dict[str, Any]]]], num_blocks: int, num_replicas: int, concurrency: int
+) -> dict[str, Any]:
     replicas = [await start_replica(num_blocks) for _ in range(num_replicas)]
     overrides: dict[str, Any] = {"log_requests": False}
     if mode != "approximate":
@@ -94,29 +97,45 @@ async def run_mode(mode: str, chats: list[list[dict[str, Any]]], num_blocks: int
     try:
         async with openai.AsyncOpenAI(base_url=f"http://{host}:{port}/v1", api_key="unused", max_retries=2) as c:
             await _wait_ready(app, num_replicas, mode != "approximate")
-            for messages in chats:
-                reply = await c.chat.completions.create(
-                    model=MODEL,
-                    messages=messages,  # type: ignore[arg-type]
-                    max_tokens=4,
-                    temperature=0,
-                )
+            lanes = asyncio.Semaphore(concurrency)
+            latencies_s: list[float] = []
+
+            async def send(messages: list[dict[str, Any]]) -> tuple[int, int]:
+                async with lanes:
+                    sent = time.perf_counter()
+                    reply = await c.chat.completions.create(
+                        model=MODEL,
+                        messages=messages,  # type: ignore[arg-type]
+                        max_tokens=4,
+                        temperature=0,
+                    )
+                    latencies_s.append(time.perf_counter() - sent)
                 assert reply.usage is not None
-                prompt_tokens += reply.usage.prompt_tokens
                 details = reply.usage.prompt_tokens_details
-                cached_tokens += (details.cached_tokens or 0) if details is not None else 0
+                return reply.usage.prompt_tokens, (details.cached_tokens or 0) if details is not None else 0
+
+            for wave in waves:  # a session's next turn only after its previous one
+                for prompt, cached in await asyncio.gather(*(send(m) for m in wave)):
+                    prompt_tokens += prompt
+                    cached_tokens += cached
         predicted = sum(app[METRICS].predicted_cached_tokens.values.values())
+        branches: dict[str, int] = {}
+        for (_, branch, _), count in app[METRICS].requests.values.items():
+            branches[branch] = branches.get(branch, 0) + int(count)
     finally:
         await server.stop()
         for runner, _ in replicas:
             await runner.cleanup()
     return {
         "mode": mode,
-        "requests": len(chats),
+        "requests": sum(len(wave) for wave in waves),
         "prompt_tokens": prompt_tokens,
         "hit": cached_tokens / prompt_tokens,
         "predicted": predicted / prompt_tokens,
         "seconds": time.perf_counter() - started,
+        "latency_p50_ms": sorted(latencies_s)[len(latencies_s) // 2] * 1e3,
+        "latency_p99_ms": sorted(latencies_s)[min(len(latencies_s) - 1, int(0.99 * len(latencies_s)))] * 1e3,
+        "branches": ", ".join(f"{b} {n}" for b, n in sorted(branches.items())),
     }
 
 
@@ -156,20 +175,21 @@ async def ceiling(chats: list[list[dict[str, Any]]]) -> float:
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    chats = requests_of(args.sessions, args.turns, args.seed)
+    waves = requests_of(args.sessions, args.turns, args.seed)
+    chats = [messages for wave in waves for messages in wave]
     print(f"{platform.node()}: {platform.machine()}, python {platform.python_version()}")
     print(
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {len(chats)} chat requests, {args.sessions} sessions, "
-        f"{args.replicas} replicas x {args.num_blocks} KV blocks of 16 tokens\n"
+        f"{args.replicas} replicas x {args.num_blocks} KV blocks of 16 tokens, {args.concurrency} at a time\n"
     )
     print(f"ceiling (one replica, unbounded cache): hit {await ceiling(chats):.3f}\n")
-    print("| router | requests | prompt tokens | hit | predicted | seconds |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| router | requests | prompt tokens | hit | predicted | latency p50 / p99 ms | branches |")
+    print("| --- | ---: | ---: | ---: | ---: | --- | --- |")
     for mode in MODES:
-        row = await run_mode(mode, chats, args.num_blocks, args.replicas)
+        row = await run_mode(mode, waves, args.num_blocks, args.replicas, args.concurrency)
         print(
             f"| {mode} | {row['requests']} | {row['prompt_tokens']:,} | {row['hit']:.3f} | {row['predicted']:.3f} "
-            f"| {row['seconds']:.0f} |"
+            f"| {row['latency_p50_ms']:.0f} / {row['latency_p99_ms']:.0f} | {row['branches']} |"
         )
 
 
@@ -179,6 +199,9 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4, help="user turns sent per conversation, at most")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--num-blocks", type=int, default=192, help="KV blocks (16 tokens) per replica")
+    parser.add_argument(
+        "--concurrency", type=int, default=1, help="requests in flight at once, each of its own session"
+    )
     parser.add_argument("--seed", type=int, default=1)
     asyncio.run(main_async(parser.parse_args()))
 
