@@ -1,9 +1,10 @@
 """Token-id routing keys for chat and text prompts: a model's tokenizer and chat template, held by the router.
 
-With a model's `tokenizer.json` and `tokenizer_config.json` (setting `tokenizer.models`), a chat request is
-rendered as the engine renders it (`chat_template.ChatTemplate`) and tokenized without added special tokens, as
-vLLM tokenizes chat; a completion's string prompt is tokenized with them, vLLM's default for completions. The
-request then routes on token ids, the blocks the engine hashes, so in exact mode the replicas' KV events match it.
+With a model's `tokenizer.json` and chat template (`tokenizer_config.json`, or `chat_template.jinja`; setting
+`tokenizer.models`), a chat request is rendered as the engine renders it (`chat_template.ChatTemplate`) and
+tokenized without added special tokens, as vLLM tokenizes chat; a completion's string prompt is tokenized with
+them, vLLM's default for completions. The request then routes on token ids, the blocks the engine hashes, so in
+exact mode the replicas' KV events match it.
 
 A request the tokenizer cannot take routes on its text key as before, and the proxy counts why
 (`TokenizeFallback.reason`): `template_error` (the template rejected the chat), `oversized` (a body past
@@ -57,14 +58,15 @@ class ChatTokenizer:
 
     @classmethod
     def from_dir(cls, path: Path, *, exclude_tools_when_tool_choice_none: bool = True) -> ChatTokenizer:
-        """Load `path/tokenizer.json` and, if there is one, `path/tokenizer_config.json`'s chat template."""
+        """Load `path/tokenizer.json` and the chat template: `path/chat_template.jinja` where there is one (newer
+        transformers save it there), else `tokenizer_config.json`'s `chat_template`; special tokens from the
+        latter."""
         tokenizer = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
-        config_path = path / "tokenizer_config.json"
-        template = None
-        if config_path.is_file():
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-            if config.get("chat_template") is not None:
-                template = ChatTemplate.from_tokenizer_config(config)
+        config_path, jinja_path = path / "tokenizer_config.json", path / "chat_template.jinja"
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        if jinja_path.is_file():
+            config["chat_template"] = jinja_path.read_text(encoding="utf-8")
+        template = ChatTemplate.from_tokenizer_config(config) if config.get("chat_template") is not None else None
         return cls(tokenizer, template, exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none)
 
     def render_chat(self, body: Mapping[str, Any]) -> str:

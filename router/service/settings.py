@@ -186,7 +186,7 @@ class KVEventSettings(_Section):
 class TokenizerSettings(_Section):
     models: dict[str, Path] = Field(default_factory=dict)
     """Served model name -> a folder with that model's `tokenizer.json` and `tokenizer_config.json` (its chat
-    template). Chat and string prompts for these models route on token ids, the blocks the engines hash, so in
+    template, or in `chat_template.jinja` beside it). Chat and string prompts for these models route on token ids, the blocks the engines hash, so in
     exact mode the replicas' KV events match chat traffic (router/service/chat_tokenizer.py). Needs the `tokenize`
     extra. Empty by default: without a model's files the router hashes routing text, which works in front of any
     engine."""

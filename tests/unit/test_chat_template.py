@@ -222,3 +222,13 @@ def test_rendering_equals_transformers_apply_chat_template() -> None:
                 messages, tools=body.get("tools"), chat_template=source, tokenize=False, add_generation_prompt=True
             )
             assert ours.render(body["messages"], tools=body.get("tools")) == expected
+
+
+def test_a_chat_template_jinja_file_beside_the_tokenizer_is_the_template(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_bytes((PACKAGED_DIR / "tokenizer.json").read_bytes())
+    assert ChatTokenizer.from_dir(tmp_path).template is None  # no template: chats route on text
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>"}', encoding="utf-8")
+    (tmp_path / "chat_template.jinja").write_text(QWEN_TEMPLATE.read_text(encoding="utf-8"), encoding="utf-8")
+    tokenizer = ChatTokenizer.from_dir(tmp_path)
+    assert tokenizer.template is not None and tokenizer.template.special_tokens == {"eos_token": "<|im_end|>"}
+    assert tokenizer.render_chat({"messages": [{"role": "user", "content": "hi"}]}).startswith(QWEN_SYSTEM)
