@@ -186,10 +186,10 @@ class KVEventSettings(_Section):
 class TokenizerSettings(_Section):
     models: dict[str, Path] = Field(default_factory=dict)
     """Served model name -> a folder with that model's `tokenizer.json` and `tokenizer_config.json` (its chat
-    template, or in `chat_template.jinja` beside it). Chat and string prompts for these models route on token ids, the blocks the engines hash, so in
-    exact mode the replicas' KV events match chat traffic (router/service/chat_tokenizer.py). Needs the `tokenize`
-    extra. Empty by default: without a model's files the router hashes routing text, which works in front of any
-    engine."""
+    template, or in `chat_template.jinja` beside it). Chat and string prompts for these models route on token ids,
+    the blocks the engines hash, so in exact mode the replicas' KV events match chat traffic
+    (router/service/chat_tokenizer.py). Needs the `tokenize` extra. Empty by default: without a model's files the
+    router hashes routing text, which works in front of any engine."""
     max_request_bytes: int = Field(512 * 1024, gt=0)
     """Request bodies larger than this route on text (counted as `oversized`): they would hold a core for long.
     512 KiB is some 128k tokens, the most a prompt is hashed over at the default `hashing.max_blocks`."""
