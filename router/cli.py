@@ -58,6 +58,13 @@ def add_router_command(subparsers: Any) -> None:
     parser.add_argument(
         "--redis-url", metavar="URL", help="Redis shared with the fleet's other routers (redis://host:port/db)"
     )
+    parser.add_argument(
+        "--tokenizer",
+        action="append",
+        metavar="MODEL=DIR",
+        help="route MODEL's chat and text prompts on token ids, with the tokenizer.json and tokenizer_config.json "
+        "in DIR (needs the `tokenize` extra); repeatable",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     parser.add_argument("--no-request-log", action="store_true", help="do not log one line per request")
     parser.add_argument(
@@ -91,12 +98,27 @@ def _run_router(args: argparse.Namespace) -> int:
         overrides["log_requests"] = False
     if args.reuse_port:
         overrides["reuse_port"] = True
+    if args.tokenizer:
+        models = {}
+        for spec in args.tokenizer:
+            model, _, folder = spec.partition("=")
+            if not model or not folder:
+                print(f"shoal router: --tokenizer takes MODEL=DIR, got {spec!r}", file=sys.stderr)
+                return 2
+            models[model] = folder
+        overrides["tokenizer"] = {"models": models}
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         settings = RouterSettings(**overrides)
     except (ValidationError, ValueError) as exc:
         print(f"shoal router: invalid settings:\n{exc}", file=sys.stderr)
         return 2
+    if settings.tokenizer.models:
+        try:
+            import router.service.chat_tokenizer  # noqa: F401
+        except ImportError as exc:
+            print(f"shoal router: {exc}", file=sys.stderr)
+            return 2
     from router.service.server import serve
 
     serve(settings)

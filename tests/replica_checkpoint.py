@@ -1,6 +1,6 @@
-"""A tiny Shoal checkpoint for tests: a BPE tokenizer trained on a slice of the demo corpus and a randomly
-initialised MoE (2 layers, 8 experts top-2, shared expert). Its outputs are random but deterministic, which is all
-the server, router and engine tests need; builds in about a second."""
+"""A tiny Shoal checkpoint for tests: a BPE tokenizer trained on a slice of the demo corpus, the chat template's
+tokenizer_config.json, and a randomly initialised MoE (2 layers, 8 experts top-2, shared expert). Its outputs are
+random but deterministic, which is all the server, router and engine tests need; builds in about a second."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ TINY_VOCAB = 512
 
 
 def build_tiny_checkpoint(path: Path, *, seed: int = 0) -> Path:
+    from replica.chat_template import write_tokenizer_config
     from replica.demo.corpus import TOOLS, generate_conversations, uses_tools
     from replica.model.config import ModelConfig
     from replica.model.loader import init_weights, save_checkpoint
@@ -38,4 +39,5 @@ def build_tiny_checkpoint(path: Path, *, seed: int = 0) -> Path:
     init_weights(model, seed=seed, std=0.1)
     save_checkpoint(model, path)
     tokenizer.save(path / "tokenizer.json")
+    write_tokenizer_config(path, model_max_length=config.max_position_embeddings)
     return path

@@ -2,7 +2,8 @@
 
 The corpus is generated locally and deterministically (`replica.demo.corpus`: bilingual business dialogue and JSON
 tool calls), so the same seed gives the same model on any machine and nothing is downloaded. Steps:
-byte-level BPE on the rendered conversations; a small MoE (16 routed experts, top-2, one shared expert, a few
+byte-level BPE on the rendered conversations (tokenizer.json, and tokenizer_config.json with the chat template as
+Jinja, `replica.chat_template`); a small MoE (16 routed experts, top-2, one shared expert, a few
 million parameters) trained on short windows of the token stream at random offsets and long windows that start at
 tool conversations, with AdamW, a cosine schedule and a load-balancing loss that keeps every expert in use; the
 last 5% of conversations are held out and their loss reported. The result is written to a temporary folder and
@@ -117,6 +118,7 @@ def build_demo(
 ) -> Path:
     import torch
 
+    from replica.chat_template import write_tokenizer_config
     from replica.demo.corpus import TOOLS, generate_conversations, uses_tools
     from replica.model.config import ModelConfig
     from replica.model.loader import init_weights, save_checkpoint
@@ -215,6 +217,7 @@ def build_demo(
     try:
         save_checkpoint(model, tmp, dtype=getattr(torch, recipe.save_dtype))
         tokenizer.save(tmp / "tokenizer.json")
+        write_tokenizer_config(tmp, model_max_length=recipe.max_position_embeddings)
         if recipe.drafter_requests:
             _build_drafter(tokenizer, tmp, recipe, progress)
         (tmp / "heldout.json").write_text(json.dumps(heldout, ensure_ascii=False), encoding="utf-8")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -45,6 +46,8 @@ KV_EVENTS = web.AppKey("kv_events", KVEventSubscribers)
 FLEET = web.AppKey("fleet", FleetSharing)
 SHUTTING_DOWN = web.AppKey("shutting_down", asyncio.Event)
 ADMIN = web.AppKey("admin", AdminApi)
+TOKENIZERS = web.AppKey("tokenizers", dict)
+"""Served model name -> `chat_tokenizer.ChatTokenizer` (`tokenizer.models`); empty without the setting."""
 
 # Index sweeps (TTL expiry) run this often; the sweep is cheap and bounded by the number of entries.
 _SWEEP_INTERVAL_S = 5.0
@@ -58,6 +61,7 @@ def create_app(settings: RouterSettings) -> web.Application:
     for url in settings.replicas:
         core.add_replica(pool.add(url))
     app[SETTINGS] = settings
+    app[TOKENIZERS] = _load_tokenizers(settings)
     app[POOL] = pool
     app[CORE] = core
     app[METRICS] = RouterMetrics(pool)
@@ -69,6 +73,16 @@ def create_app(settings: RouterSettings) -> web.Application:
             settings.admin_token.get_secret_value(), pool, core, on_changed=lambda r: _replica_changed(app, r)
         )
     return app
+
+
+def _load_tokenizers(settings: RouterSettings) -> dict[str, Any]:
+    """The configured models' tokenizers; imported only when configured, so a plain router install needs neither
+    `tokenizers` nor `jinja2`."""
+    if not settings.tokenizer.models:
+        return {}
+    from router.service.chat_tokenizer import load_tokenizers
+
+    return dict(load_tokenizers(settings.tokenizer))
 
 
 def front_routes(app: web.Application) -> tuple[dict[tuple[str, str], Handler], Handler]:
@@ -147,6 +161,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         upstream,
         on_unreachable=lambda r: _wake(app, r),
         request_log=request_log,
+        tokenizers=app[TOKENIZERS],
     )
     proxy = app[PROXY]
     kv_events = None

@@ -118,6 +118,13 @@ class RouterMetrics:
             "Sequence gaps in KV-event streams: an SSE stream resyncs from a fresh snapshot, a ZMQ stream clears "
             "the replica's index entries",
         )
+        self.tokenize_fallbacks = Counter(
+            "shoal_router_tokenize_fallbacks",
+            "Requests for a model with a router tokenizer that routed on text instead of token ids, by reason: "
+            "template_error (the chat template rejected the chat), oversized (a body past "
+            "tokenizer.max_request_bytes), unsupported (a request's own chat template, a folder without one)",
+            ["reason"],
+        )
         self.held_requests = 0
         """Requests waiting for any replica to become able to serve them (the router's own queue)."""
         self.registry = CollectorRegistry(auto_describe=False)

@@ -6,15 +6,20 @@ refused connection or a 5xx moves the request to another replica (never the one 
 `retry.max_attempts` and `retry.total_timeout_s`. A client that goes away cancels the handler (the front cancels
 its task), which closes the upstream connection at once, so the replica stops generating for nobody. Requests that
 no replica can take yet wait in `holding.HoldLine`; a new request lines up behind those already waiting.
+
+For a model with a router tokenizer (`tokenizer.models`), the validated request's text key is replaced by its
+token ids (`chat_tokenizer.ChatTokenizer`), on a worker thread for large bodies; when the tokenizer cannot take
+the request it keeps the text key and the fallback is counted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
@@ -31,6 +36,9 @@ from router.service.routing import Prepared, RoutingCore, Ticket
 from router.service.settings import RouterSettings
 from router.service.upstream import UpstreamPool
 
+if TYPE_CHECKING:
+    from router.service.chat_tokenizer import ChatTokenizer
+
 log = logging.getLogger("shoal.router")
 
 _ROUTED_PATHS = {"/v1/completions": completion_routing_key, "/v1/chat/completions": chat_routing_key}
@@ -46,6 +54,7 @@ class Proxy:
         upstream: UpstreamPool,
         on_unreachable: Callable[[Replica], None] = lambda replica: None,
         request_log: RequestLog | None = None,
+        tokenizers: dict[str, ChatTokenizer] | None = None,
     ) -> None:
         self.settings = settings
         self.pool = pool
@@ -57,6 +66,8 @@ class Proxy:
         self.held = HoldLine(settings.hold, core, metrics, self._clock)
         self.request_log = request_log
         """Where one line per request goes; None: no request log."""
+        self.tokenizers = tokenizers or {}
+        """Served model name -> its tokenizer and chat template (`tokenizer.models`)."""
 
     # --- entry points -----------------------------------------------------------------------------------
 
@@ -78,7 +89,28 @@ class Proxy:
             key = _ROUTED_PATHS[request.path](body)
         except RoutingInputError as exc:
             return error_response(400, str(exc), param=exc.param)
+        model = body.get("model")
+        tokenizer = self.tokenizers.get(model) if isinstance(model, str) else None
+        if tokenizer is not None and not key.is_tokens:
+            key = await self._tokenized(tokenizer, request.path, body, len(raw), key)
         return await self._route_and_forward(request, body, raw, key, started)
+
+    async def _tokenized(
+        self, tokenizer: ChatTokenizer, path: str, body: dict[str, Any], num_bytes: int, text_key: RoutingKey
+    ) -> RoutingKey:
+        """The request's token-id key, or `text_key` (counted) when the tokenizer cannot take it."""
+        from router.service.chat_tokenizer import TokenizeFallback
+
+        limits = self.settings.tokenizer
+        try:
+            if num_bytes > limits.max_request_bytes:
+                raise TokenizeFallback("oversized")
+            if num_bytes >= limits.off_loop_min_bytes:
+                return await asyncio.to_thread(tokenizer.routing_key, path, body)
+            return tokenizer.routing_key(path, body)
+        except TokenizeFallback as fallback:
+            self.metrics.tokenize_fallbacks.inc((fallback.reason,))
+            return text_key
 
     async def handle_passthrough(self, request: FrontRequest, raw: bytes) -> Answer:
         """Any other /v1/* path: no prefix to route on, so the policy balances load alone."""

@@ -183,6 +183,34 @@ class KVEventSettings(_Section):
         return self
 
 
+class TokenizerSettings(_Section):
+    models: dict[str, Path] = Field(default_factory=dict)
+    """Served model name -> a folder with that model's `tokenizer.json` and `tokenizer_config.json` (its chat
+    template, or in `chat_template.jinja` beside it). Chat and string prompts for these models route on token ids,
+    the blocks the engines hash, so in exact mode the replicas' KV events match chat traffic
+    (router/service/chat_tokenizer.py). Needs the `tokenize` extra. Empty by default: without a model's files the
+    router hashes routing text, which works in front of any engine."""
+    max_request_bytes: int = Field(512 * 1024, gt=0)
+    """Request bodies larger than this route on text (counted as `oversized`): they would hold a core for long.
+    512 KiB is some 128k tokens, the most a prompt is hashed over at the default `hashing.max_blocks`."""
+    off_loop_min_bytes: int = Field(4 * 1024, ge=0)
+    """Request bodies of at least this many bytes are tokenized on a worker thread, smaller ones on the event loop.
+    The encode releases the GIL, so a thread keeps the loop serving other requests through a prompt's 2-13 ms
+    (1k-8k tokens on the development machine, benchmarks/bench_chat_tokenize.py); below ~1k tokens the loop pauses
+    under 2 ms and the thread hand-off is a larger share. 4 KiB is some 1k tokens; 0: every request on a thread."""
+    exclude_tools_when_tool_choice_none: bool = True
+    """Render no tools when `tool_choice` is `none`, as Shoal's replica does. vLLM renders them unless started
+    with `--exclude-tools-when-tool-choice-none`: set False in front of a stock vLLM."""
+
+    @field_validator("models")
+    @classmethod
+    def _check_folders(cls, models: dict[str, Path]) -> dict[str, Path]:
+        for model, folder in models.items():
+            if not (folder / "tokenizer.json").is_file():
+                raise ValueError(f"tokenizer.models[{model!r}]: {folder} has no tokenizer.json")
+        return models
+
+
 class RequestLogSettings(_Section):
     path: Path | None = None
     """File the per-request JSON lines are appended to; None: standard error, beside the router's other logs."""
@@ -287,6 +315,8 @@ class RouterSettings(BaseSettings):
     """How replicas are found: the static list, or a Kubernetes Service's EndpointSlices."""
     kv_events: KVEventSettings = Field(default_factory=KVEventSettings)
     """Exact mode: each replica's KV events feed the prefix index (off by default: approximate mode)."""
+    tokenizer: TokenizerSettings = Field(default_factory=TokenizerSettings)
+    """Per model, the tokenizer and chat template that make chat prompts route on token ids."""
     session_header: str | None = None
     """Header whose value pins a session to one replica (e.g. x-session-id); off when unset."""
     session_affinity: SessionAffinityConfig = Field(default_factory=SessionAffinityConfig)

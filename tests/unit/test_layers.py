@@ -31,3 +31,12 @@ def test_shoal_router_help_does_not_import_torch() -> None:
     )
     assert "torch" not in loaded
     assert "aiohttp" in loaded or "pydantic_settings" in loaded  # the router's own settings were loaded
+
+
+def test_a_router_without_tokenizers_loads_neither_tokenizers_nor_jinja2() -> None:
+    loaded = _modules_after(
+        "from router.service.app import create_app\nfrom router.service.settings import RouterSettings\n"
+        "create_app(RouterSettings())"
+    )
+    assert "router.service.app" in loaded
+    assert not loaded & {"tokenizers", "jinja2", "torch"}

@@ -81,3 +81,18 @@ def test_help_documents_every_setting_with_its_environment_variable() -> None:
     for env in ("SHOAL_ROUTER_PORT", "SHOAL_ROUTER_HEALTH__INTERVAL_S", "SHOAL_ROUTER_LIMITS__MAX_BODY_BYTES"):
         assert env in text
     assert "Seconds between probes of a healthy replica." in text
+
+
+def test_tokenizer_folders_come_from_the_environment_and_must_hold_a_tokenizer(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "tokenizer.json").write_text("{}")
+    monkeypatch.setenv("SHOAL_ROUTER_TOKENIZER__MODELS", f'{{"shoal-demo": "{tmp_path.as_posix()}"}}')
+    assert RouterSettings().tokenizer.models == {"shoal-demo": tmp_path}
+    monkeypatch.delenv("SHOAL_ROUTER_TOKENIZER__MODELS")
+    with pytest.raises(ValidationError, match=r"has no tokenizer\.json"):
+        RouterSettings(tokenizer={"models": {"m": tmp_path / "missing"}})
+    assert main(["router", "--tokenizer", "shoal-demo", "--port", "0"]) == 2
+    assert "MODEL=DIR" in capsys.readouterr().err
+    assert main(["router", "--tokenizer", f"m={tmp_path / 'missing'}", "--port", "0"]) == 2
+    assert "has no tokenizer.json" in capsys.readouterr().err
