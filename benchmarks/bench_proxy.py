@@ -186,7 +186,7 @@ def free_port() -> int:
 
 
 def start_service(
-    name: str, argv: list[str], core: int, workdir: Path, env: dict[str, str] | None = None, cwd: Path = REPO
+    name: str, argv: list[str], core: int | str, workdir: Path, env: dict[str, str] | None = None, cwd: Path = REPO
 ) -> Service:
     log_path = workdir / f"{name}.log"
     with log_path.open("wb") as log:
@@ -349,6 +349,7 @@ def router_argv(
             "--log-level",
             "WARNING",
             *(["--no-request-log"] if name == "shoal-nolog" else []),
+            *(["--workers", "2"] if name == "shoal-w2" else []),
             *(["--policy", name.partition(":")[2]] if name.startswith("shoal:") else []),
         ]
         return argv + [a for u in upstreams for a in ("--replica", u)], ""
@@ -423,7 +424,7 @@ def warm_up(url: str, args: argparse.Namespace) -> None:
 
 
 def is_shoal(name: str) -> bool:
-    return name in ("shoal", "shoal-nolog", "shoal-tuned", "shoal@base") or name.startswith("shoal:")
+    return name in ("shoal", "shoal-nolog", "shoal-tuned", "shoal@base", "shoal-w2") or name.startswith("shoal:")
 
 
 def read_probe(pid: int, path: Path) -> dict[str, Any]:
@@ -531,7 +532,9 @@ def start_router(
     if name == "shoal@base":
         cwd = Path(args.baseline_dir)
         env["PYTHONPATH"] = str(cwd)
-    service = start_service(name, argv, args.router_core, workdir, env=env, cwd=cwd)
+    # shoal-w2 (two worker processes) gets both cores, the load generator's included: the most a second core gives.
+    cores = f"{args.router_core},{args.loadgen_core}" if name == "shoal-w2" else str(args.router_core)
+    service = start_service(name, argv, cores, workdir, env=env, cwd=cwd)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     error = wait_ready(service, url, ready_body, args.startup_timeout_s)
     if error:

@@ -70,6 +70,12 @@ def add_router_command(subparsers: Any) -> None:
     parser.add_argument(
         "--reuse-port", action="store_true", help="SO_REUSEPORT: let several router processes share the port"
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="N router processes on the one port (SO_REUSEPORT), sharing their view through --redis-url",
+    )
     parser.set_defaults(run=_run_router)
 
 
@@ -88,6 +94,7 @@ def _run_router(args: argparse.Namespace) -> int:
         ("seed", "seed"),
         ("session_header", "session_header"),
         ("redis_url", "redis_url"),
+        ("workers", "workers"),
     ):
         value = getattr(args, flag)
         if value is not None:
@@ -117,6 +124,14 @@ def _run_router(args: argparse.Namespace) -> int:
         try:
             import router.service.chat_tokenizer  # noqa: F401
         except ImportError as exc:
+            print(f"shoal router: {exc}", file=sys.stderr)
+            return 2
+    if settings.workers > 1:
+        from router.service.workers import run_workers
+
+        try:
+            return run_workers(settings, settings.workers, args.log_level.upper())
+        except ValueError as exc:
             print(f"shoal router: {exc}", file=sys.stderr)
             return 2
     from router.service.server import serve

@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from router.policy.config import build_policy
 from router.policy.prefix_index import PrefixIndex
@@ -53,7 +53,8 @@ TOKENIZERS = web.AppKey("tokenizers", dict)
 _SWEEP_INTERVAL_S = 5.0
 
 
-def create_app(settings: RouterSettings) -> web.Application:
+def create_app(settings: RouterSettings, *, worker: str | None = None) -> web.Application:
+    """The router's app. `worker`: this process's label among `--workers` (router/service/workers.py)."""
     app = web.Application()
     pool = ReplicaPool()
     index = PrefixIndex(settings.index)
@@ -64,7 +65,7 @@ def create_app(settings: RouterSettings) -> web.Application:
     app[TOKENIZERS] = _load_tokenizers(settings)
     app[POOL] = pool
     app[CORE] = core
-    app[METRICS] = RouterMetrics(pool)
+    app[METRICS] = RouterMetrics(pool, worker)
     app[SHUTTING_DOWN] = asyncio.Event()
     app.cleanup_ctx.append(_services)
     app.on_shutdown.append(_begin_shutdown)
@@ -98,7 +99,7 @@ def front_routes(app: web.Application) -> tuple[dict[tuple[str, str], Handler], 
         return _ready(app)
 
     async def metrics(request: FrontRequest, body: bytes) -> Answer:
-        return web.Response(body=generate_latest(app[METRICS].registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=app[METRICS].exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(request: FrontRequest, body: bytes) -> Answer:
         return await proxy.handle_models(request)
@@ -235,6 +236,7 @@ def _start_request_log(settings: RouterSettings, metrics: RouterMetrics) -> Requ
         max_pending_lines=settings.request_log.max_pending_lines,
         flush_interval_s=settings.request_log.flush_interval_s,
         on_drop=metrics.request_log_dropped.inc,
+        worker=metrics.worker,
     )
     request_log.start()
     return request_log

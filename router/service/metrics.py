@@ -12,7 +12,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -64,7 +64,7 @@ class Histogram:
 
 
 class RouterMetrics:
-    def __init__(self, pool: ReplicaPool) -> None:
+    def __init__(self, pool: ReplicaPool, worker: str | None = None) -> None:
         self.requests = Counter(
             "shoal_router_requests",
             "Requests answered, by HTTP status, route branch (spill: left its cached replica for prefill backlog, "
@@ -130,6 +130,29 @@ class RouterMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_RequestCollector(self))
         self.registry.register(_PoolCollector(pool))
+        self.worker = worker
+        """This process's label among `--workers`; None for a lone router."""
+        self._exported = self.registry
+        if worker is not None:  # a `--workers` process (router/service/workers.py): every sample gets `worker`
+            self._exported = CollectorRegistry(auto_describe=False)
+            self._exported.register(_Labelled(self.registry, "worker", worker))
+
+    def exposition(self) -> bytes:
+        """The /metrics text of every collector registered, fleet sharing and KV events included."""
+        return generate_latest(self._exported)
+
+
+class _Labelled(Collector):
+    """A registry's metrics with one more label on every sample."""
+
+    def __init__(self, registry: CollectorRegistry, name: str, value: str) -> None:
+        self._registry = registry
+        self._label = {name: value}
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            family.samples = [sample._replace(labels={**sample.labels, **self._label}) for sample in family.samples]
+            yield family
 
 
 class _RequestCollector(Collector):

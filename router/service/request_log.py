@@ -54,6 +54,7 @@ class RequestLog:
         flush_interval_s: float,
         close_timeout_s: float = 2.0,
         on_drop: Callable[[], object] = lambda: None,
+        worker: str | None = None,
     ) -> None:
         self.sink = sink
         self.max_pending_lines = max_pending_lines
@@ -61,6 +62,8 @@ class RequestLog:
         self.close_timeout_s = close_timeout_s
         self.on_drop = on_drop
         """Called (on the event loop) for each line dropped because the writer is behind."""
+        self.worker = worker
+        """Added to every line as "worker" (a `--workers` process's label); None: not added."""
         self.num_dropped = 0
         self.num_written = 0
         self._pending: collections.deque[bytes] = collections.deque()
@@ -73,13 +76,15 @@ class RequestLog:
         self._thread.start()
 
     def record(self, fields: dict[str, Any]) -> None:
-        """Queue one line (its fields; "ts", the wall-clock time, is added). Never blocks."""
+        """Queue one line (its fields; "ts", the wall-clock time, and "worker" are added). Never blocks."""
         pending = self._pending
         if len(pending) >= self.max_pending_lines:
             self.num_dropped += 1
             self.on_drop()
             return
         fields["ts"] = time.time()
+        if self.worker is not None:
+            fields["worker"] = self.worker
         try:
             line = orjson.dumps(fields, option=_NEWLINE)
         except TypeError:  # a value orjson cannot encode (a lone surrogate): keep the line, lose the value

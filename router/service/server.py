@@ -13,6 +13,7 @@ import asyncio
 import gc
 import logging
 import signal
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -23,14 +24,18 @@ from router.service.settings import RouterSettings
 log = logging.getLogger("shoal.router")
 
 
-def serve(settings: RouterSettings) -> None:
+def serve(
+    settings: RouterSettings, *, worker: str | None = None, on_listening: Callable[[], object] | None = None
+) -> None:
+    """Run the router until SIGTERM or SIGINT. `worker`: this process's label among `--workers` (router/service/
+    workers.py), on its metrics; `on_listening` is called once the port is bound."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux and macOS
         runner = asyncio.run
     else:
         runner = uvloop.run
-    runner(_serve(settings))
+    runner(_serve(settings, worker, on_listening))
 
 
 class RouterServer:
@@ -63,9 +68,11 @@ class RouterServer:
         await self.runner.cleanup()
 
 
-async def _serve(settings: RouterSettings) -> None:
-    server = RouterServer(create_app(settings), settings)
+async def _serve(settings: RouterSettings, worker: str | None, on_listening: Callable[[], object] | None) -> None:
+    server = RouterServer(create_app(settings, worker=worker), settings)
     await server.start(settings.host, settings.port)
+    if on_listening is not None:
+        on_listening()
     app = server.app
     # Everything built so far lives as long as the process: keep it out of the collector's full passes.
     gc.freeze()

@@ -296,6 +296,9 @@ class RouterSettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     reuse_port: bool = False
     """Bind with SO_REUSEPORT so several router processes share one port (the kernel spreads connections)."""
+    workers: int = Field(1, ge=1, le=64)
+    """Router processes on the one port (SO_REUSEPORT), for throughput beyond one core; with more than one, set
+    `redis_url` so that they share one view of the fleet (router/service/workers.py)."""
     replicas: list[str] = Field(default_factory=list)
     """Static replica base URLs (http://host:port). More can be added through the admin API. Replicas speak plain
     HTTP/1.1 inside the cluster; TLS belongs at the router's ingress."""
