@@ -7,9 +7,13 @@ This counts the instructions each router executes per request instead: the route
 prefix, `--num-prompts` distinct bodies, closed loop at `--concurrency`) to the canned nginx backend, and the
 count is dumped. Instructions are not seconds (a Rust router retires more instructions per cycle than CPython),
 so compare rows of the same language, and use it to see what a part of Shoal costs: `shoal-nolog` is Shoal without
-the request log, `shoal:round_robin` without the cache-aware index and cost model.
+the request log, `shoal:round_robin` without the cache-aware index and cost model, `shoal+redis` with fleet
+sharing: a redis-server and a second Shoal router (not counted) are started, and while the counted router serves
+its requests the peer serves as many, so the count holds publishing its own records and applying the peer's, as
+in a fleet of two routers under equal load.
 
     .venv/bin/python benchmarks/bench_proxy_instructions.py --routers shoal,shoal-nolog,shoal:round_robin,smg
+    .venv/bin/python benchmarks/bench_proxy_instructions.py --routers shoal,shoal+redis
 
 Needs valgrind, nginx and loadgen.py's Python; smg and sglang-router come from `bench_proxy.py --setup-peers`.
 """
@@ -17,11 +21,14 @@ Needs valgrind, nginx and loadgen.py's Python; smg and sglang-router come from `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +37,18 @@ import bench_proxy as bp
 _SUMMARY = re.compile(rb"^(?:summary|totals):\s+(\d+)", re.M)
 
 
-def count_router(name: str, upstreams: list[str], args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+def count_router(
+    name: str, upstreams: list[str], args: argparse.Namespace, workdir: Path, peer: tuple[str, str] | None
+) -> dict[str, Any]:
+    """`peer`: (Redis URL, URL of a peer router sharing through it), for `shoal+redis`."""
     port = bp.free_port()
-    argv, why = bp.router_argv(name, port, upstreams, args.peer_policy)
+    argv, why = bp.router_argv(name.removesuffix("+redis"), port, upstreams, args.peer_policy)
     if argv is None:
         return {"skipped": why}
+    if name.endswith("+redis"):
+        if peer is None:
+            return {"skipped": "no redis-server"}
+        argv += ["--redis-url", peer[0]]
     out = workdir / f"{name.replace(':', '-')}.callgrind"
     valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
     env = {"TOKIO_WORKER_THREADS": "1", "PYTHONHASHSEED": "0"}
@@ -49,13 +63,25 @@ def count_router(name: str, upstreams: list[str], args: argparse.Namespace, work
         bp.run_loadgen(url, args.loadgen_core, [*load, "--requests", str(args.warm)], args.timeout_s + 60)
         subprocess.run(["callgrind_control", "-i", "on", str(service.process.pid)], check=True, capture_output=True)
         started = time.monotonic()
+        peer_load = None
+        if name.endswith("+redis") and peer is not None:  # the peer serves as many requests meanwhile
+            peer_argv = ["taskset", "-c", str(args.loadgen_core), sys.executable, str(bp.BENCH / "loadgen.py")]
+            peer_argv += ["--url", peer[1], *load, "--requests", str(args.requests)]
+            peer_load = subprocess.Popen(peer_argv, stdout=subprocess.DEVNULL, cwd=bp.REPO)
         report = bp.run_loadgen(url, args.loadgen_core, [*load, "--requests", str(args.requests)], args.timeout_s + 60)
+        if peer_load is not None:
+            peer_load.wait(timeout=args.timeout_s)
         subprocess.run(["callgrind_control", "-d", str(service.process.pid)], check=True, capture_output=True)
         elapsed_s = time.monotonic() - started
     finally:
         service.stop()
-    dumps = [_SUMMARY.search(dump.read_bytes()) for dump in workdir.glob(out.name + "*")]
-    counts = [int(found.group(1)) for found in dumps if found]
+    dumps = {dump: _SUMMARY.search(dump.read_bytes()) for dump in workdir.glob(out.name + "*")}
+    counts = [int(found.group(1)) for found in dumps.values() if found]
+    kept = bp.BENCH / "out" / f"callgrind-{name.replace(':', '-')}.out"  # for callgrind_annotate
+    kept.parent.mkdir(exist_ok=True)
+    for dump, found in dumps.items():
+        if found and int(found.group(1)) == max(counts):
+            shutil.copyfile(dump, kept)
     num_ok = report["num_ok"]
     return {
         "requests": num_ok,
@@ -66,6 +92,25 @@ def count_router(name: str, upstreams: list[str], args: argparse.Namespace, work
 
 
 READY_BODY = b'{"model":"shoal-demo","max_tokens":8,"messages":[{"role":"user","content":"ready?"}]}'
+
+
+@contextlib.contextmanager
+def redis_and_peer(upstreams: list[str], args: argparse.Namespace, workdir: Path) -> Iterator[tuple[str, str]]:
+    """A redis-server and a Shoal router sharing through it, both on the load generator's core."""
+    redis_port = bp.free_port()
+    redis_argv = ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    with bp.running(bp.start_service("redis", redis_argv, args.loadgen_core, workdir)):
+        port = bp.free_port()
+        argv, _ = bp.router_argv("shoal", port, upstreams, args.peer_policy)
+        assert argv is not None
+        peer = bp.start_service("shoal-peer", [*argv, "--redis-url", redis_url], args.loadgen_core, workdir)
+        with bp.running(peer):
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            error = bp.wait_ready(peer, url, READY_BODY, 60)
+            if error:
+                raise RuntimeError(f"the peer router did not start: {error}\n{peer.log_tail()}")
+            yield redis_url, url
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,9 +140,13 @@ def main(argv: list[str] | None = None) -> int:
             if error:
                 print(f"nginx did not start: {error}", file=sys.stderr)
                 return 1
-            for name in args.routers.split(","):
-                print(f"  counting {name} ...", flush=True)
-                rows[name] = count_router(name, upstreams, args, workdir)
+            with contextlib.ExitStack() as stack:
+                peer = None
+                if any(name.endswith("+redis") for name in args.routers.split(",")):
+                    peer = stack.enter_context(redis_and_peer(upstreams, args, workdir))
+                for name in args.routers.split(","):
+                    print(f"  counting {name} ...", flush=True)
+                    rows[name] = count_router(name, upstreams, args, workdir, peer)
     print(
         f"\n{args.requests} requests a router at concurrency {args.concurrency}, 2 KiB chat prompts "
         f"({args.num_prompts} bodies, one shared system prefix), canned nginx backend, counted by callgrind"
