@@ -327,7 +327,8 @@ def run_matrix_command(args: argparse.Namespace) -> int:
             print(f"shoal simulate: {exc}", file=sys.stderr)
             return 2
     document = {"command": command_line(args), **document}
-    print(f"{matrix.name}: {len(matrix.engines)} engines x {len(matrix.traces)} traces, {len(matrix.policies)} policies")
+    sizes = f"{len(matrix.engines)} engines x {len(matrix.traces)} traces, {len(matrix.policies)} policies"
+    print(f"{matrix.name}: {sizes}")
     print(format_matrix(document))
     (out_dir / "results.json").write_text(json.dumps(document, indent=1, allow_nan=True) + "\n")
     return 0

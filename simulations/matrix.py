@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import replace
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -226,10 +226,7 @@ def _mean(values: Iterator[float]) -> float:
 
 
 def _worst_ratios(matrix: Matrix, cells: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    return {
-        p.label: {key: max(c["ratios"][p.label][key] for c in cells) for key in _KEYS}
-        for p in matrix.policies
-    }
+    return {p.label: {key: max(c["ratios"][p.label][key] for c in cells) for key in _KEYS} for p in matrix.policies}
 
 
 def _seconds(x: float) -> str:
@@ -268,7 +265,8 @@ def format_matrix(document: dict[str, Any]) -> str:
         "|" + "|".join("-" * (w + 2) for w in widths) + "|",
     ]
     for row in rows:
-        cells = [c.ljust(w) if i < 2 or i == len(row) - 1 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        pairs = enumerate(zip(row, widths, strict=True))
+        cells = [c.ljust(w) if i < 2 or i == len(row) - 1 else c.rjust(w) for i, (c, w) in pairs]
         lines.append("| " + " | ".join(cells) + " |")
     met = [c for c in document["cells"] if c["goal_met"]]
     lines.append("")
