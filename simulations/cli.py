@@ -287,7 +287,7 @@ def run_matrix_command(args: argparse.Namespace) -> int:
 
     import yaml
     from pydantic import ValidationError
-    from tqdm import tqdm  # type: ignore[import-untyped]
+    from tqdm import tqdm
 
     from simulations.matrix import format_matrix, load_matrix, run_matrix
     from simulations.scenario import TRACES_DIR_ENV
