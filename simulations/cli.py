@@ -3,12 +3,16 @@
     shoal simulate fetch-traces --traces-dir ~/traces       # the public traces the scenarios replay (see below)
     shoal simulate --scenario simulations/scenarios/01_mooncake_moderate.yaml --traces-dir ~/traces --out runs/01
     shoal simulate --trace ~/traces/mooncake/synthetic_trace.jsonl --replicas 16 --out runs/x
+    shoal simulate --matrix simulations/matrices/engines_x_traces.yaml --traces-dir ~/traces --out runs/matrix
 
 A scenario file sets everything (see `scenario.Scenario`); flags override it. Without one, the five policies of
 `scenario.DEFAULT_POLICIES` run on 16 replicas of the LLaMA-70B preset.
 Prints one table row per policy (per fleet variant and policy when the scenario has `variants`), then a line per
 row whose fleet speculates, writes `results.json` and, unless `--no-plots`, `ttft_cdf.png` and `timeseries.png`
 into `--out`. Runs go one after the other on the same requests; a progress bar per run goes to stderr.
+`--matrix FILE` runs every policy on every (engine, trace) cell of a matrix file (`simulations.matrix`) and prints
+one table of TTFT mean and p99 per cell with each policy's ratios to the cell's best; `--set KEY=VALUE` changes a
+field of the file for the run.
 
 A scenario names its trace files relative to a traces directory: `--traces-dir DIR`, or else $SHOAL_TRACES_DIR.
 `shoal simulate fetch-traces` downloads them there (Mooncake, Azure LLM inference 2023, ServeGen), checked by
