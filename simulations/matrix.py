@@ -169,6 +169,14 @@ class _Window:
             yield request if self.speed == 1.0 else replace(request, arrival_s=request.arrival_s / self.speed)
 
 
+def cell_workload(
+    matrix: Matrix, engine: MatrixEngine, trace: MatrixTrace, scenario: Scenario, traces_dir: Path | None
+) -> Workload:
+    """The requests of a cell's `scenario`: the trace's first `limit`, at the engine's `arrival_speed`."""
+    limit = trace.limit if trace.limit is not None else matrix.limit
+    return _Window(build_workload(scenario, traces_dir=traces_dir), limit, engine.arrival_speed)
+
+
 def run_matrix(
     matrix: Matrix, *, traces_dir: Path | None, on_run: Callable[[str], None] | None = None
 ) -> dict[str, Any]:
@@ -179,8 +187,7 @@ def run_matrix(
         per_policy: dict[str, list[dict[str, Any]]] = {p.label: [] for p in matrix.policies}
         for seed in matrix.seeds:
             scenario = matrix.scenario(engine, trace, seed)
-            limit = trace.limit if trace.limit is not None else matrix.limit
-            workload = _Window(build_workload(scenario, traces_dir=traces_dir), limit, engine.arrival_speed)
+            workload = cell_workload(matrix, engine, trace, scenario, traces_dir)
             for _, entry in scenario.runs():
                 summary = Simulation(scenario, entry, workload).run().summary
                 per_policy[entry.label].append({"seed": seed, **summary})
