@@ -5,8 +5,8 @@ learnt, to say why a policy misses the cell's best.
         preset hot_prefix_burst --policies estimated_ttft,dynamo_kv [--seed 1] [--set KEY=VALUE ...]
 
 Per policy: TTFT mean and p99, requests per replica, the most sequences running and waiting on each replica as
-seen at arrivals, each replica's learned prefill rate and slot time at the end, and (estimated_ttft) its mean
-predicted TTFT beside the measured one.
+seen at arrivals, what the router learnt of each replica by the end (prefill rate, slot time, batch slots, fixed
+time; `service_time`), and (estimated_ttft) its mean predicted TTFT beside the measured one.
 """
 
 from __future__ import annotations
@@ -66,13 +66,17 @@ def look(scenario: Scenario, entry: PolicyEntry, workload: Workload) -> None:
     print(f"{entry.label}: TTFT mean {summary['ttft_mean_s']:.2f} s, p99 {summary['ttft_p99_s']:.2f} s")
     if predicted:
         print(f"  predicted TTFT, mean of the chosen replicas': {sum(predicted) / len(predicted):.2f} s")
-    print("  replica: requests, most running / waiting at an arrival, learned prefill tokens/s, slot s")
+    print("  replica: requests, most running / waiting at an arrival; learnt: prefill tokens/s, slot s, slots, fixed s")
     for member in simulation.members:
         state = simulation.router.state(member.replica.id)
         running, waiting = peaks.get(state.id, (0, 0))
         rate = f"{state.prefill_tokens_per_s:.0f}" if state.prefill_tokens_per_s else "-"
         slot = f"{state.slot_s:.1f}" if state.slot_s is not None else "-"
-        print(f"  {state.id}: {counts[state.id]}, {running} / {waiting}, {rate}, {slot}")
+        slots = state.batch_slots
+        print(
+            f"  {state.id}: {counts[state.id]}, {running} / {waiting}, {rate}, {slot}, "
+            f"{'-' if slots is None else f'{slots:.1f}'}, {state.fixed_s:.3f}"
+        )
 
 
 if __name__ == "__main__":
