@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from simulations.matrix import load_matrix
 from tests.data import TRACES_DIR
 
 from .test_cli import simulate
@@ -76,3 +77,11 @@ def test_flags_the_matrix_file_sets_are_refused(matrix_file: Path, tmp_path: Pat
     argv = ["--matrix", str(matrix_file), "--traces-dir", str(TRACES_DIR), "--out", str(tmp_path), "--no-progress"]
     assert simulate([*argv, "--replicas", "4"]) == 2
     assert simulate([*argv, "--set", "engines"]) == 2
+
+
+def test_the_packaged_matrix_is_valid_and_its_engines_resolve() -> None:
+    matrix = load_matrix(Path(__file__).parents[3] / "simulations" / "matrices" / "engines_x_traces.yaml")
+    assert matrix.num_runs == 6 * 5 * 9
+    fleets = {e.label: matrix.scenario(e, matrix.traces[0], 0).fleet for e in matrix.engines}
+    assert fleets["one_slow"].step_time_factors == [2.0]
+    assert fleets["profiled"].resolve().engine.max_num_batched_tokens == 512  # the profile's, not the base preset's
