@@ -73,6 +73,8 @@ class MatrixTrace(_Model):
 
 
 class Matrix(_Model):
+    """A matrix file: engines x traces, each cell every policy once per seed (module docstring)."""
+
     name: str = "matrix"
     description: str = ""
     fleet: FleetConfig = Field(default_factory=FleetConfig)
