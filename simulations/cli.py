@@ -3,12 +3,16 @@
     shoal simulate fetch-traces --traces-dir ~/traces       # the public traces the scenarios replay (see below)
     shoal simulate --scenario simulations/scenarios/01_mooncake_moderate.yaml --traces-dir ~/traces --out runs/01
     shoal simulate --trace ~/traces/mooncake/synthetic_trace.jsonl --replicas 16 --out runs/x
+    shoal simulate --matrix simulations/matrices/engines_x_traces.yaml --traces-dir ~/traces --out runs/matrix
 
 A scenario file sets everything (see `scenario.Scenario`); flags override it. Without one, the five policies of
 `scenario.DEFAULT_POLICIES` run on 16 replicas of the LLaMA-70B preset.
 Prints one table row per policy (per fleet variant and policy when the scenario has `variants`), then a line per
 row whose fleet speculates, writes `results.json` and, unless `--no-plots`, `ttft_cdf.png` and `timeseries.png`
 into `--out`. Runs go one after the other on the same requests; a progress bar per run goes to stderr.
+`--matrix FILE` runs every policy on every (engine, trace) cell of a matrix file (`simulations.matrix`) and prints
+one table of TTFT mean and p99 per cell with each policy's ratios to the cell's best; `--set KEY=VALUE` changes a
+field of the file for the run.
 
 A scenario names its trace files relative to a traces directory: `--traces-dir DIR`, or else $SHOAL_TRACES_DIR.
 `shoal simulate fetch-traces` downloads them there (Mooncake, Azure LLM inference 2023, ServeGen), checked by
@@ -37,6 +41,18 @@ def add_simulate_command(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--scenario", metavar="FILE", help="scenario YAML (simulations/scenarios/)")
+    parser.add_argument(
+        "--matrix",
+        metavar="FILE",
+        help="engine x trace matrix YAML (simulations/matrices/): every policy on every cell, one table",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="with --matrix: set a field of the matrix file (dotted key, YAML value), e.g. "
+        "router.service_time.learn_fixed=true; repeatable",
+    )
     parser.add_argument(
         "--trace",
         metavar="PATH",
@@ -217,6 +233,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     if not args.out:
         print("shoal simulate: give --out DIR (or run `shoal simulate fetch-traces`)", file=sys.stderr)
         return 2
+    if args.matrix:
+        return run_matrix_command(args)
     traces_dir = args.traces_dir or os.environ.get(TRACES_DIR_ENV) or None
     try:
         scenario = resolve_scenario(args)
@@ -263,14 +281,73 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+_NOT_MATRIX_FLAGS = ("scenario", "trace", "replicas", "speed", "limit", "preset", "index_mode", "acceptance_length")
+"""Flags `--matrix` refuses: the matrix file sets these, per engine or trace."""
+
+
+def run_matrix_command(args: argparse.Namespace) -> int:
+    """`shoal simulate --matrix FILE`: run every cell, print the table, write `results.json`."""
+    import json
+
+    import yaml
+    from pydantic import ValidationError
+    from tqdm import tqdm
+
+    from simulations.matrix import format_matrix, load_matrix, run_matrix
+    from simulations.scenario import TRACES_DIR_ENV
+
+    others = [k for k in _NOT_MATRIX_FLAGS if getattr(args, k, None) is not None]
+    if others:
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in others)
+        print(f"shoal simulate: --matrix does not take {flags}; set it in the matrix file", file=sys.stderr)
+        return 2
+    traces_dir = args.traces_dir or os.environ.get(TRACES_DIR_ENV) or None
+    try:
+        overrides: dict[str, Any] = {}
+        for item in args.set or []:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+            overrides[key] = yaml.safe_load(value)
+        if args.policies:
+            overrides["policies"] = [p.strip() for p in args.policies.split(",") if p.strip()]
+        if args.seed is not None:
+            overrides["seeds"] = [args.seed]
+        matrix = load_matrix(args.matrix, overrides)
+    except (ValidationError, ValueError, OSError, yaml.YAMLError) as exc:
+        print(f"shoal simulate: {exc}", file=sys.stderr)
+        return 2
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tqdm(total=matrix.num_runs, unit="run", file=sys.stderr, disable=args.no_progress) as bar:
+
+        def advance(label: str) -> None:
+            bar.set_postfix_str(label)
+            bar.update(1)
+
+        try:
+            document = run_matrix(matrix, traces_dir=Path(traces_dir) if traces_dir else None, on_run=advance)
+        except (ValidationError, ValueError, OSError) as exc:
+            print(f"shoal simulate: {exc}", file=sys.stderr)
+            return 2
+    document = {"command": command_line(args), **document}
+    sizes = f"{len(matrix.engines)} engines x {len(matrix.traces)} traces, {len(matrix.policies)} policies"
+    print(f"{matrix.name}: {sizes}")
+    print(format_matrix(document))
+    (out_dir / "results.json").write_text(json.dumps(document, indent=1, allow_nan=True) + "\n")
+    return 0
+
+
 def command_line(args: argparse.Namespace) -> str:
     """The `shoal simulate` command line that reproduces `args` (for results.json and the README)."""
     words = ["shoal", "simulate"]
-    flags = ("scenario", "trace", "policies", "replicas", "speed", "limit", "preset", "index_mode", "seed")
+    flags = ("scenario", "matrix", "trace", "policies", "replicas", "speed", "limit", "preset", "index_mode", "seed")
     for flag in (*flags, "traces_dir", "acceptance_length", "out"):
         value = getattr(args, flag, None)
         if value is not None:
             words += [f"--{flag.replace('_', '-')}", str(value)]
+    for item in getattr(args, "set", None) or []:
+        words += ["--set", item]
     words += [f"--{flag.replace('_', '-')}" for flag in ("no_plots", "no_progress") if getattr(args, flag, False)]
     return " ".join(shlex.quote(w) for w in words)
 

@@ -9,10 +9,12 @@ The scheduler follows vLLM V1's. Each step has a budget of `max_num_batched_toke
    fewer than `max_num_seqs` run: the cache is matched for the prompt's leading blocks (never the whole prompt:
    at least one token is computed), and blocks are allocated for the cached prefix and the first chunk. The
    queue stops at the first sequence whose blocks do not fit (no overtaking).
-The step lasts `StepModel.step_time_s(prefill tokens, decode sequences, KV tokens read, attention pairs)`. When it
-ends, every scheduled sequence has its tokens computed; computed full blocks enter the prefix cache; a sequence
-whose tokens are all computed samples one token (the first one ends its prefill: time to first token), and one
-that has all its output finishes and releases its blocks. The next step starts at once while there is work.
+The step lasts `StepModel.step_time_s(prefill tokens, decode sequences, KV tokens read, attention pairs)`, plus
+`EngineConfig.request_overhead_s` for each request admitted for the first time (not again after a preemption).
+When it ends, every scheduled sequence has its tokens computed; computed full blocks enter the prefix cache; a
+sequence whose tokens are all computed samples one token (the first one ends its prefill: time to first token),
+and one that has all its output finishes and releases its blocks. The next step starts at once while there is
+work.
 
 A sequence's tokens are its prompt and the output sampled so far (`num_tokens`); `num_computed` of them have KV.
 Decode is the case `num_tokens - num_computed == 1`; recompute after preemption is a prefill of every known token.
@@ -219,6 +221,7 @@ class SimReplica:
         kv_read = 0
         pairs = 0.0
         is_preempted = False
+        num_new = 0
 
         i = 0
         while i < len(running) and budget > 0:
@@ -275,6 +278,7 @@ class SimReplica:
                 seq.num_computed = computed
                 if seq.hit_tokens is None:
                     seq.hit_tokens = computed
+                    num_new += 1
                 seq.num_scheduled = t
                 scheduled.append(seq)
                 budget -= t
@@ -295,6 +299,7 @@ class SimReplica:
             self.spec_branches[branch] += 1
             if branch == "speculated":
                 duration_s = spec_s
+        duration_s += engine.request_overhead_s * num_new
         self.busy_s += duration_s
         self.num_steps += 1
         self._version += 1

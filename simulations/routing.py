@@ -20,6 +20,7 @@ from router.policy.kv_events import KVEvent
 from router.policy.prefill_rate import PrefillRateEstimator
 from router.policy.prefix_index import PrefixIndex
 from router.policy.routing_core import RoutingConfig, RoutingCore, Ticket
+from router.policy.service_time import ServiceTimeEstimator
 from router.policy.session import SessionAffinityConfig
 from router.policy.types import Policy, ReplicaState
 
@@ -53,6 +54,8 @@ class SimRouter:
         is_session_affinity: bool = False,
         session_affinity: SessionAffinityConfig | None = None,
         max_in_flight_per_replica: int = 0,
+        service_time: ServiceTimeEstimator | None = None,
+        infer_max_num_seqs: bool = False,
     ) -> None:
         config = RoutingConfig(
             token_block_size=block_size,
@@ -60,6 +63,7 @@ class SimRouter:
             max_in_flight_per_replica=max_in_flight_per_replica,
             session=session_affinity or SessionAffinityConfig(),
             prefill_rate=prefill_rate,
+            service_time=service_time or ServiceTimeEstimator(),
             use_index=use_index,
             records_predictions=mode != "exact",
         )
@@ -68,6 +72,8 @@ class SimRouter:
         self.mode = mode
         self.is_session_affinity = is_session_affinity
         """Read requests' session keys, as the live router does when `session_header` is set."""
+        self.infer_max_num_seqs = infer_max_num_seqs
+        """Take a batch limit from scrapes that see a queue beside running requests (`ReplicaState.set_gauges`)."""
         self._eligible: list[ReplicaState] = []
 
     @property
@@ -130,7 +136,9 @@ class SimRouter:
 
     def scrape(self, replica_id: str, num_running: int, num_waiting: int, kv_usage: float) -> None:
         """The gauges a scrape of the replica's /metrics returned now."""
-        self.core.state(replica_id).set_gauges(num_running, num_waiting, kv_usage)
+        self.core.state(replica_id).set_gauges(
+            num_running, num_waiting, kv_usage, infer_max_num_seqs=self.infer_max_num_seqs
+        )
 
     def apply_kv_events(self, replica_id: str, events: Sequence[KVEvent], now: float) -> None:
         """Exact modes: the replica's KV events reached the router."""

@@ -8,7 +8,7 @@ so a typo in a scenario is an error, not a silent default. Policies are `router.
 Fleet variants (`variants`) compare fleets rather than policies: each is a label and overrides of `fleet`, and
 every policy runs on every variant (`runs`), rows labelled `variant: policy`. It is a list of overrides rather than
 a list of whole fleets so that what a variant changes is all it states; the workload and the floor row come from
-the scenario's own fleet, so a variant may not change the block size or `prefill_only`.
+the scenario's own fleet, so a variant may not change the block size, `prefill_only` or `output_scale`.
 
 Trace files: a relative `path` is taken from the traces directory that `shoal simulate --traces-dir DIR` or the
 environment variable `SHOAL_TRACES_DIR` names (`resolve_trace_paths`), so scenario files name no machine's paths;
@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from router.policy.config import PolicyConfig, parse_policy_config
 from router.policy.prefill_rate import PrefillRateEstimator
 from router.policy.prefix_index import PrefixIndexConfig
+from router.policy.service_time import ServiceTimeEstimator
 from router.policy.session import SessionAffinityConfig
 from simulations.metrics import SLOConfig
 from simulations.routing import IndexMode
@@ -41,7 +42,7 @@ from simulations.synthetic import (
     SharedPrefixWorkload,
 )
 from simulations.traces import AzureWorkload, MooncakeWorkload
-from simulations.workload import PrefillOnlyWorkload, Workload
+from simulations.workload import PrefillOnlyWorkload, ScaledOutputWorkload, Workload
 
 DEFAULT_POLICIES = ("estimated_ttft", "sglang_cache_aware", "dynamo_kv", "least_load", "round_robin")
 """The five policies compared by default, Shoal's own first."""
@@ -101,6 +102,15 @@ class FleetConfig(_Model):
     speculation: dict[str, Any] | None = Field(default_factory=dict)
     """Overrides of the preset's `speculation` fields (`step_model.SpeculationConfig`), or all of them for a preset
     without speculation. `null`: no speculation, whatever the preset has. `{}` (the default): the preset's."""
+    step_time_factors: list[Annotated[float, Field(gt=0.0)]] = Field(default_factory=list)
+    """Step-time multipliers of the first replicas, in the order they are created (r000, r001, ...): `[2.0]` makes
+    r000 twice as slow at every step as the others (`StepModel.scaled`; a speculating replica's drafting costs are
+    not scaled), a fleet of unlike GPUs or one replica on a throttled or shared device. Replicas past the list run
+    at 1. Empty (the default): every replica alike."""
+    output_scale: float = Field(default=1.0, gt=0.0)
+    """Every request's output is this many times the trace's (rounded, at least one token): decode-heavy traffic on
+    the same prompts and arrivals. Output tokens beyond what the workload knows (a conversation's next turn
+    resends the recorded answer) are not cacheable. 1 (the default): the trace's lengths."""
     prefill_only: bool = False
     """Replicas are the prefill instances of a disaggregated deployment (Mooncake, Dynamo, llm-d P/D): each
     computes a prompt and its first token, then hands the request to decode instances, which are not simulated.
@@ -132,25 +142,32 @@ class FleetVariant(_Model):
     fleet: dict[str, Any] = Field(default_factory=dict)
     """Overrides of the scenario's `fleet`: `engine`, `step_model` and `speculation` mappings merge into the
     scenario's (`speculation: null` turns it off); any other field (`preset`, `num_replicas`) replaces it.
-    `prefill_only` cannot change, as the variants share one workload."""
+    `prefill_only` and `output_scale` cannot change, as the variants share one workload."""
 
     @field_validator("fleet")
     @classmethod
     def _same_workload(cls, value: dict[str, Any]) -> dict[str, Any]:
-        if "prefill_only" in value:
-            raise ValueError("a variant cannot change `prefill_only`: every variant replays the same workload")
+        for key in ("prefill_only", "output_scale"):
+            if key in value:
+                raise ValueError(f"a variant cannot change `{key}`: every variant replays the same workload")
         return value
 
     def apply(self, fleet: FleetConfig) -> FleetConfig:
         """`fleet` with this variant's overrides."""
-        data = fleet.model_dump()
-        for key, value in self.fleet.items():
-            current = data.get(key)
-            if key in _MERGED_FLEET_FIELDS and isinstance(value, dict) and isinstance(current, dict):
-                data[key] = {**current, **value}
-            else:
-                data[key] = value
-        return FleetConfig.model_validate(data)
+        return merge_fleet(fleet, self.fleet)
+
+
+def merge_fleet(fleet: FleetConfig, overrides: dict[str, Any]) -> FleetConfig:
+    """`fleet` with `overrides`: the `engine`, `step_model` and `speculation` mappings merge into the fleet's, any
+    other field replaces it."""
+    data = fleet.model_dump()
+    for key, value in overrides.items():
+        current = data.get(key)
+        if key in _MERGED_FLEET_FIELDS and isinstance(value, dict) and isinstance(current, dict):
+            data[key] = {**current, **value}
+        else:
+            data[key] = value
+    return FleetConfig.model_validate(data)
 
 
 class RouterConfig(_Model):
@@ -184,6 +201,13 @@ class RouterConfig(_Model):
     """Seconds the serving path adds to every request's first token and end, beyond the engine's steps: the HTTP
     hops client -> router -> replica and back, and the server's event loop. 0: not modelled. A few milliseconds on
     a GPU fleet's network; `benchmarks/sim_vs_live.py` measures it on the live stack (one-token requests)."""
+    service_time: ServiceTimeEstimator = Field(default_factory=ServiceTimeEstimator)
+    """How the router learns each replica's batch slots and fixed per-request time from latencies
+    (`router.policy.service_time`: `learn_slots`, `learn_fixed`, both off by default as in the live router)."""
+    infer_max_num_seqs: bool = False
+    """Take a replica's batch limit from a scrape that sees requests queued beside running ones
+    (`ReplicaState.set_gauges`). Off by default, as in the live router: a full KV cache queues requests too. The
+    simulated engines export no limit of their own (vLLM's metrics do not)."""
     session: SessionAffinityConfig = Field(default_factory=SessionAffinityConfig)
     """When a pin yields to the policy (its replica overloaded) and how many sessions are remembered: the live
     router's `session_affinity` settings."""
@@ -323,9 +347,11 @@ def resolve_trace_paths(trace: TraceConfig, traces_dir: Path | None) -> TraceCon
 
 
 def build_workload(scenario: Scenario, *, traces_dir: Path | None = None) -> Workload:
-    """The scenario's workload, in blocks of its engine's block size (one output token each for a prefill-only
-    fleet); relative trace paths are taken from `traces_dir`."""
+    """The scenario's workload, in blocks of its engine's block size (outputs scaled by the fleet's `output_scale`,
+    one output token each for a prefill-only fleet); relative trace paths are taken from `traces_dir`."""
     workload = _build_trace_workload(scenario, traces_dir)
+    if scenario.fleet.output_scale != 1.0:
+        workload = ScaledOutputWorkload(workload, scenario.fleet.output_scale)
     return PrefillOnlyWorkload(workload) if scenario.fleet.prefill_only else workload
 
 

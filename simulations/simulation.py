@@ -91,6 +91,8 @@ class Simulation:
             is_session_affinity=router_cfg.session_affinity,
             session_affinity=router_cfg.session,
             max_in_flight_per_replica=router_cfg.max_in_flight_per_replica,
+            service_time=router_cfg.service_time,
+            infer_max_num_seqs=router_cfg.infer_max_num_seqs,
         )
         self.recorder = Recorder()
         self.scaling: ScalingDriver = build_scaling(scenario.autoscale or scenario.scaling)
@@ -123,12 +125,16 @@ class Simulation:
 
     def _add_replica(self, *, startup_s: float) -> None:
         replica_id = f"r{self._next_replica:03d}"
+        factors = self.scenario.fleet.step_time_factors
+        step_model = self.step_model
+        if self._next_replica < len(factors):
+            step_model = step_model.scaled(factors[self._next_replica])
         self._next_replica += 1
         is_exact = self.scenario.router.index_mode != "approximate" and self.router.use_index
         replica = SimReplica(
             replica_id,
             self.engine,
-            self.step_model,
+            step_model,
             self.sim,
             on_first_token=self._first_token,
             on_finish=self._finish,

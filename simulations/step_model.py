@@ -79,6 +79,10 @@ class StepModel(_Model):
             + self.attention_s_per_token_pair * attention_pairs
         )
 
+    def scaled(self, factor: float) -> StepModel:
+        """This model with every coefficient times `factor`: an engine `factor` times slower at every step."""
+        return StepModel(**{name: value * factor for name, value in self.model_dump().items()})
+
     def prefill_tokens_per_s(self, chunk_tokens: int) -> float:
         """Throughput of back-to-back prefill chunks of `chunk_tokens` with no prefix and no decode, tokens/s: the
         figure a router's learned prefill rate converges to on an idle replica."""
@@ -101,6 +105,12 @@ class EngineConfig(_Model):
     8192 for the online server on datacenter GPUs)."""
     enable_prefix_caching: bool = True
     """Block-level prefix caching (vLLM's default in V1). Off: no prompt ever hits the cache."""
+    request_overhead_s: float = Field(default=0.0, ge=0.0)
+    """Engine seconds each request costs once, added to the step that schedules its first prefill chunk: the
+    engine loop's per-request work (input processing, block allocation, sampler and detokeniser state), serial
+    with the steps, so a step admitting k new requests lasts k times this longer and a queue of short requests
+    costs this much each. On an idle replica TTFT grows by exactly this. Tokenisation in a separate API-server
+    process overlaps the engine and is not this. 0 (the default): not modelled, as in the presets."""
     startup_s: StartupTime = 0.0
     """Seconds from a replica's creation to its first request (image pull, weights load, CUDA graphs), or a
     distribution of them (`simulations.startup`); applies to replicas added while the simulation runs, not to
@@ -197,11 +207,13 @@ class Preset(_Model):
 
 
 def load_preset(name_or_path: str) -> Preset:
-    """A preset by name (a file in `simulations/presets/`, without `.yaml`) or by path: YAML, or the JSON that
-    `shoal replica profile` writes (fitted here)."""
+    """A preset by name (a file in `simulations/presets/` without its suffix: `.yaml`, else a profile's `.json`)
+    or by path: YAML, or the JSON that `shoal replica profile` writes (fitted here)."""
     path = Path(name_or_path)
     if not path.suffix:
         path = PRESETS_DIR / f"{name_or_path}.yaml"
+        if not path.is_file() and (PRESETS_DIR / f"{name_or_path}.json").is_file():
+            path = PRESETS_DIR / f"{name_or_path}.json"
     if path.suffix == ".json":
         return preset_from_profile(path)
     with path.open() as f:

@@ -103,6 +103,24 @@ class PrefillOnlyWorkload:
             yield replace(request, output_tokens=1, cache_hashes=None)
 
 
+class ScaledOutputWorkload:
+    """`workload` with every output `scale` times longer (rounded, at least 1 token): decode-heavy traffic."""
+
+    def __init__(self, workload: Workload, scale: float) -> None:
+        self.inner = workload
+        self.scale = scale
+        self.name = f"{workload.name} (outputs x{scale:g})"
+        self.block_size = workload.block_size
+        self.seed_bytes = workload.seed_bytes
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]  # TypeError, as for any unsized workload
+
+    def requests(self) -> Iterator[Request]:
+        for request in self.inner.requests():
+            yield replace(request, output_tokens=max(1, round(request.output_tokens * self.scale)))
+
+
 @dataclass(frozen=True, slots=True)
 class SegmentTokens:
     """Token ids of a prompt made of segments (a system prompt, user turns, outputs), each a run of made-up ids.

@@ -1,0 +1,92 @@
+"""Engines unlike the router's model, each checked by hand on conftest's engine (10 ms a step, 1 ms a prefill token,
+2 ms a decoding sequence): a fixed per-request overhead, a small batch limit, a slower replica, longer outputs, a
+preset fitted to a bundled profile, and the router's opt-in inference of a batch limit."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from simulations.scenario import FleetVariant, Scenario, policy_entry
+from simulations.simulation import RunResult, Simulation
+from simulations.step_model import load_preset
+from simulations.workload import Request, ScaledOutputWorkload
+
+from .conftest import request, scenario, workload
+
+ALONE_TTFT_S = 0.110
+"""A 100-token prompt alone on an idle replica: one step of 0.01 + 100 x 0.001 s."""
+
+
+def run(scn: Scenario, *requests: Request) -> RunResult:
+    return Simulation(scn, policy_entry("round_robin"), workload(*requests)).run()
+
+
+def test_a_request_overhead_adds_exactly_itself_to_ttft_on_an_idle_replica() -> None:
+    plain = run(scenario(), request(0, 0.0, ((1, 100),), output_tokens=1))
+    slow = run(scenario(fleet={"engine": {"request_overhead_s": 0.05}}), request(0, 0.0, ((1, 100),), output_tokens=1))
+    assert plain.recorder.ttft_s[0] == pytest.approx(ALONE_TTFT_S)
+    assert slow.recorder.ttft_s[0] == pytest.approx(ALONE_TTFT_S + 0.05)
+
+
+def test_the_overhead_is_engine_time_paid_once_per_request() -> None:
+    # Both arrive at 0; the first starts a step alone (0.11 + 0.05). The second is admitted in the next step, beside
+    # the first's decode: 0.01 + 0.1 + 0.002 + 0.05. The decode steps after it pay none: 0.014 with both, then 0.012.
+    scn = scenario(fleet={"engine": {"request_overhead_s": 0.05}})
+    result = run(scn, request(0, 0.0, ((1, 100),), output_tokens=3), request(1, 0.0, ((2, 100),), output_tokens=3))
+    assert result.recorder.ttft_s == pytest.approx([0.16, 0.322])
+    assert result.recorder.e2e_s == pytest.approx([0.336, 0.348])
+
+
+def test_a_small_batch_limit_makes_a_request_wait_for_a_slot() -> None:
+    requests = (request(0, 0.0, ((1, 100),), output_tokens=3), request(1, 0.0, ((2, 100),), output_tokens=3))
+    both = run(scenario(fleet={"engine": {"max_num_seqs": 2}}), *requests)
+    one = run(scenario(fleet={"engine": {"max_num_seqs": 1}}), *requests)
+    # Two slots: the second is admitted in the step after the first's, beside its decode (0.01 + 0.1 + 0.002).
+    assert both.recorder.ttft_s == pytest.approx([ALONE_TTFT_S, ALONE_TTFT_S + 0.112])
+    # One slot: the second waits for the first's prefill (0.110) and two decode steps (0.012 each), then prefills.
+    assert sorted(one.recorder.ttft_s) == pytest.approx([ALONE_TTFT_S, 0.134 + ALONE_TTFT_S])
+
+
+def test_a_replica_with_step_time_factor_two_takes_twice_as_long() -> None:
+    scn = scenario(fleet={"num_replicas": 2, "step_time_factors": [2.0]})
+    # Round robin sends the first to r000 (2x), the second to r001; different prompts, no cache in play.
+    result = run(scn, request(0, 0.0, ((1, 100),), output_tokens=3), request(1, 5.0, ((2, 100),), output_tokens=3))
+    slow, fast = result.recorder.ttft_s
+    assert fast == pytest.approx(ALONE_TTFT_S)
+    assert slow == pytest.approx(2 * ALONE_TTFT_S)
+    slow_e2e, fast_e2e = result.recorder.e2e_s
+    assert slow_e2e - slow == pytest.approx(2 * (fast_e2e - fast))
+
+
+def test_scaled_outputs_decode_that_many_more_tokens() -> None:
+    base = workload(request(0, 0.0, ((1, 100),), output_tokens=3))
+    scaled = ScaledOutputWorkload(base, 4.0)
+    assert [r.output_tokens for r in scaled.requests()] == [12]
+    result = Simulation(scenario(), policy_entry("round_robin"), scaled).run()
+    assert result.recorder.e2e_s[0] == pytest.approx(ALONE_TTFT_S + 11 * 0.012)
+
+
+def test_fleet_variants_cannot_scale_outputs_since_they_share_one_workload() -> None:
+    with pytest.raises(ValidationError, match="output_scale"):
+        FleetVariant(label="x", fleet={"output_scale": 2.0})
+
+
+def test_the_bundled_profile_is_a_preset_fitted_by_name() -> None:
+    preset = load_preset("shoal_demo_cpu")
+    assert preset.name == "profile:shoal_demo_cpu"
+    assert "fitted to" in preset.description
+    assert (preset.engine.num_kv_blocks, preset.engine.max_num_batched_tokens) == (2048, 512)
+    assert preset.step_model.step_s > 0 and preset.step_model.prefill_s_per_token > 0
+
+
+@pytest.mark.parametrize("is_inferred", [False, True])
+def test_the_router_infers_a_batch_limit_from_scrapes_only_when_asked(is_inferred: bool) -> None:
+    scn = scenario(
+        fleet={"engine": {"max_num_seqs": 2}},
+        router={"scrape_interval_s": 0.05, "infer_max_num_seqs": is_inferred},
+    )
+    requests = [request(i, 0.0, ((i + 1, 100),), output_tokens=20) for i in range(6)]
+    simulation = Simulation(scn, policy_entry("round_robin"), workload(*requests))
+    simulation.run()
+    assert simulation.router.state("r000").max_num_seqs == (2 if is_inferred else None)
