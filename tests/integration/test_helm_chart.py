@@ -670,15 +670,29 @@ def test_network_policy_lets_only_the_routers_reach_the_replicas() -> None:
 # --- Redis, observability, notes ---------------------------------------------------------------------------------
 
 
-def test_redis_is_off_external_or_bundled() -> None:
-    assert not [m for m in rendered("defaults") if m.kind == "StatefulSet"]
+def test_redis_is_auto_off_external_or_bundled() -> None:
+    # auto (the default): two router pods share one view through a bundled Redis; the replicas publish nothing.
+    defaults = rendered("defaults")
+    service = find(defaults, "Service", "redis")
+    url = f"redis://{service.name}:{service.body['spec']['ports'][0]['port']}/0"
+    assert find(defaults, "StatefulSet", "redis")
+    assert env_of(container(find(defaults, "Deployment", "router")))["SHOAL_ROUTER_REDIS_URL"]["value"] == url
+    assert "SHOAL_REPLICA_KV_EVENTS_REDIS_URL" not in env_of(container(find(defaults, "Deployment", "replica")))
+    assert "shared view of the fleet" in render_notes()
+    # auto with one router pod, or none: no Redis at all.
+    for values in ({"router": {"replicas": 1}}, {"redis": {"mode": "none"}}):
+        manifests = render(values)
+        assert not [m for m in manifests if m.kind == "StatefulSet"]
+        assert "SHOAL_ROUTER_REDIS_URL" not in env_of(container(find(manifests, "Deployment", "router")))
+    autoscaled = render({"router": {"replicas": 1, "autoscaling": {"enabled": True}}})
+    assert find(autoscaled, "StatefulSet", "redis")
+    assert "each router pod keeps its own view" in render_notes({"redis": {"mode": "none"}})
     external = env_of(container(find(rendered("redis-external"), "Deployment", "replica")))
     assert external["SHOAL_REPLICA_KV_EVENTS_REDIS_URL"]["valueFrom"] == {
         "secretKeyRef": {"name": "shoal-redis", "key": "url"}
     }
     router_env = env_of(container(find(rendered("redis-external"), "Deployment", "router")))
     assert router_env["SHOAL_ROUTER_REDIS_URL"]["valueFrom"] == {"secretKeyRef": {"name": "shoal-redis", "key": "url"}}
-    assert "SHOAL_ROUTER_REDIS_URL" not in env_of(container(find(rendered("defaults"), "Deployment", "router")))
     bundled = render({"redis": {"mode": "bundled"}})
     url = env_of(container(find(bundled, "Deployment", "replica")))["SHOAL_REPLICA_KV_EVENTS_REDIS_URL"]["value"]
     service = find(bundled, "Service", "redis")

@@ -98,12 +98,22 @@ shoal-demo, its own default). */}}
 {{- end }}
 {{- end }}
 
-{{/* Whether this release runs Redis itself or points at one: the URL's source for the pods that use it. */}}
+{{/* The Redis mode in effect: `auto` is `bundled` when more than one router pod can run (they share one view of
+the fleet through it) and `none` otherwise. */}}
+{{- define "shoal.redisMode" -}}
+{{- $mode := .Values.redis.mode }}
+{{- if eq $mode "auto" }}
+{{- $mode = ternary "bundled" "none" (or .Values.router.autoscaling.enabled (gt (int .Values.router.replicas) 1)) }}
+{{- end }}
+{{- $mode }}
+{{- end }}
+
+{{/* Whether this release runs Redis itself or points at one (`mode`, for the pods at hand): the URL's source. */}}
 {{- define "shoal.redisUrlEnv" -}}
-{{- if eq .root.Values.redis.mode "bundled" }}
+{{- if eq .mode "bundled" }}
 - name: {{ .name }}
   value: {{ printf "redis://%s:6379/0" (include "shoal.componentName" (dict "root" .root "component" "redis")) | quote }}
-{{- else if eq .root.Values.redis.mode "external" }}
+{{- else if eq .mode "external" }}
 {{- if .root.Values.redis.external.existingSecret }}
 - name: {{ .name }}
   valueFrom:
