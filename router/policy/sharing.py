@@ -18,18 +18,19 @@ whose seq is not the next one (the capped stream was trimmed past it, Redis was 
 as a gap: loads heal by themselves, approximate records are guesses either way, and the driver re-reads the state
 that does not heal (drains) instead of guessing it.
 
-Wire form: JSON (stdlib), block hashes packed as little-endian uint64 in base64 (11 bytes a hash, against 20 as
+Wire form: JSON (orjson), block hashes packed as little-endian uint64 in base64 (11 bytes a hash, against 20 as
 decimal text). Pure: no I/O, `now` comes from the caller.
 """
 
 from __future__ import annotations
 
 import base64
-import json
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from router.policy.routing_core import RoutingCore
 
@@ -118,7 +119,7 @@ def encode_batch(batch: Batch) -> bytes:
         "pins": [[p.session_key, p.replica] for p in batch.pins],
         "drains": [[d.replica, d.is_draining] for d in batch.drains],
     }
-    return json.dumps(body, separators=(",", ":")).encode()
+    return orjson.dumps(body)
 
 
 def _str(value: Any, what: str) -> str:
@@ -136,8 +137,8 @@ def _count(value: Any, what: str) -> int:
 def decode_batch(data: bytes) -> Batch:
     """The batch `encode_batch` wrote; raises SharingError for anything else (another wire version included)."""
     try:
-        body = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+        body = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
         raise SharingError(f"batch is not JSON: {exc}") from exc
     if not isinstance(body, dict) or body.get("v") != WIRE_VERSION:
         raise SharingError(f"batch must be an object of wire version {WIRE_VERSION}")
