@@ -70,6 +70,10 @@ class EngineConfig:
     adaptive_speculation: bool = True
     """Shrink k for sequences whose drafts are rarely accepted, and skip speculation for batch sizes where it is
     measured not to pay (`replica.engine.speculation`)."""
+    max_forced_drafts: int = 8
+    """Tokens a grammar forces after a constrained sequence's drafts (a key and its quotes) that join them as
+    drafts, at most (`replica.engine.constrain`); 0 turns that off. Each costs one verified position and no
+    drafter work; 8, the demo drafter's k, takes nearly every forced run of the schema suite (16 adds little)."""
 
 
 @dataclass
@@ -348,17 +352,22 @@ class LLMEngine:
 
     def _verification_bitmasks(self, batch: ScheduledBatch) -> dict[int, torch.Tensor]:
         """Grammar masks of the constrained sequences that sample in this step, at their committed tokens and
-        along their drafts (`constrain.verification_bitmasks`): host work before the forward pass."""
+        along their drafts: kept from the walk that drew the drafts, else computed now
+        (`constrain.verification_bitmasks`, host work before the forward pass)."""
         if self.grammar is None:
             return {}
-        sampling = [
-            (seq, d)
-            for seq, n, d in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens, strict=True)
-            if seq.grammar is not None and seq.num_computed_tokens + n - d == seq.num_tokens
-        ]
-        if not sampling:
-            return {}
-        return verification_bitmasks(self.grammar, [s for s, _ in sampling], [d for _, d in sampling])
+        kept: dict[int, torch.Tensor] = {}
+        fresh: list[tuple[Sequence, int]] = []
+        for seq, n, d in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens, strict=True):
+            if seq.grammar is None or seq.num_computed_tokens + n - d != seq.num_tokens:
+                continue
+            if seq.draft_bitmasks is not None:
+                kept[seq.seq_id] = seq.draft_bitmasks[: 1 + d]  # the scheduler may have cut the drafts
+            else:
+                fresh.append((seq, d))
+        if fresh:
+            kept.update(verification_bitmasks(self.grammar, [s for s, _ in fresh], [d for _, d in fresh]))
+        return kept
 
     def _decide(
         self, batch: ScheduledBatch, out: RunnerOutput, result: StepResult, bitmasks: dict[int, torch.Tensor]
@@ -367,7 +376,7 @@ class LLMEngine:
         seqs = [batch.seqs[i] for i in out.sampled]
         num_drafts = [batch.num_draft_tokens[i] for i in out.sampled]
         speculate = self.drafter is not None and self.policy.should_speculate(len(self.scheduler.running))
-        room = self.max_model_len - self.config.num_speculative_tokens - 1
+        room = self.max_model_len - self.config.num_speculative_tokens - self.config.max_forced_drafts - 1
         num_next = [
             self.policy.num_drafts(s) if speculate and s.has_draft_room and s.num_tokens + d < room else 0
             for s, d in zip(seqs, num_drafts, strict=True)
@@ -378,7 +387,7 @@ class LLMEngine:
             assert out.logits is not None
             allowed = target_allowed(seqs, out.num_rows, bitmasks, out.logits.shape[-1], out.logits.device)
         decided = decide(seqs, num_drafts, num_next, out, generators, self.drafter, allowed)
-        constrained_next: list[tuple[Sequence, int, torch.Tensor]] = []
+        constrained_next: list[tuple[Sequence, int, torch.Tensor, int]] = []
         stats = result.speculation
         now = self.clock()
         num_emitted = 0
@@ -426,7 +435,9 @@ class LLMEngine:
             remaining = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
             keep = max(0, min(len(choice.next_drafts), remaining - 1))
             if choice.draft_uniforms is not None and remaining > 1:
-                constrained_next.append((seq, min(len(choice.draft_uniforms), remaining - 1), choice.draft_uniforms))
+                n = min(len(choice.draft_uniforms), remaining - 1)
+                forced = min(self.config.max_forced_drafts, remaining - 1 - n)
+                constrained_next.append((seq, n, choice.draft_uniforms, forced))
             if keep:
                 seq.draft_token_ids = choice.next_drafts[:keep]
                 assert choice.next_draft_probs is not None
@@ -436,20 +447,22 @@ class LLMEngine:
             self._propose_constrained(constrained_next)
         return num_emitted, any(num_next)
 
-    def _propose_constrained(self, pending: list[tuple[Sequence, int, torch.Tensor]]) -> None:
-        """Drafts of constrained sequences, drawn under their grammars now that this step's tokens are consumed."""
+    def _propose_constrained(self, pending: list[tuple[Sequence, int, torch.Tensor, int]]) -> None:
+        """Drafts of constrained sequences, drawn under their grammars now that this step's tokens are consumed
+        (`pending`: sequence, drafts, their uniforms, forced drafts allowed after them)."""
         assert self.drafter is not None and self.grammar is not None
-        seqs = [seq for seq, _, _ in pending]
-        num_next = [n for _, n, _ in pending]
+        seqs = [seq for seq, _, _, _ in pending]
+        num_next = [n for _, n, _, _ in pending]
         width = max(num_next)
-        uniforms = torch.stack([torch.nn.functional.pad(u[:n], (0, width - n)) for _, n, u in pending])
+        uniforms = torch.stack([torch.nn.functional.pad(u[:n], (0, width - n)) for _, n, u, _ in pending])
         device = self.model.device
-        for seq, (drafts, probs) in zip(
-            seqs, propose_constrained(self.drafter, self.grammar, seqs, num_next, uniforms, device), strict=True
-        ):
+        max_forced = [f for _, _, _, f in pending]
+        proposals = propose_constrained(self.drafter, self.grammar, seqs, num_next, uniforms, device, max_forced)
+        for seq, (drafts, probs, bitmasks) in zip(seqs, proposals, strict=True):
             if drafts:
                 seq.draft_token_ids = drafts
                 seq.draft_probs = probs
+                seq.draft_bitmasks = bitmasks
 
     def check_invariants(self) -> None:
         """Block accounting holds (tests call this after every step): every block is free xor referenced."""

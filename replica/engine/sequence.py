@@ -56,6 +56,9 @@ class Sequence:
     """Tokens a drafter proposed to follow `token_ids`, verified in the next step; not part of the sequence."""
     draft_probs: torch.Tensor | None = None
     """[len(draft_token_ids), V] on the model's device: the distribution each draft was drawn from."""
+    draft_bitmasks: torch.Tensor | None = None
+    """Constrained drafts: the grammar's bitmasks [1 + len(draft_token_ids), W] on the host after the committed
+    tokens and after each draft, kept from the walk that drew them so verification need not compute them again."""
     has_draft_room: bool = False
     """Set by the scheduler each step: the block table covers the drafter's look-ahead, so it may propose."""
     draft_accepted: float = 0.0
@@ -96,6 +99,7 @@ class Sequence:
     def clear_drafts(self) -> None:
         self.draft_token_ids = []
         self.draft_probs = None
+        self.draft_bitmasks = None
 
     @property
     def num_output_tokens(self) -> int:
