@@ -86,7 +86,7 @@ class Outcome:
 
 @contextmanager
 def timed_masks(grammars: GrammarCompiler, into: list[float]) -> Iterator[None]:
-    original = grammars.fill_masks
+    original = grammars.compute_masks
 
     def fill(*args: Any, **kwargs: Any) -> torch.Tensor:
         started = time.perf_counter()
@@ -95,11 +95,11 @@ def timed_masks(grammars: GrammarCompiler, into: list[float]) -> Iterator[None]:
         finally:
             into.append(time.perf_counter() - started)
 
-    grammars.fill_masks = fill  # type: ignore[method-assign]
+    grammars.compute_masks = fill  # type: ignore[method-assign]
     try:
         yield
     finally:
-        del grammars.fill_masks
+        del grammars.compute_masks
 
 
 def request(demo: Demo, schema: dict[str, Any] | None, name: str, *, temperature: float, max_tokens: int) -> Any:
@@ -114,12 +114,12 @@ def request(demo: Demo, schema: dict[str, Any] | None, name: str, *, temperature
     return parse_chat(body, demo.tokenizer, model="shoal-demo", default_max_tokens=max_tokens, grammars=demo.grammars)
 
 
-def run(demo: Demo, parsed: list[Any], *, speculate: bool) -> Outcome:
+def run(demo: Demo, parsed: list[Any], *, speculate: bool, overlap: bool = True) -> Outcome:
     k = default_num_speculative_tokens(demo.drafter) if speculate else 0
     num_blocks = 64 * max(1, len(parsed))
     config = EngineConfig(
         num_blocks=num_blocks, max_num_seqs=64, max_num_batched_tokens=4096, num_speculative_tokens=k,
-        adaptive_speculation=False,
+        adaptive_speculation=False, overlap_grammar_masks=overlap,
     )  # fmt: skip
     runtime = drafter_runtime(demo.drafter, num_blocks=num_blocks, block_size=16, max_tokens=k) if k else None
     engine = LLMEngine(
