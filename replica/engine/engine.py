@@ -30,9 +30,10 @@ import torch
 
 from replica.engine.block_manager import BlockManager
 from replica.engine.constrain import propose_constrained, split_bitmasks, target_allowed, verification_rows
-from replica.engine.decide import decide
+from replica.engine.decide import TokenLogprob, decide
 from replica.engine.drafting import Drafter
 from replica.engine.runner import ModelRunner, RunnerOutput
+from replica.engine.sampler import gather_logprobs, raw_logprobs
 from replica.engine.sampling import SamplingParams
 from replica.engine.scheduler import ScheduledBatch, Scheduler
 from replica.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -41,7 +42,6 @@ from replica.model.model import MoEForCausalLM
 from router.policy.kv_events import KVEvent
 
 if TYPE_CHECKING:
-    from replica.engine.decide import TokenLogprob
     from replica.grammar.matcher import GrammarCompiler
     from replica.tokenizer import Tokenizer
 
@@ -93,6 +93,8 @@ class RequestOutput:
     """With finish_reason ERROR: what went wrong (the grammar allowed no token)."""
     logprobs: list[TokenLogprob] | None = None
     """With `params.logprobs` set: one per new token."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """With `params.prompt_logprobs` set, on the request's first output: one per prompt token from the second on."""
 
 
 @dataclass
@@ -300,8 +302,10 @@ class LLMEngine:
 
     @staticmethod
     def _output(seq: Sequence, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+        is_first = new_tokens and len(new_tokens) == seq.num_output_tokens
         return RequestOutput(
             logprobs=logprobs,
+            prompt_logprobs=seq.prompt_logprobs if is_first and seq.params.prompt_logprobs is not None else None,
             seq_id=seq.seq_id,
             new_token_ids=new_tokens,
             finished=seq.is_finished,
@@ -344,6 +348,8 @@ class LLMEngine:
             if pending is not None:
                 future, spans = pending
                 bitmasks.update(split_bitmasks(future.result(), spans))  # the matchers are the worker's till then
+        if out.prompt_logits is not None:
+            self._record_prompt_logprobs(batch, out)
         for seq, n, d in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens, strict=True):
             seq.num_computed_tokens += n - d  # the drafts count once verified
         num_emitted, proposed = self._decide(batch, out, result, bitmasks) if out.sampled else (0, False)
@@ -358,6 +364,33 @@ class LLMEngine:
                     len(batch.seqs), num_emitted, self.step_timer() - started, speculative=verified
                 )
         return result
+
+    @staticmethod
+    def _record_prompt_logprobs(batch: ScheduledBatch, out: RunnerOutput) -> None:
+        """Append the logprobs of the prompt tokens this step's logits give (`RunnerOutput.prompt_spans`): one more
+        device-to-host transfer, in the steps that compute such prompts only."""
+        assert out.prompt_logits is not None
+        spans = [(batch.seqs[i], first, n) for i, first, n in out.prompt_spans]
+        targets = [t for seq, first, n in spans for t in seq.token_ids[first + 1 : first + 1 + n]]
+        num_top = max(seq.params.prompt_logprobs or 0 for seq, _, _ in spans)
+        device = out.prompt_logits.device
+        chosen, top_values, top_ids = gather_logprobs(
+            raw_logprobs(out.prompt_logits), torch.tensor(targets, device=device), num_top
+        )  # [N], [N, top], [N, top]
+        host = torch.cat([chosen.double(), top_values.flatten().double(), top_ids.flatten().double()]).tolist()
+        num_rows = len(targets)
+        values, top_lp, top_tok = (
+            host[:num_rows],
+            host[num_rows : num_rows * (1 + num_top)],
+            host[num_rows * (1 + num_top) :],
+        )
+        row = 0
+        for seq, _, n in spans:
+            asked = seq.params.prompt_logprobs or 0
+            for r in range(row, row + n):
+                top = [(int(top_tok[r * num_top + t]), top_lp[r * num_top + t]) for t in range(asked)]
+                seq.prompt_logprobs.append(TokenLogprob(values[r], top))
+            row += n
 
     def _verification_bitmasks(
         self, batch: ScheduledBatch

@@ -11,6 +11,7 @@ from replica.engine.sampling import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from replica.engine.decide import TokenLogprob
     from replica.grammar.matcher import GrammarMatcher
     from replica.tokenizer import IncrementalDetokenizer, StopChecker
 
@@ -72,6 +73,8 @@ class Sequence:
     stop_text: tuple[IncrementalDetokenizer, StopChecker] | None = None
     """With stop strings (and an engine tokenizer): the output's text so far, checked after every appended token,
     so a stop string ends the sequence at the token that completes it and later tokens are never committed."""
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    """With `params.prompt_logprobs`: the logprobs of prompt tokens 1, 2, ... computed so far (token 0 has none)."""
     followers: list[Sequence] = field(default_factory=list)
     """The other choices of an `n` > 1 request, held until this sequence's prompt is computed and registered, so
     they find it in the prefix cache and compute only their last, partial block (`LLMEngine.add_group`)."""
@@ -100,6 +103,13 @@ class Sequence:
         self.draft_token_ids = []
         self.draft_probs = None
         self.draft_bitmasks = None
+
+    @property
+    def num_prompt_logprobs_missing(self) -> int:
+        """Prompt logprobs still to compute (0 when none are asked): each needs its position's logits."""
+        if self.params.prompt_logprobs is None:
+            return 0
+        return self.num_prompt_tokens - 1 - len(self.prompt_logprobs)
 
     @property
     def num_output_tokens(self) -> int:
