@@ -3,7 +3,8 @@ requests against unconstrained ones, and the grammar's cost per token.
 
 Every request is built by the server's own parser (`parse_chat` with `response_format` json_schema, so the grammar is
 the one a client gets) and run on the engine in-process, with the demo model's block drafter at a fixed k (its
-block size) when speculation is on.
+block size) when speculation is on; constrained requests also verify the tokens their grammar forces after the
+drafter's drafts (`EngineConfig.max_forced_drafts`), which the accept length counts as drafts.
 
 - Suite: the 33 schemas of tests/data/schema_suite.json, each asked for once per cell, greedy and at T=0.7, with
   speculation off and on, all 33 in one batch: outputs that finish and do not parse or fail `jsonschema` are
@@ -14,10 +15,12 @@ block size) when speculation is on.
   those values agree with it less than on its usual text), and held-out demo tool conversations answered with
   tool_choice required against the same prompts without the grammar (the text the model writes anyway: this
   isolates what the grammar costs speculation). Rounds alternate off/on and the median round is printed.
-- Overhead: time spent computing masks (every `GrammarCompiler.fill_masks` call: the target's masks along the drafts
-  before the forward pass, and the drafter's per-position masks) per emitted token and as a share of step time, at
-  batch 1 and 16, speculation off and on. The masks are computed on the host in the engine thread, before the
-  forward pass and between drafted positions; llguidance fills a batch's masks in its own thread pool, in parallel.
+- Overhead: time spent in llguidance's mask calls (every `GrammarCompiler.compute_masks`: the target's masks for
+  the step, the drafter's per-position masks and the masks after its drafts and the forced ones) per emitted token
+  and as a share of step time, at batch 1 and 16, speculation off and on, with the step's masks computed in the
+  grammar's worker thread while the forward pass runs (overlap on, the default) or before it (off). The drafter's
+  masks are computed between drafted positions, on the engine thread; llguidance fills a batch's masks in its own
+  thread pool, in parallel. Rounds alternate overlap off/on and the median is printed.
 
     .venv/bin/python benchmarks/bench_constrained.py [--rounds 3] [--max-tokens 160]
 """
@@ -276,21 +279,27 @@ def main() -> None:
         ratio = ratios[f"{workload}, constrained"] / ratios[f"{workload}, unconstrained"]
         print(f"{workload}: constrained speed-up / unconstrained speed-up = {ratio:.2f} (the issue asks for >= 0.80)")
 
-    print("\n## Grammar overhead per token (masks computed by llguidance, greedy)")
-    print(f"{'batch':>5} {'speculation':<12} {'mask us/token':>14} {'step us/token':>14} {'share':>6}")
+    print(f"\n## Grammar overhead per token (masks computed by llguidance, greedy, median of {args.rounds} rounds)")
+    print(f"{'batch':>5} {'speculation':<12} {'overlap':<8} {'mask us/token':>14} {'step us/token':>14} {'share':>6}")
     for batch in (1, 16):
         chosen = [suite[i % len(suite)] for i in range(batch)]
         for speculate in (False, True):
-            parsed = [
-                request(demo, e["schema"], e["name"], temperature=0.0, max_tokens=args.max_tokens) for e in chosen
-            ]
-            out = run(demo, parsed, speculate=speculate)
-            per_token_mask = 1e6 * out.mask_s / out.num_tokens
-            per_token_step = 1e6 * out.step_s / out.num_tokens
-            print(
-                f"{batch:>5} {'on' if speculate else 'off':<12} {per_token_mask:>14.0f} {per_token_step:>14.0f} "
-                f"{out.mask_s / out.step_s:>6.0%}"
-            )
+            per_token: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+            for _ in range(args.rounds):
+                for overlap in (False, True):
+                    parsed = [
+                        request(demo, e["schema"], e["name"], temperature=0.0, max_tokens=args.max_tokens)
+                        for e in chosen
+                    ]
+                    out = run(demo, parsed, speculate=speculate, overlap=overlap)
+                    per_token[overlap].append((1e6 * out.mask_s / out.num_tokens, 1e6 * out.step_s / out.num_tokens))
+            for overlap in (False, True):
+                mask_us = statistics.median(m for m, _ in per_token[overlap])
+                step_us = statistics.median(t for _, t in per_token[overlap])
+                print(
+                    f"{batch:>5} {'on' if speculate else 'off':<12} {'on' if overlap else 'off':<8} {mask_us:>14.0f} "
+                    f"{step_us:>14.0f} {mask_us / step_us:>6.0%}"
+                )
 
 
 if __name__ == "__main__":
