@@ -14,7 +14,8 @@ drafter's drafts (`EngineConfig.max_forced_drafts`), which the accept length cou
   chats with and without response_format (the model was never taught to answer them in JSON, so its drafts of
   those values agree with it less than on its usual text), and held-out demo tool conversations answered with
   tool_choice required against the same prompts without the grammar (the text the model writes anyway: this
-  isolates what the grammar costs speculation). Rounds alternate off/on and the median round is printed.
+  isolates what the grammar costs speculation). Each round runs every workload off then on, so that a change of the
+  machine's load falls on all of them alike, and the median round of each is printed.
 - Overhead: time spent in llguidance's mask calls (every `GrammarCompiler.compute_masks`: the target's masks for
   the step, the drafter's per-position masks and the masks after its drafts and the forced ones) per emitted token
   and as a share of step time, at batch 1 and 16, speculation off and on, with the step's masks computed in the
@@ -250,12 +251,13 @@ def main() -> None:
         f"{'requests':<28} {'n':>3} {'off tok/s':>10} {'on tok/s':>10} {'speed-up':>9} {'accept len':>11} "
         f"{'mask us/tok':>12}"
     )
-    ratios = {}
-    for label, parsed_list in workloads.items():
-        rates: dict[bool, list[float]] = {False: [], True: []}
-        drafts = accepted = 0
-        mask_s = spec_tokens = 0.0
-        for _ in range(args.rounds):
+    rates: dict[tuple[str, bool], list[float]] = {(label, mode): [] for label in workloads for mode in (False, True)}
+    drafts = dict.fromkeys(workloads, 0)
+    accepted = dict.fromkeys(workloads, 0)
+    mask_s = dict.fromkeys(workloads, 0.0)
+    spec_tokens = dict.fromkeys(workloads, 0)
+    for _ in range(args.rounds):  # every workload in every round, so that a change of machine load hits them alike
+        for label, parsed_list in workloads.items():
             for speculate in (False, True):
                 tokens = seconds = 0.0
                 for parsed in parsed_list:
@@ -263,17 +265,19 @@ def main() -> None:
                     tokens += out.decode_tokens
                     seconds += out.decode_s
                     if speculate:
-                        drafts += out.num_drafts
-                        accepted += out.num_accepted
-                        mask_s += out.mask_s
-                        spec_tokens += out.num_tokens
-                rates[speculate].append(tokens / seconds)
-        off, on = statistics.median(rates[False]), statistics.median(rates[True])
+                        drafts[label] += out.num_drafts
+                        accepted[label] += out.num_accepted
+                        mask_s[label] += out.mask_s
+                        spec_tokens[label] += out.num_tokens
+                rates[label, speculate].append(tokens / seconds)
+    ratios = {}
+    for label, parsed_list in workloads.items():
+        off, on = statistics.median(rates[label, False]), statistics.median(rates[label, True])
         ratios[label] = on / off
         print(
             f"{label:<28} {len(parsed_list):>3} {off:>10.0f} {on:>10.0f} {on / off:>8.2f}x "
-            f"{1 + accepted / max(drafts, 1):>11.2f} "
-            f"{1e6 * mask_s / spec_tokens:>12.0f}"
+            f"{1 + accepted[label] / max(drafts[label], 1):>11.2f} "
+            f"{1e6 * mask_s[label] / max(spec_tokens[label], 1):>12.0f}"
         )
     for workload in ("schema suite", "tool calls"):
         ratio = ratios[f"{workload}, constrained"] / ratios[f"{workload}, unconstrained"]
