@@ -16,12 +16,12 @@ drafter's drafts (`EngineConfig.max_forced_drafts`), which the accept length cou
   tool_choice required against the same prompts without the grammar (the text the model writes anyway: this
   isolates what the grammar costs speculation). Each round runs every workload off then on, so that a change of the
   machine's load falls on all of them alike, and the median round of each is printed.
-- Overhead: time spent in llguidance's mask calls (every `GrammarCompiler.compute_masks`: the target's masks for
-  the step, the drafter's per-position masks and the masks after its drafts and the forced ones) per emitted token
-  and as a share of step time, at batch 1 and 16, speculation off and on, with the step's masks computed in the
-  grammar's worker thread while the forward pass runs (overlap on, the default) or before it (off). The drafter's
-  masks are computed between drafted positions, on the engine thread; llguidance fills a batch's masks in its own
-  thread pool, in parallel. Rounds alternate overlap off/on and the median is printed.
+- Overhead: time spent computing masks (every `GrammarCompiler.fill_masks` call: the target's masks for the step,
+  the drafter's per-position masks, and the masks after its drafts and the forced ones, which serve the next
+  step's verification) per emitted token and as a share of step time, at batch 1 and 16, speculation off and on
+  (rounds alternate off/on; the median is printed). The masks are computed on the host in the engine thread, once
+  the forward pass is issued and between drafted positions; llguidance fills a batch's masks in its own thread
+  pool, in parallel.
 
     .venv/bin/python benchmarks/bench_constrained.py [--rounds 3] [--max-tokens 160]
 """
@@ -90,7 +90,7 @@ class Outcome:
 
 @contextmanager
 def timed_masks(grammars: GrammarCompiler, into: list[float]) -> Iterator[None]:
-    original = grammars.compute_masks
+    original = grammars.fill_masks
 
     def fill(*args: Any, **kwargs: Any) -> torch.Tensor:
         started = time.perf_counter()
@@ -99,11 +99,11 @@ def timed_masks(grammars: GrammarCompiler, into: list[float]) -> Iterator[None]:
         finally:
             into.append(time.perf_counter() - started)
 
-    grammars.compute_masks = fill  # type: ignore[method-assign]
+    grammars.fill_masks = fill  # type: ignore[method-assign]
     try:
         yield
     finally:
-        del grammars.compute_masks
+        del grammars.fill_masks
 
 
 def request(demo: Demo, schema: dict[str, Any] | None, name: str, *, temperature: float, max_tokens: int) -> Any:
@@ -118,12 +118,12 @@ def request(demo: Demo, schema: dict[str, Any] | None, name: str, *, temperature
     return parse_chat(body, demo.tokenizer, model="shoal-demo", default_max_tokens=max_tokens, grammars=demo.grammars)
 
 
-def run(demo: Demo, parsed: list[Any], *, speculate: bool, overlap: bool = True) -> Outcome:
+def run(demo: Demo, parsed: list[Any], *, speculate: bool) -> Outcome:
     k = default_num_speculative_tokens(demo.drafter) if speculate else 0
     num_blocks = 64 * max(1, len(parsed))
     config = EngineConfig(
         num_blocks=num_blocks, max_num_seqs=64, max_num_batched_tokens=4096, num_speculative_tokens=k,
-        adaptive_speculation=False, overlap_grammar_masks=overlap,
+        adaptive_speculation=False,
     )  # fmt: skip
     runtime = drafter_runtime(demo.drafter, num_blocks=num_blocks, block_size=16, max_tokens=k) if k else None
     engine = LLMEngine(
@@ -284,26 +284,24 @@ def main() -> None:
         print(f"{workload}: constrained speed-up / unconstrained speed-up = {ratio:.2f} (the issue asks for >= 0.80)")
 
     print(f"\n## Grammar overhead per token (masks computed by llguidance, greedy, median of {args.rounds} rounds)")
-    print(f"{'batch':>5} {'speculation':<12} {'overlap':<8} {'mask us/token':>14} {'step us/token':>14} {'share':>6}")
+    print(f"{'batch':>5} {'speculation':<12} {'mask us/token':>14} {'step us/token':>14} {'share':>6}")
     for batch in (1, 16):
         chosen = [suite[i % len(suite)] for i in range(batch)]
+        per_token: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+        for _ in range(args.rounds):
+            for speculate in (False, True):
+                parsed = [
+                    request(demo, e["schema"], e["name"], temperature=0.0, max_tokens=args.max_tokens) for e in chosen
+                ]
+                out = run(demo, parsed, speculate=speculate)
+                per_token[speculate].append((1e6 * out.mask_s / out.num_tokens, 1e6 * out.step_s / out.num_tokens))
         for speculate in (False, True):
-            per_token: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
-            for _ in range(args.rounds):
-                for overlap in (False, True):
-                    parsed = [
-                        request(demo, e["schema"], e["name"], temperature=0.0, max_tokens=args.max_tokens)
-                        for e in chosen
-                    ]
-                    out = run(demo, parsed, speculate=speculate, overlap=overlap)
-                    per_token[overlap].append((1e6 * out.mask_s / out.num_tokens, 1e6 * out.step_s / out.num_tokens))
-            for overlap in (False, True):
-                mask_us = statistics.median(m for m, _ in per_token[overlap])
-                step_us = statistics.median(t for _, t in per_token[overlap])
-                print(
-                    f"{batch:>5} {'on' if speculate else 'off':<12} {'on' if overlap else 'off':<8} {mask_us:>14.0f} "
-                    f"{step_us:>14.0f} {mask_us / step_us:>6.0%}"
-                )
+            mask_us = statistics.median(m for m, _ in per_token[speculate])
+            step_us = statistics.median(t for _, t in per_token[speculate])
+            print(
+                f"{batch:>5} {'on' if speculate else 'off':<12} {mask_us:>14.0f} {step_us:>14.0f} "
+                f"{mask_us / step_us:>6.0%}"
+            )
 
 
 if __name__ == "__main__":

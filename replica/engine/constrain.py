@@ -1,9 +1,10 @@
 """Grammar masks in a step: the target's at every verified position, and the drafter's while it drafts.
 
-Target (`verification_bitmasks`, on the host while the forward pass runs): a constrained sequence that samples at
-its last committed token and at d drafts needs the mask after its committed tokens and after each prefix of its
-drafts; llguidance advances its matcher through the drafts and rolls it back, so the step's masks cost one batched
-call (`benchmarks/bench_constrained.py` reports its time as grammar overhead). Drafts drawn by the walk below come
+Target (`verification_bitmasks`, on the host once the forward pass is issued, so that they overlap where the pass
+runs asynchronously, as on CUDA): a constrained sequence that samples at its last committed token and at d drafts
+needs the mask after its committed tokens and after each prefix of its drafts; llguidance advances its matcher
+through the drafts and rolls it back, so the step's masks cost one batched call (`benchmarks/bench_constrained.py`
+reports its time as grammar overhead). Drafts drawn by the walk below come
 with those masks already: the walk computed them on the way, so their sequences skip that call. The masks go to
 the device as bitmasks and are applied to the logits before the sampler's softmax, so temperature, top-k and top-p
 act on the allowed tokens and the acceptance test compares masked distributions.
@@ -42,11 +43,11 @@ from replica.engine.sequence import Sequence
 from replica.grammar.matcher import GrammarCompiler, GrammarMatcher, allowed
 
 
-def verification_rows(
-    seqs: Seq[Sequence], num_drafts: Seq[int]
-) -> tuple[list[tuple[GrammarMatcher, int, list[int]]], list[tuple[int, int, int]], int]:
-    """The mask rows of `verification_bitmasks` (for `GrammarCompiler.fill_masks` or `submit_masks`), the
-    spans (seq_id, first row, rows) that `split_bitmasks` cuts them by, and the number of rows."""
+def verification_bitmasks(
+    compiler: GrammarCompiler, seqs: Seq[Sequence], num_drafts: Seq[int]
+) -> dict[int, torch.Tensor]:
+    """{seq_id: bitmask [1 + d, W]} for the constrained ones of `seqs` (each verifying `num_drafts[i]` drafts):
+    the mask after its committed tokens, then after each draft. The matchers end where they started."""
     rows: list[tuple[GrammarMatcher, int, list[int]]] = []
     spans: list[tuple[int, int, int]] = []
     first = 0
@@ -56,20 +57,10 @@ def verification_rows(
         rows.append((seq.grammar, first, seq.draft_token_ids[:d]))
         spans.append((seq.seq_id, first, d + 1))
         first += d + 1
-    return rows, spans, first
-
-
-def split_bitmasks(bitmask: torch.Tensor, spans: Seq[tuple[int, int, int]]) -> dict[int, torch.Tensor]:
+    if not rows:
+        return {}
+    bitmask = compiler.fill_masks(rows, first)
     return {seq_id: bitmask[start : start + n] for seq_id, start, n in spans}
-
-
-def verification_bitmasks(
-    compiler: GrammarCompiler, seqs: Seq[Sequence], num_drafts: Seq[int]
-) -> dict[int, torch.Tensor]:
-    """{seq_id: bitmask [1 + d, W]} for the constrained ones of `seqs` (each verifying `num_drafts[i]` drafts):
-    the mask after its committed tokens, then after each draft. The matchers end where they started."""
-    rows, spans, num_rows = verification_rows(seqs, num_drafts)
-    return split_bitmasks(compiler.fill_masks(rows, num_rows), spans) if rows else {}
 
 
 def target_allowed(

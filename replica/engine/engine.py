@@ -4,10 +4,10 @@
 while a step runs in the engine's worker thread): they only append to an inbox that `step` drains first. Everything
 else is touched by `step` alone, so the engine has no locks.
 
-A step: drain the inbox, schedule, run the model (the step's grammar masks are computed meanwhile), decide the
-tokens (`replica.engine.decide`: sampling, or with a drafter the verification of last step's drafts and the
-proposal of the next ones), append them, check stop conditions, register newly computed full blocks in the prefix
-cache, and return each touched request's new tokens plus the KV events.
+A step: drain the inbox, schedule, run the model, compute the step's grammar masks, decide the tokens
+(`replica.engine.decide`: sampling, or with a drafter the verification of last step's drafts and the proposal of
+the next ones), append them, check stop conditions, register newly computed full blocks in the prefix cache, and
+return each touched request's new tokens plus the KV events.
 
 Speculation (`num_speculative_tokens` > 0 and a drafter): a decoding sequence runs its last token and its drafts in
 one forward pass; `decide` keeps the accepted drafts and one more token, so a step emits 1 to k + 1 tokens per
@@ -22,14 +22,13 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from replica.engine.block_manager import BlockManager
-from replica.engine.constrain import propose_constrained, split_bitmasks, target_allowed, verification_rows
+from replica.engine.constrain import propose_constrained, target_allowed, verification_bitmasks
 from replica.engine.decide import TokenLogprob, decide
 from replica.engine.drafting import Drafter
 from replica.engine.runner import ModelRunner, RunnerOutput
@@ -71,9 +70,6 @@ class EngineConfig:
     adaptive_speculation: bool = True
     """Shrink k for sequences whose drafts are rarely accepted, and skip speculation for batch sizes where it is
     measured not to pay (`replica.engine.speculation`)."""
-    overlap_grammar_masks: bool = True
-    """Compute the grammar masks a step samples with while its forward pass runs, in the grammar's worker thread
-    (they depend on the tokens already decided, not on the pass); off: on the engine thread before the pass."""
     max_forced_drafts: int = 8
     """Tokens a grammar forces after a constrained sequence's drafts (a key and its quotes) that join them as
     drafts, at most (`replica.engine.constrain`); 0 turns that off. Each costs one verified position and no
@@ -339,15 +335,11 @@ class LLMEngine:
             result.events = self.block_manager.drain_events()
             return result
         result.num_batched_tokens = batch.num_tokens
-        bitmasks, pending = self._verification_bitmasks(batch)
-        try:
-            out = self.runner.run(batch, self.drafter.feature_layers if self.drafter is not None else ())
-            if self.drafter is not None:
-                self.drafter.ingest(out.inputs, out.features)
-        finally:
-            if pending is not None:
-                future, spans = pending
-                bitmasks.update(split_bitmasks(future.result(), spans))  # the matchers are the worker's till then
+        out = self.runner.run(batch, self.drafter.feature_layers if self.drafter is not None else ())
+        if self.drafter is not None:
+            self.drafter.ingest(out.inputs, out.features)
+        # Once the pass is issued: where it runs asynchronously (CUDA), the host computes the masks meanwhile.
+        bitmasks = self._verification_bitmasks(batch)
         if out.prompt_logits is not None:
             self._record_prompt_logprobs(batch, out)
         for seq, n, d in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens, strict=True):
@@ -392,15 +384,12 @@ class LLMEngine:
                 seq.prompt_logprobs.append(TokenLogprob(values[r], top))
             row += n
 
-    def _verification_bitmasks(
-        self, batch: ScheduledBatch
-    ) -> tuple[dict[int, torch.Tensor], tuple[Future[torch.Tensor], list[tuple[int, int, int]]] | None]:
+    def _verification_bitmasks(self, batch: ScheduledBatch) -> dict[int, torch.Tensor]:
         """Grammar masks of the constrained sequences that sample in this step, at their committed tokens and
-        along their drafts: those kept from the walk that drew the drafts, and the rest computed by
-        `constrain.verification_bitmasks`, in the grammar's worker thread while the forward pass runs (the
-        future, with the spans to split its rows by) or now, before it (`EngineConfig.overlap_grammar_masks`)."""
+        along their drafts: kept from the walk that drew the drafts, else computed now
+        (`constrain.verification_bitmasks`)."""
         if self.grammar is None:
-            return {}, None
+            return {}
         kept: dict[int, torch.Tensor] = {}
         fresh: list[tuple[Sequence, int]] = []
         for seq, n, d in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens, strict=True):
@@ -410,13 +399,9 @@ class LLMEngine:
                 kept[seq.seq_id] = seq.draft_bitmasks[: 1 + d]  # the scheduler may have cut the drafts
             else:
                 fresh.append((seq, d))
-        if not fresh:
-            return kept, None
-        rows, spans, num_rows = verification_rows([s for s, _ in fresh], [d for _, d in fresh])
-        if self.config.overlap_grammar_masks:
-            return kept, (self.grammar.submit_masks(rows, num_rows), spans)
-        kept.update(split_bitmasks(self.grammar.fill_masks(rows, num_rows), spans))
-        return kept, None
+        if fresh:
+            kept.update(verification_bitmasks(self.grammar, [s for s, _ in fresh], [d for _, d in fresh]))
+        return kept
 
     def _decide(
         self, batch: ScheduledBatch, out: RunnerOutput, result: StepResult, bitmasks: dict[int, torch.Tensor]

@@ -3,9 +3,7 @@
 The compiler builds llguidance's `LLTokenizer` once from the replica's tokenizer.json (a few milliseconds for the
 demo's 2,048 ids, about a second for a 150k vocabulary), validates grammars for the server (so a bad one is a 400
 before anything is queued) and fills masks for a whole batch in one call of llguidance's thread pool
-(`LLExecutor`), which runs outside the GIL. `submit_masks` makes that call from a worker thread of the compiler's,
-so the engine computes a step's masks while the model's forward pass runs (torch releases the GIL in its kernels
-too); the arguments are prepared on the caller's thread, so the worker needs the GIL only to start and end the call.
+(`LLExecutor`), which runs outside the GIL.
 
 A mask is llguidance's bitmask, int32 words of 32 tokens each, [N, ceil(V / 32)]; `allowed(bitmask, V)` unpacks it
 to bool [N, V] on whatever device the bitmask was moved to, so a step moves V / 8 bytes per row, not V.
@@ -20,17 +18,12 @@ N = mask rows, W = ceil(V / 32) words, V = vocabulary.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import llguidance
 
 if TYPE_CHECKING:
     import torch
-
-
-MaskRows = Sequence[tuple["GrammarMatcher", int, Sequence[int]]]
-"""(matcher, row, drafts): the mask at the matcher's state goes to `row`, after drafts[:j + 1] to `row + j + 1`."""
 
 
 class GrammarError(ValueError):
@@ -88,11 +81,6 @@ class GrammarCompiler:
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
         self.limits = limits
         self._executor = llguidance.LLExecutor(num_threads)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
-
-    def close(self) -> None:
-        """Stop the worker thread (after the work already submitted)."""
-        self._worker.shutdown()
 
     def validate(self, grammar: str) -> None:
         """Raises GrammarError with llguidance's message when `grammar` cannot be compiled for this tokenizer."""
@@ -109,22 +97,16 @@ class GrammarCompiler:
             raise GrammarError(m.get_error())
         return GrammarMatcher(m)
 
-    def fill_masks(self, rows: MaskRows, num_rows: int) -> torch.Tensor:
+    def fill_masks(self, rows: Sequence[tuple[GrammarMatcher, int, Sequence[int]]], num_rows: int) -> torch.Tensor:
         """Bitmasks [num_rows, W] int32 on the CPU: for each (matcher, row, drafts), the mask at the matcher's state
         goes to `row` and the mask after drafts[:j + 1] to `row + j + 1`; matchers end where they started. Rows
         not written stay 0 (no token allowed), as do those past a draft the grammar refuses."""
-        return self.compute_masks(*self._mask_job(rows, num_rows))
+        import torch
 
-    def submit_masks(self, rows: MaskRows, num_rows: int) -> Future[torch.Tensor]:
-        """`fill_masks` in the compiler's worker thread. The matchers belong to that thread until the future is
-        done: the caller must not consume, roll back or read them meanwhile."""
-        return self._worker.submit(self.compute_masks, *self._mask_job(rows, num_rows))
-
-    def compute_masks(
-        self, bitmask: torch.Tensor, plain: list[tuple[Any, int]], drafted: list[tuple[Any, int, list[int]]]
-    ) -> torch.Tensor:
-        """llguidance's calls of a `_mask_job`, outside the GIL, into `bitmask`; returns it."""
-        num_rows, one_mask_bytes = bitmask.shape[0], self.num_words * 4
+        bitmask = torch.zeros(num_rows, self.num_words, dtype=torch.int32)
+        plain = [(m.llmatcher, row) for m, row, drafts in rows if not drafts]
+        drafted = [(m.llmatcher, row, list(drafts)) for m, row, drafts in rows if drafts]
+        one_mask_bytes = self.num_words * 4
         if plain:
             self._executor.unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), one_mask_bytes, num_rows)
         if drafted:
@@ -132,16 +114,6 @@ class GrammarCompiler:
                 drafted, bitmask.data_ptr(), one_mask_bytes, num_rows
             )
         return bitmask
-
-    def _mask_job(
-        self, rows: MaskRows, num_rows: int
-    ) -> tuple[torch.Tensor, list[tuple[Any, int]], list[tuple[Any, int, list[int]]]]:
-        import torch
-
-        bitmask = torch.zeros(num_rows, self.num_words, dtype=torch.int32)
-        plain = [(m.llmatcher, row) for m, row, drafts in rows if not drafts]
-        drafted = [(m.llmatcher, row, list(drafts)) for m, row, drafts in rows if drafts]
-        return bitmask, plain, drafted
 
 
 def allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

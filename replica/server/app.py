@@ -706,7 +706,6 @@ def create_app(
         yield
         await hub.close()
         await async_engine.stop()
-        grammars.close()
         state.log_speculation()
         if capture is not None and not await asyncio.to_thread(capture.close, _CAPTURE_CLOSE_TIMEOUT_S):
             log.warning(
