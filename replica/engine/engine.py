@@ -410,7 +410,7 @@ class LLMEngine:
         seqs = [batch.seqs[i] for i in out.sampled]
         num_drafts = [batch.num_draft_tokens[i] for i in out.sampled]
         speculate = self.drafter is not None and self.policy.should_speculate(len(self.scheduler.running))
-        room = self.max_model_len - self.config.num_speculative_tokens - self.config.max_forced_drafts - 1
+        room = self.max_model_len - self.config.num_speculative_tokens - 1
         num_next = [
             self.policy.num_drafts(s) if speculate and s.has_draft_room and s.num_tokens + d < room else 0
             for s, d in zip(seqs, num_drafts, strict=True)
