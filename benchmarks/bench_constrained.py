@@ -14,8 +14,9 @@ drafter's drafts (`EngineConfig.max_forced_drafts`), which the accept length cou
   chats with and without response_format (the model was never taught to answer them in JSON, so its drafts of
   those values agree with it less than on its usual text), and held-out demo tool conversations answered with
   tool_choice required against the same prompts without the grammar (the text the model writes anyway: this
-  isolates what the grammar costs speculation). Each round runs every workload off then on, so that a change of the
-  machine's load falls on all of them alike, and the median round of each is printed.
+  isolates what the grammar costs speculation). A round runs each request off then on, going through the workloads
+  request by request, so that a change of the machine's load falls on every cell alike; the median round of each
+  cell is printed.
 - Overhead: time spent computing masks (every `GrammarCompiler.fill_masks` call: the target's masks for the step,
   the drafter's per-position masks, and the masks after its drafts and the forced ones, which serve the next
   step's verification) per emitted token and as a share of step time, at batch 1 and 16, speculation off and on
@@ -256,20 +257,25 @@ def main() -> None:
     accepted = dict.fromkeys(workloads, 0)
     mask_s = dict.fromkeys(workloads, 0.0)
     spec_tokens = dict.fromkeys(workloads, 0)
-    for _ in range(args.rounds):  # every workload in every round, so that a change of machine load hits them alike
-        for label, parsed_list in workloads.items():
-            for speculate in (False, True):
-                tokens = seconds = 0.0
-                for parsed in parsed_list:
-                    out = run(demo, [parsed], speculate=speculate)
-                    tokens += out.decode_tokens
-                    seconds += out.decode_s
+    for _ in range(args.rounds):
+        # Request by request, off then on, across the workloads in turn: a change of the machine's load falls on
+        # every cell alike instead of on whichever workload ran at the time.
+        sums = {key: [0.0, 0.0] for key in rates}
+        for i in range(max(len(p) for p in workloads.values())):
+            for label, parsed_list in workloads.items():
+                if i >= len(parsed_list):
+                    continue
+                for speculate in (False, True):
+                    out = run(demo, [parsed_list[i]], speculate=speculate)
+                    sums[label, speculate][0] += out.decode_tokens
+                    sums[label, speculate][1] += out.decode_s
                     if speculate:
                         drafts[label] += out.num_drafts
                         accepted[label] += out.num_accepted
                         mask_s[label] += out.mask_s
                         spec_tokens[label] += out.num_tokens
-                rates[label, speculate].append(tokens / seconds)
+        for key, (tokens, seconds) in sums.items():
+            rates[key].append(tokens / seconds)
     ratios = {}
     for label, parsed_list in workloads.items():
         off, on = statistics.median(rates[label, False]), statistics.median(rates[label, True])
