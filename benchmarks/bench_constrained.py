@@ -16,7 +16,8 @@ drafter's drafts (`EngineConfig.max_forced_drafts`), which the accept length cou
   tool_choice required against the same prompts without the grammar (the text the model writes anyway: this
   isolates what the grammar costs speculation). A round runs each request off then on, going through the workloads
   request by request, so that a change of the machine's load falls on every cell alike; the median round of each
-  cell is printed.
+  cell is printed. The ratio of speed-ups is also given by the process's CPU time over the same steps, which a
+  machine shared with other work disturbs less than the wall clock.
 - Overhead: time spent computing masks (every `GrammarCompiler.fill_masks` call: the target's masks for the step,
   the drafter's per-position masks, and the masks after its drafts and the forced ones, which serve the next
   step's verification) per emitted token and as a share of step time, at batch 1 and 16, speculation off and on
@@ -77,6 +78,8 @@ class Outcome:
     finish: list[str]
     decode_tokens: int = 0
     decode_s: float = 0.0
+    decode_cpu_s: float = 0.0
+    """The process's CPU time over the same steps (all threads: llguidance's pool too)."""
     step_s: float = 0.0
     mask_s: float = 0.0
     num_tokens: int = 0
@@ -137,9 +140,9 @@ def run(demo: Demo, parsed: list[Any], *, speculate: bool) -> Outcome:
     masks: list[float] = []
     with timed_masks(demo.grammars, masks):
         while engine.has_work:
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.process_time()
             result = engine.step()
-            elapsed = time.perf_counter() - started
+            elapsed, elapsed_cpu = time.perf_counter() - started, time.process_time() - started_cpu
             emitted = sum(len(o.new_token_ids) for o in result.outputs)
             out.step_s += elapsed
             out.num_steps += 1
@@ -149,6 +152,7 @@ def run(demo: Demo, parsed: list[Any], *, speculate: bool) -> Outcome:
             if result.outputs and all(o.num_output_tokens > len(o.new_token_ids) for o in result.outputs):
                 out.decode_tokens += emitted
                 out.decode_s += elapsed
+                out.decode_cpu_s += elapsed_cpu
             for o in result.outputs:
                 tokens[o.seq_id].extend(o.new_token_ids)
                 if o.finished:
@@ -253,6 +257,7 @@ def main() -> None:
         f"{'mask us/tok':>12}"
     )
     rates: dict[tuple[str, bool], list[float]] = {(label, mode): [] for label in workloads for mode in (False, True)}
+    cpu_rates: dict[tuple[str, bool], list[float]] = {key: [] for key in rates}
     drafts = dict.fromkeys(workloads, 0)
     accepted = dict.fromkeys(workloads, 0)
     mask_s = dict.fromkeys(workloads, 0.0)
@@ -260,7 +265,7 @@ def main() -> None:
     for _ in range(args.rounds):
         # Request by request, off then on, across the workloads in turn: a change of the machine's load falls on
         # every cell alike instead of on whichever workload ran at the time.
-        sums = {key: [0.0, 0.0] for key in rates}
+        sums = {key: [0.0, 0.0, 0.0] for key in rates}
         for i in range(max(len(p) for p in workloads.values())):
             for label, parsed_list in workloads.items():
                 if i >= len(parsed_list):
@@ -269,13 +274,15 @@ def main() -> None:
                     out = run(demo, [parsed_list[i]], speculate=speculate)
                     sums[label, speculate][0] += out.decode_tokens
                     sums[label, speculate][1] += out.decode_s
+                    sums[label, speculate][2] += out.decode_cpu_s
                     if speculate:
                         drafts[label] += out.num_drafts
                         accepted[label] += out.num_accepted
                         mask_s[label] += out.mask_s
                         spec_tokens[label] += out.num_tokens
-        for key, (tokens, seconds) in sums.items():
+        for key, (tokens, seconds, cpu_seconds) in sums.items():
             rates[key].append(tokens / seconds)
+            cpu_rates[key].append(tokens / cpu_seconds)
     ratios = {}
     for label, parsed_list in workloads.items():
         off, on = statistics.median(rates[label, False]), statistics.median(rates[label, True])
@@ -285,9 +292,17 @@ def main() -> None:
             f"{1 + accepted[label] / max(drafts[label], 1):>11.2f} "
             f"{1e6 * mask_s[label] / max(spec_tokens[label], 1):>12.0f}"
         )
+
+    def cpu_speed_up(label: str) -> float:
+        return statistics.median(cpu_rates[label, True]) / statistics.median(cpu_rates[label, False])
+
     for workload in ("schema suite", "tool calls"):
         ratio = ratios[f"{workload}, constrained"] / ratios[f"{workload}, unconstrained"]
-        print(f"{workload}: constrained speed-up / unconstrained speed-up = {ratio:.2f} (the issue asks for >= 0.80)")
+        cpu_ratio = cpu_speed_up(f"{workload}, constrained") / cpu_speed_up(f"{workload}, unconstrained")
+        print(
+            f"{workload}: constrained speed-up / unconstrained speed-up = {ratio:.2f} (the issue asks for >= 0.80); "
+            f"by CPU time {cpu_ratio:.2f}"
+        )
 
     print(f"\n## Grammar overhead per token (masks computed by llguidance, greedy, median of {args.rounds} rounds)")
     print(f"{'batch':>5} {'speculation':<12} {'mask us/token':>14} {'step us/token':>14} {'share':>6}")
