@@ -8,7 +8,8 @@ draft is drawn from `probabilities` of the drafter's logits with `apply_allowed`
 and every cell of the uniforms is enumerated as in test_rejection.py; the law of the emitted block, extended to
 k + 1 tokens with the target's masked conditionals, must equal the joint of k + 1 tokens drawn one by one from the
 masked target within 1e-12 in total variation. The allowed sets behind the expected law are computed here from the
-regex's language, not by llguidance.
+regex's language, not by llguidance. With forced drafts, the tokens the grammar forces after the k drafts
+(`DraftWalk.end`) join them with a one-hot q, and the masks the walk kept must equal `verification_bitmasks`'.
 
 The variant that drafts from the unmasked q, cuts the block at its first draft the grammar refuses and verifies
 against that unmasked q must fail the same check.
