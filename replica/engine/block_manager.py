@@ -69,8 +69,9 @@ class BlockManager:
         """Cached blocks of the sequence's leading full blocks up to the first miss, and the last hit's hash.
 
         At least one token is always left to compute: the step that computes it yields the next token's logits.
+        A sequence that still needs its prompt's logits (prompt logprobs) takes no hit.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.num_prompt_logprobs_missing:
             return [], None
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []

@@ -1,11 +1,13 @@
 """Grammar masks in a step: the target's at every verified position, and the drafter's while it drafts.
 
-Target (`verification_bitmasks`, on the host before the forward pass): a constrained sequence that samples at its
-last committed token and at d drafts needs the mask after its committed tokens and after each prefix of its drafts;
-llguidance advances its matcher through the drafts and rolls it back, so the step's masks cost one batched call
-whose time is what `benchmarks/bench_constrained.py` reports as grammar overhead. The masks go to the device as
-bitmasks and are applied to the logits before the sampler's softmax, so temperature, top-k and top-p act on the
-allowed tokens and the acceptance test compares masked distributions.
+Target (`verification_bitmasks`, on the host once the forward pass is issued, so that they overlap where the pass
+runs asynchronously, as on CUDA): a constrained sequence that samples at its last committed token and at d drafts
+needs the mask after its committed tokens and after each prefix of its drafts; llguidance advances its matcher
+through the drafts and rolls it back, so the step's masks cost one batched call (`benchmarks/bench_constrained.py`
+reports its time as grammar overhead). Drafts drawn by the walk below come
+with those masks already: the walk computed them on the way, so their sequences skip that call. The masks go to
+the device as bitmasks and are applied to the logits before the sampler's softmax, so temperature, top-k and top-p
+act on the allowed tokens and the acceptance test compares masked distributions.
 
 Drafter (`propose_constrained`, after the step's one transfer for the decision): the mask of draft position j
 depends on the anchor (the token just emitted) and on drafts 1..j-1, so the walk consumes each drawn draft on the
@@ -14,6 +16,13 @@ scores with the mask applied, and the distribution reported with it is that mask
 it was sampled from. This costs one small transfer per drafted position (k tokens of the constrained rows), on top
 of the decision's, only in steps where constrained sequences draft. At the end the matcher rolls back every draft
 it consumed: between steps it holds the committed tokens only.
+
+Forced drafts: where the grammar leaves only one way on after a row's last draft (a key, the punctuation around
+it: llguidance's `compute_ff_tokens`, in the tokenizer's own split), those tokens follow the drafter's as further
+drafts with a one-hot proposal, up to a cap per row. They cost the drafter nothing and one verified position each;
+acceptance stays exact (a one-hot q is accepted with probability p(token), and a rejection samples from p without
+it). The drafter's own k positions are masked as before, so a forced run inside them is drawn under its one-token
+masks.
 
 A position whose mask allows nothing (a draft that ended the grammar, or a grammar that dead-ends) is given an
 all-true mask so that no softmax runs over nothing: past a grammar's end no draft is proposed, and a token emitted
@@ -77,7 +86,8 @@ def apply_allowed(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tens
 
 class DraftWalk:
     """`ProposeRequest.allowed` for constrained sequences: each call consumes the drafts drawn at the previous
-    position and returns the next position's masks; `finish` rolls the matchers back."""
+    position and returns the next position's masks; `end` reads the forced tokens and the masks the next step
+    verifies with, and `finish` rolls the matchers back."""
 
     def __init__(self, compiler: GrammarCompiler, matchers: list[GrammarMatcher], device: torch.device) -> None:
         self.compiler = compiler
@@ -86,6 +96,8 @@ class DraftWalk:
         self.num_consumed = [0] * len(matchers)
         self.num_valid = [0] * len(matchers)
         """Leading drafts of each row drawn under a mask that allowed something: the drafts it may propose."""
+        self.bitmasks: list[list[torch.Tensor]] = [[] for _ in matchers]
+        """Each row's bitmask [W] at every position it drew while valid: the mask after each prefix of its drafts."""
         self._is_active = [not m.is_stopped for m in matchers]
 
     def __call__(self, position: int, previous: torch.Tensor) -> torch.Tensor:
@@ -103,10 +115,39 @@ class DraftWalk:
         for row, is_allowed in enumerate(has_any):
             if self._is_active[row] and is_allowed:
                 self.num_valid[row] += 1
+                self.bitmasks[row].append(bitmask[row])
             else:
                 self._is_active[row] = False
         mask = allowed(bitmask.to(self.device, non_blocking=True), self.compiler.vocab_size)
         return mask | ~mask.any(-1, keepdim=True)
+
+    def end(self, drafts: list[list[int]], max_forced: Seq[int]) -> list[tuple[list[int], torch.Tensor]]:
+        """Per row: (the tokens the grammar forces after its `drafts`, at most `max_forced[row]`; the bitmasks
+        [1 + d, W] after the committed tokens and after each of the d drafts, forced ones included), as
+        `verification_bitmasks` would compute them next step. `drafts`: each row's leading valid drafts. The
+        matchers are moved to the end of those drafts (`finish` rolls them back)."""
+        forced: list[list[int]] = []
+        for row, (matcher, row_drafts, limit) in enumerate(zip(self.matchers, drafts, max_forced, strict=True)):
+            count = len(row_drafts)
+            assert count <= self.num_valid[row], "drafts past the walk's valid positions"
+            if self.num_consumed[row] > count:
+                matcher.rollback(self.num_consumed[row] - count)
+            for token in row_drafts[self.num_consumed[row] :]:
+                if not matcher.consume(token):
+                    raise RuntimeError(f"the grammar refused a draft drawn under its mask: {matcher.error}")
+            self.num_consumed[row] = count
+            is_open = limit > 0 and not matcher.is_stopped
+            forced.append(list(matcher.llmatcher.compute_ff_tokens()[:limit]) if is_open else [])
+        rows, first = [], 0
+        for matcher, extra in zip(self.matchers, forced, strict=True):
+            rows.append((matcher, first, extra))
+            first += 1 + len(extra)
+        tail = self.compiler.fill_masks(rows, first)  # after the drafter's drafts, then after each forced one
+        out = []
+        for row, (extra, (_, start, _)) in enumerate(zip(forced, rows, strict=True)):
+            own = self.bitmasks[row][: len(drafts[row])]  # the walk's: after each prefix of the drafts
+            out.append((extra, torch.cat([*(m.unsqueeze(0) for m in own), tail[start : start + 1 + len(extra)]])))
+        return out
 
     def finish(self) -> None:
         for matcher, n in zip(self.matchers, self.num_consumed, strict=True):
@@ -120,10 +161,13 @@ def propose_constrained(
     num_next: list[int],
     uniforms: torch.Tensor,
     device: torch.device,
-) -> list[tuple[list[int], torch.Tensor]]:
+    max_forced: Seq[int] | None = None,
+) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
     """Drafts for constrained sequences after their tokens of this step are appended (and consumed by their
-    matchers): `num_next[i]` at most for `seqs[i]`, fewer where the grammar ends. uniforms [S, max(num_next)].
-    -> per sequence (drafts, their distributions [len(drafts), V] on the device)."""
+    matchers): `num_next[i]` at most for `seqs[i]`, fewer where the grammar ends, then up to `max_forced[i]`
+    forced ones (module docstring). uniforms [S, max(num_next)].
+    -> per sequence (drafts, their distributions [len(drafts), V] on the device, the grammar's bitmasks
+    [1 + len(drafts), W] on the host to verify them with)."""
     k = max(num_next)
     walk = DraftWalk(compiler, [s.grammar for s in seqs if s.grammar is not None], device)
     assert len(walk.matchers) == len(seqs), "every sequence here has a grammar"
@@ -141,9 +185,15 @@ def propose_constrained(
         )
     )
     tokens = proposal.tokens.tolist()  # the last position's drafts (and the rest again), in one transfer
+    drafts = [tokens[row][: min(n, walk.num_valid[row])] for row, n in enumerate(num_next)]
+    ends = walk.end(drafts, max_forced or [0] * len(seqs))
     walk.finish()
     out = []
-    for row, n in enumerate(num_next):
-        count = min(n, walk.num_valid[row])
-        out.append((tokens[row][:count], proposal.probs[row, :count]))
+    for row, (own, (extra, bitmask)) in enumerate(zip(drafts, ends, strict=True)):
+        probs = proposal.probs[row, : len(own)]
+        if extra:
+            one_hot = torch.zeros(len(extra), probs.shape[-1], dtype=probs.dtype, device=device)
+            one_hot[torch.arange(len(extra)), torch.tensor(extra)] = 1.0
+            probs = torch.cat((probs, one_hot))
+        out.append((own + extra, probs, bitmask))
     return out

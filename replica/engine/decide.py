@@ -101,7 +101,7 @@ def decide(
     k, k_next = max(num_drafts), max(num_next)
     uniforms = _uniforms(generators, num_drafts, num_next, k, k_next).to(device)
     sampling = SamplingTensors.build([s.params for s in seqs], device)
-    penalties = _penalties(seqs, out.num_rows, vocab, device)
+    penalties = row_penalties(seqs, out.num_rows, vocab, device)
     logits = apply_allowed(apply_penalties(out.logits, penalties), allowed)
     probs = probabilities(logits, sampling.repeat(out.num_rows))  # [R, V]
     # Each sequence's rows, padded to k + 1 by repeating its last one (verify never reads past a row's drafts).
@@ -207,7 +207,7 @@ def decide(
     return decided
 
 
-def _penalties(seqs: list[Sequence], num_rows: list[int], vocab: int, device: torch.device) -> Penalties | None:
+def row_penalties(seqs: list[Sequence], num_rows: list[int], vocab: int, device: torch.device) -> Penalties | None:
     """Per-row penalty inputs, or None when no sequence of the step is penalised. Row j of a sequence verifies
     its j-th draft: its history is the committed output and the drafts before it."""
     if not any(s.params.has_penalties for s in seqs):

@@ -4,10 +4,10 @@
 while a step runs in the engine's worker thread): they only append to an inbox that `step` drains first. Everything
 else is touched by `step` alone, so the engine has no locks.
 
-A step: drain the inbox, schedule, run the model, decide the tokens (`replica.engine.decide`: sampling, or with a
-drafter the verification of last step's drafts and the proposal of the next ones), append them, check stop
-conditions, register newly computed full blocks in the prefix cache, and return each touched request's new tokens
-plus the KV events.
+A step: drain the inbox, schedule, run the model, compute the step's grammar masks, decide the tokens
+(`replica.engine.decide`: sampling, or with a drafter the verification of last step's drafts and the proposal of
+the next ones), append them, check stop conditions, register newly computed full blocks in the prefix cache, and
+return each touched request's new tokens plus the KV events.
 
 Speculation (`num_speculative_tokens` > 0 and a drafter): a decoding sequence runs its last token and its drafts in
 one forward pass; `decide` keeps the accepted drafts and one more token, so a step emits 1 to k + 1 tokens per
@@ -29,9 +29,10 @@ import torch
 
 from replica.engine.block_manager import BlockManager
 from replica.engine.constrain import propose_constrained, target_allowed, verification_bitmasks
-from replica.engine.decide import decide
+from replica.engine.decide import TokenLogprob, decide
 from replica.engine.drafting import Drafter
 from replica.engine.runner import ModelRunner, RunnerOutput
+from replica.engine.sampler import gather_logprobs, raw_logprobs
 from replica.engine.sampling import SamplingParams
 from replica.engine.scheduler import ScheduledBatch, Scheduler
 from replica.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -40,7 +41,6 @@ from replica.model.model import MoEForCausalLM
 from router.policy.kv_events import KVEvent
 
 if TYPE_CHECKING:
-    from replica.engine.decide import TokenLogprob
     from replica.grammar.matcher import GrammarCompiler
     from replica.tokenizer import Tokenizer
 
@@ -70,6 +70,10 @@ class EngineConfig:
     adaptive_speculation: bool = True
     """Shrink k for sequences whose drafts are rarely accepted, and skip speculation for batch sizes where it is
     measured not to pay (`replica.engine.speculation`)."""
+    max_forced_drafts: int = 8
+    """Tokens a grammar forces after a constrained sequence's drafts (a key and its quotes) that join them as
+    drafts, at most (`replica.engine.constrain`); 0 turns that off. Each costs one verified position and no
+    drafter work; 8, the demo drafter's k, takes nearly every forced run of the schema suite (16 adds little)."""
 
 
 @dataclass
@@ -85,6 +89,8 @@ class RequestOutput:
     """With finish_reason ERROR: what went wrong (the grammar allowed no token)."""
     logprobs: list[TokenLogprob] | None = None
     """With `params.logprobs` set: one per new token."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """With `params.prompt_logprobs` set, on the request's first output: one per prompt token from the second on."""
 
 
 @dataclass
@@ -292,8 +298,10 @@ class LLMEngine:
 
     @staticmethod
     def _output(seq: Sequence, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+        is_first = new_tokens and len(new_tokens) == seq.num_output_tokens
         return RequestOutput(
             logprobs=logprobs,
+            prompt_logprobs=seq.prompt_logprobs if is_first and seq.params.prompt_logprobs is not None else None,
             seq_id=seq.seq_id,
             new_token_ids=new_tokens,
             finished=seq.is_finished,
@@ -327,10 +335,13 @@ class LLMEngine:
             result.events = self.block_manager.drain_events()
             return result
         result.num_batched_tokens = batch.num_tokens
-        bitmasks = self._verification_bitmasks(batch)
         out = self.runner.run(batch, self.drafter.feature_layers if self.drafter is not None else ())
         if self.drafter is not None:
             self.drafter.ingest(out.inputs, out.features)
+        # Once the pass is issued: where it runs asynchronously (CUDA), the host computes the masks meanwhile.
+        bitmasks = self._verification_bitmasks(batch)
+        if out.prompt_logits is not None:
+            self._record_prompt_logprobs(batch, out)
         for seq, n, d in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens, strict=True):
             seq.num_computed_tokens += n - d  # the drafts count once verified
         num_emitted, proposed = self._decide(batch, out, result, bitmasks) if out.sampled else (0, False)
@@ -346,19 +357,51 @@ class LLMEngine:
                 )
         return result
 
+    @staticmethod
+    def _record_prompt_logprobs(batch: ScheduledBatch, out: RunnerOutput) -> None:
+        """Append the logprobs of the prompt tokens this step's logits give (`RunnerOutput.prompt_spans`): one more
+        device-to-host transfer, in the steps that compute such prompts only."""
+        assert out.prompt_logits is not None
+        spans = [(batch.seqs[i], first, n) for i, first, n in out.prompt_spans]
+        targets = [t for seq, first, n in spans for t in seq.token_ids[first + 1 : first + 1 + n]]
+        num_top = max(seq.params.prompt_logprobs or 0 for seq, _, _ in spans)
+        device = out.prompt_logits.device
+        chosen, top_values, top_ids = gather_logprobs(
+            raw_logprobs(out.prompt_logits), torch.tensor(targets, device=device), num_top
+        )  # [N], [N, top], [N, top]
+        host = torch.cat([chosen.double(), top_values.flatten().double(), top_ids.flatten().double()]).tolist()
+        num_rows = len(targets)
+        values, top_lp, top_tok = (
+            host[:num_rows],
+            host[num_rows : num_rows * (1 + num_top)],
+            host[num_rows * (1 + num_top) :],
+        )
+        row = 0
+        for seq, _, n in spans:
+            asked = seq.params.prompt_logprobs or 0
+            for r in range(row, row + n):
+                top = [(int(top_tok[r * num_top + t]), top_lp[r * num_top + t]) for t in range(asked)]
+                seq.prompt_logprobs.append(TokenLogprob(values[r], top))
+            row += n
+
     def _verification_bitmasks(self, batch: ScheduledBatch) -> dict[int, torch.Tensor]:
         """Grammar masks of the constrained sequences that sample in this step, at their committed tokens and
-        along their drafts (`constrain.verification_bitmasks`): host work before the forward pass."""
+        along their drafts: kept from the walk that drew the drafts, else computed now
+        (`constrain.verification_bitmasks`)."""
         if self.grammar is None:
             return {}
-        sampling = [
-            (seq, d)
-            for seq, n, d in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens, strict=True)
-            if seq.grammar is not None and seq.num_computed_tokens + n - d == seq.num_tokens
-        ]
-        if not sampling:
-            return {}
-        return verification_bitmasks(self.grammar, [s for s, _ in sampling], [d for _, d in sampling])
+        kept: dict[int, torch.Tensor] = {}
+        fresh: list[tuple[Sequence, int]] = []
+        for seq, n, d in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens, strict=True):
+            if seq.grammar is None or seq.num_computed_tokens + n - d != seq.num_tokens:
+                continue
+            if seq.draft_bitmasks is not None:
+                kept[seq.seq_id] = seq.draft_bitmasks[: 1 + d]  # the scheduler may have cut the drafts
+            else:
+                fresh.append((seq, d))
+        if fresh:
+            kept.update(verification_bitmasks(self.grammar, [s for s, _ in fresh], [d for _, d in fresh]))
+        return kept
 
     def _decide(
         self, batch: ScheduledBatch, out: RunnerOutput, result: StepResult, bitmasks: dict[int, torch.Tensor]
@@ -378,7 +421,7 @@ class LLMEngine:
             assert out.logits is not None
             allowed = target_allowed(seqs, out.num_rows, bitmasks, out.logits.shape[-1], out.logits.device)
         decided = decide(seqs, num_drafts, num_next, out, generators, self.drafter, allowed)
-        constrained_next: list[tuple[Sequence, int, torch.Tensor]] = []
+        constrained_next: list[tuple[Sequence, int, torch.Tensor, int]] = []
         stats = result.speculation
         now = self.clock()
         num_emitted = 0
@@ -426,7 +469,9 @@ class LLMEngine:
             remaining = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
             keep = max(0, min(len(choice.next_drafts), remaining - 1))
             if choice.draft_uniforms is not None and remaining > 1:
-                constrained_next.append((seq, min(len(choice.draft_uniforms), remaining - 1), choice.draft_uniforms))
+                n = min(len(choice.draft_uniforms), remaining - 1)
+                forced = min(self.config.max_forced_drafts, remaining - 1 - n)
+                constrained_next.append((seq, n, choice.draft_uniforms, forced))
             if keep:
                 seq.draft_token_ids = choice.next_drafts[:keep]
                 assert choice.next_draft_probs is not None
@@ -436,20 +481,22 @@ class LLMEngine:
             self._propose_constrained(constrained_next)
         return num_emitted, any(num_next)
 
-    def _propose_constrained(self, pending: list[tuple[Sequence, int, torch.Tensor]]) -> None:
-        """Drafts of constrained sequences, drawn under their grammars now that this step's tokens are consumed."""
+    def _propose_constrained(self, pending: list[tuple[Sequence, int, torch.Tensor, int]]) -> None:
+        """Drafts of constrained sequences, drawn under their grammars now that this step's tokens are consumed
+        (`pending`: sequence, drafts, their uniforms, forced drafts allowed after them)."""
         assert self.drafter is not None and self.grammar is not None
-        seqs = [seq for seq, _, _ in pending]
-        num_next = [n for _, n, _ in pending]
+        seqs = [seq for seq, _, _, _ in pending]
+        num_next = [n for _, n, _, _ in pending]
         width = max(num_next)
-        uniforms = torch.stack([torch.nn.functional.pad(u[:n], (0, width - n)) for _, n, u in pending])
+        uniforms = torch.stack([torch.nn.functional.pad(u[:n], (0, width - n)) for _, n, u, _ in pending])
         device = self.model.device
-        for seq, (drafts, probs) in zip(
-            seqs, propose_constrained(self.drafter, self.grammar, seqs, num_next, uniforms, device), strict=True
-        ):
+        max_forced = [f for _, _, _, f in pending]
+        proposals = propose_constrained(self.drafter, self.grammar, seqs, num_next, uniforms, device, max_forced)
+        for seq, (drafts, probs, bitmasks) in zip(seqs, proposals, strict=True):
             if drafts:
                 seq.draft_token_ids = drafts
                 seq.draft_probs = probs
+                seq.draft_bitmasks = bitmasks
 
     def check_invariants(self) -> None:
         """Block accounting holds (tests call this after every step): every block is free xor referenced."""

@@ -14,7 +14,7 @@ rank 0 of a tensor-parallel group broadcasts before running; `execute` runs a pl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +48,11 @@ class RunnerOutput:
     """[R, V] FP32, R = sum(num_rows); None when nothing samples."""
     features: torch.Tensor | None
     """[T, F] outputs of the requested target layers, for a block drafter; None if none were requested."""
+    prompt_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    """(batch index, first position, count): prompt positions whose logits `prompt_logits` holds, for sequences
+    that want prompt logprobs (position p's logits give prompt token p + 1's logprob)."""
+    prompt_logits: torch.Tensor | None = None
+    """[sum of counts, V] FP32, in `prompt_spans` order; None when no sequence of the step wants them."""
 
 
 def append_slots(slots: list[int], block_table: list[int], start: int, end: int, block_size: int) -> None:
@@ -97,8 +102,11 @@ class ModelRunner:
         itemsize = torch.empty((), dtype=dtype or model.dtype).element_size()
         return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * itemsize
 
-    def plan(self, batch: ScheduledBatch) -> tuple[StepPlan, list[int], list[int], list[int]]:
-        """The step's inputs as host lists -> (plan, sampled, num_rows, first_positions) (see `RunnerOutput`)."""
+    def plan(
+        self, batch: ScheduledBatch
+    ) -> tuple[StepPlan, list[int], list[int], list[int], list[tuple[int, int, int]], list[int]]:
+        """The step's inputs as host lists -> (plan, sampled, num_rows, first_positions, prompt_spans, and the
+        prompt spans' rows in the flat batch) (see `RunnerOutput`)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -115,9 +123,19 @@ class ModelRunner:
         )
         max_blocks = max(len(s.block_table) for s in batch.seqs)
         tables = []
+        prompt_spans: list[tuple[int, int, int]] = []
+        prompt_rows: list[int] = []
         for i in order:
             seq, n, d = batch.seqs[i], batch.num_new_tokens[i], batch.num_draft_tokens[i]
             start = seq.num_computed_tokens
+            if seq.num_prompt_logprobs_missing:
+                # Positions 0..P-2 give prompt tokens 1..P-1 their logprobs; those known already (a recomputed
+                # prompt after preemption) are skipped.
+                first = max(start, len(seq.prompt_logprobs))
+                count = min(start + n, seq.num_prompt_tokens - 1) - first
+                if count > 0:
+                    prompt_spans.append((i, first, count))
+                    prompt_rows.extend(range(len(input_ids) + first - start, len(input_ids) + first - start + count))
             input_ids.extend(seq.token_ids[start : start + n - d])
             input_ids.extend(seq.draft_token_ids[:d])
             positions.extend(range(start, start + n))
@@ -131,7 +149,7 @@ class ModelRunner:
                 first_positions.append(start + n - d - 1)
                 sample_rows.extend(range(len(input_ids) - d - 1, len(input_ids)))
         plan = StepPlan(input_ids, positions, slots, query_lens, context_lens, tables, sample_rows)
-        return plan, sampled, num_rows, first_positions
+        return plan, sampled, num_rows, first_positions, prompt_spans, prompt_rows
 
     @torch.inference_mode()
     def execute(
@@ -159,7 +177,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, feature_layers: tuple[int, ...] = ()) -> RunnerOutput:
-        plan, sampled, num_rows, first_positions = self.plan(batch)
+        plan, sampled, num_rows, first_positions, prompt_spans, prompt_rows = self.plan(batch)
         if self.tensor_parallel is not None:
             self.tensor_parallel.send_step(plan)  # the step's one message to the other ranks
         inputs, hidden, features = self.execute(plan, feature_layers)
@@ -170,4 +188,5 @@ class ModelRunner:
             # Increasing rows; when they are one run (a decode step, a single sequence's chunk) a slice, not a gather.
             rows = hidden[first : last + 1] if last - first + 1 == len(sample_rows) else hidden[sample_rows]
             logits = self.model.compute_logits(rows)
-        return RunnerOutput(inputs, sampled, num_rows, first_positions, logits, features)
+        prompt_logits = self.model.compute_logits(hidden[prompt_rows]) if prompt_rows else None
+        return RunnerOutput(inputs, sampled, num_rows, first_positions, logits, features, prompt_spans, prompt_logits)

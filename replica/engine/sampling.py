@@ -40,6 +40,10 @@ class SamplingParams:
     logprobs: int | None = None
     """None: no log-probabilities; n >= 0: each generated token's log-probability and the n most likely
     alternatives (at most `MAX_TOP_LOGPROBS`), from the model's raw distribution (`replica.engine.decide`)."""
+    prompt_logprobs: int | None = None
+    """None: none; n >= 0: each prompt token's log-probability given the tokens before it (from the second token
+    on) and the n most likely alternatives, from the model's raw distribution. Such a prompt is computed in full,
+    never taken from the prefix cache: cached blocks hold keys and values, not the logits of their positions."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -61,6 +65,8 @@ class SamplingParams:
             raise SamplingError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise SamplingError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise SamplingError(f"prompt logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise SamplingError(f"seed must be in [0, 2**63), got {self.seed}")
 

@@ -11,6 +11,7 @@ from replica.engine.sampling import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from replica.engine.decide import TokenLogprob
     from replica.grammar.matcher import GrammarMatcher
     from replica.tokenizer import IncrementalDetokenizer, StopChecker
 
@@ -56,6 +57,9 @@ class Sequence:
     """Tokens a drafter proposed to follow `token_ids`, verified in the next step; not part of the sequence."""
     draft_probs: torch.Tensor | None = None
     """[len(draft_token_ids), V] on the model's device: the distribution each draft was drawn from."""
+    draft_bitmasks: torch.Tensor | None = None
+    """Constrained drafts: the grammar's bitmasks [1 + len(draft_token_ids), W] on the host after the committed
+    tokens and after each draft, kept from the walk that drew them so verification need not compute them again."""
     has_draft_room: bool = False
     """Set by the scheduler each step: the block table covers the drafter's look-ahead, so it may propose."""
     draft_accepted: float = 0.0
@@ -69,6 +73,8 @@ class Sequence:
     stop_text: tuple[IncrementalDetokenizer, StopChecker] | None = None
     """With stop strings (and an engine tokenizer): the output's text so far, checked after every appended token,
     so a stop string ends the sequence at the token that completes it and later tokens are never committed."""
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    """With `params.prompt_logprobs`: the logprobs of prompt tokens 1, 2, ... computed so far (token 0 has none)."""
     followers: list[Sequence] = field(default_factory=list)
     """The other choices of an `n` > 1 request, held until this sequence's prompt is computed and registered, so
     they find it in the prefix cache and compute only their last, partial block (`LLMEngine.add_group`)."""
@@ -96,6 +102,14 @@ class Sequence:
     def clear_drafts(self) -> None:
         self.draft_token_ids = []
         self.draft_probs = None
+        self.draft_bitmasks = None
+
+    @property
+    def num_prompt_logprobs_missing(self) -> int:
+        """Prompt logprobs still to compute (0 when none are asked): each needs its position's logits."""
+        if self.params.prompt_logprobs is None:
+            return 0
+        return self.num_prompt_tokens - 1 - len(self.prompt_logprobs)
 
     @property
     def num_output_tokens(self) -> int:

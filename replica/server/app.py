@@ -176,6 +176,8 @@ class _Generation:
         self.num_cached_tokens = 0
         self.num_output_tokens = 0
         self.output_token_ids: list[int] = []
+        self.prompt_logprobs: list[TokenLogprob] | None = None
+        """With echo and logprobs: the prompt tokens' from the second on (they come with the first output)."""
         source = state.capture_source
         self.output_texts: list[str] | None = [] if source is not None and source.keep_text else None
         self.e2e_s: float | None = None
@@ -197,6 +199,8 @@ class _Generation:
         self.output_token_ids.extend(out.new_token_ids)
         self.num_cached_tokens = out.num_cached_tokens
         self.num_output_tokens = out.num_output_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.error is not None:
             self.error = out.error
 
@@ -355,6 +359,28 @@ def _completion_logprobs(
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset
 
 
+def _echo_logprobs(gen: _Generation) -> tuple[dict[str, Any] | None, int]:
+    """The echoed prompt's part of the completions logprobs object (its first token's logprob and alternatives
+    null, as OpenAI reports them) and the text offset after it; None without echo, logprobs or the prompt's."""
+    ids, lps = gen.parsed.prompt_token_ids, gen.prompt_logprobs
+    if not gen.parsed.echo or lps is None:
+        return None, 0
+    tokenizer = gen.state.tokenizer
+    first = _token_text(tokenizer, ids[0])
+    rest, offset = _completion_logprobs(tokenizer, lps, ids[1:], len(first))
+    out: dict[str, Any] = {
+        "tokens": [first, *rest["tokens"]],
+        "token_logprobs": [None, *rest["token_logprobs"]],
+        "top_logprobs": [None, *rest["top_logprobs"]],
+        "text_offset": [0, *rest["text_offset"]],
+    }
+    return out, offset
+
+
+def _joined(first: dict[str, Any] | None, second: dict[str, Any]) -> dict[str, Any]:
+    return second if first is None else {key: first[key] + second[key] for key in second}
+
+
 def _echo_text(gen: _Generation) -> str:
     parsed = gen.parsed
     if not parsed.echo:
@@ -397,7 +423,10 @@ async def _complete(gens: list[_Generation], request_id: str, *, chat: bool) -> 
             choice = {"index": gen.index, "message": message, "finish_reason": finish, "logprobs": lp}
         else:
             echo = _echo_text(gen)
-            lp = _completion_logprobs(state.tokenizer, logprobs, token_ids, 0)[0] if wants_logprobs else None
+            lp = None
+            if wants_logprobs:
+                prompt_lp, _ = _echo_logprobs(gen)
+                lp = _joined(prompt_lp, _completion_logprobs(state.tokenizer, logprobs, token_ids, len(echo))[0])
             choice = {"index": gen.index, "text": echo + text, "finish_reason": gen.finish_reason, "logprobs": lp}
         choices.append(choice)
     body = {
@@ -519,7 +548,10 @@ async def _stream(request: web.Request, gens: list[_Generation], request_id: str
             if chat:
                 await response.write(chunk(gen.index, None, None, role=True))
             elif parsed.echo:
-                await response.write(chunk(gen.index, _echo_text(gen), None))
+                # The choices share the prompt: its logprobs are whichever first output brought them.
+                echoed = next((g for g in gens if g.prompt_logprobs is not None), gen)
+                prompt_lp = _echo_logprobs(echoed)[0] if wants_logprobs else None
+                await response.write(chunk(gen.index, _echo_text(gen), None, logprobs=prompt_lp))
         item = first
         while item is not None:
             index, piece = item

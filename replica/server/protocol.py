@@ -2,13 +2,14 @@
 
 Parsing turns a JSON body into (prompt token ids, SamplingParams, options) or raises `ProtocolError` with a message
 naming the offending field; nothing reaches the engine unchecked. A field Shoal does not implement (logit_bias,
-suffix, best_of other than n, service_tier other than auto/default, prompt logprobs, any name it does not know) is
-refused by name rather than silently ignored.
+suffix, best_of other than n, service_tier other than auto/default, any name it does not know) is refused by name
+rather than silently ignored.
 
 Served: `n` choices (seeded choice i draws with seed + i), `stop` (up to 4) and vLLM's `stop_token_ids`, OpenAI's
 presence/frequency penalties and vLLM's repetition_penalty, `logprobs` (completions: an int, the top alternatives
 per token; chat: a bool with `top_logprobs`), `max_completion_tokens` (chat; equal to max_tokens if both are
-sent), `echo` (completions, without logprobs: prompt logprobs are not computed), `stream_options.include_usage`.
+sent), `echo` (completions; with `logprobs`, the prompt's tokens get theirs too, the first one null, as OpenAI's
+legacy completions report them), `stream_options.include_usage`.
 
 Constrained output (`replica.grammar`): `response_format` json_object or json_schema (strict or not: both enforced)
 on both endpoints, and chat `tools` with `tool_choice` auto, none, required or a named function, and
@@ -319,10 +320,6 @@ def parse_completion(
         raise ProtocolError("the request body must be a JSON object")
     _check_fields(body, _COMPLETION_FIELDS)
     echo = bool(_get(body, "echo", bool, False))
-    if echo and body.get("logprobs") is not None:
-        raise ProtocolError(
-            "'echo' with 'logprobs' asks for prompt logprobs, which this server does not compute", "echo"
-        )
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -337,9 +334,12 @@ def parse_completion(
         raise ProtocolError("'prompt' must be a non-empty string or a list of token ids", "prompt")
     stream, include_usage = _stream_options(body)
     grammar = _validated(_response_format_grammar(body), grammars, "response_format")
+    params = _sampling(body, default_max_tokens=default_max_tokens, chat=False, grammar=grammar)
+    if echo and params.logprobs is not None:
+        params = replace(params, prompt_logprobs=params.logprobs)
     return ParsedRequest(
         prompt_token_ids=ids,
-        params=_sampling(body, default_max_tokens=default_max_tokens, chat=False, grammar=grammar),
+        params=params,
         stream=stream,
         include_usage=include_usage,
         model=model,

@@ -1,5 +1,6 @@
 """The rest of the OpenAI surface through the official openai client: logprobs, n choices, stop strings, penalties,
-max_completion_tokens, echo, and a 400 naming every parameter the server does not serve. Streamed and not, and with
+max_completion_tokens, echo (with the prompt's logprobs against a plain forward pass of the served model), and a
+400 naming every parameter the server does not serve. Streamed and not, and with
 speculation on and off where it matters (greedy answers and their logprobs are the same)."""
 
 from __future__ import annotations
@@ -166,6 +167,54 @@ async def test_max_completion_tokens_and_echo(start_replica: StartReplica) -> No
         assert text == r.choices[0].text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_echo_with_logprobs_gives_the_prompts_from_a_plain_forward_pass(
+    start_replica: StartReplica, tiny_checkpoint: Path, stream: bool
+) -> None:
+    """The prompt's tokens get the served model's log_softmax at the position before each (the first: null),
+    the second time too, when the prompt's blocks are in the prefix cache; completion tokens follow them."""
+    import torch
+
+    from replica.server.serve import load_for_serving
+    from replica.settings import ReplicaSettings
+
+    replica = await start_replica()
+    model, tokenizer = load_for_serving(ReplicaSettings(model=str(tiny_checkpoint), served_model_name="shoal-demo"))
+    prompt = "Please confirm order SO-1234 and the invoice before Friday."
+    ids = tokenizer.encode(prompt)  # type: ignore[attr-defined]
+    with torch.inference_mode():
+        logits, _ = model.forward_train(torch.tensor([ids]))  # type: ignore[attr-defined]
+    reference = logits[0].float().log_softmax(-1)  # position p gives token p + 1
+    async with client(replica.url) as c:
+        for _ in range(2):
+            kwargs: dict[str, Any] = {"model": "shoal-demo", "prompt": prompt, "max_tokens": 3, "temperature": 0}
+            lp: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            text = ""
+            if stream:
+                async for chunk in await c.completions.create(**kwargs, echo=True, logprobs=2, stream=True):
+                    text += chunk.choices[0].text
+                    for key in lp:
+                        lp[key] += getattr(chunk.choices[0].logprobs, key) if chunk.choices[0].logprobs else []
+            else:
+                r = await c.completions.create(**kwargs, echo=True, logprobs=2)
+                text = r.choices[0].text
+                lp = {key: getattr(r.choices[0].logprobs, key) for key in lp}
+            assert text.startswith(prompt)
+            assert len(lp["tokens"]) == len(ids) + 3
+            assert lp["tokens"][: len(ids)] == [tokenizer.decode([t]) for t in ids]  # type: ignore[attr-defined]
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            for p in range(1, len(ids)):
+                assert lp["token_logprobs"][p] == pytest.approx(float(reference[p - 1, ids[p]]), abs=2e-3)
+                top = reference[p - 1].topk(2).values.tolist()
+                alternatives = list(lp["top_logprobs"][p].values())  # keyed by text: two ids may print alike
+                assert alternatives[0] == pytest.approx(top[0], abs=2e-3)
+                assert all(min(abs(v - t) for t in top) < 2e-3 for v in alternatives)
+            for token, offset in zip(lp["tokens"], lp["text_offset"], strict=True):
+                assert text[offset : offset + len(token)] == token
+        plain = await c.completions.create(**kwargs)
+        assert plain.usage.prompt_tokens_details.cached_tokens > 0  # the prompt was cached all along
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
@@ -182,7 +231,6 @@ async def test_max_completion_tokens_and_echo(start_replica: StartReplica) -> No
         ("chat", {"stream_options": {"include_usage": True}}, "stream_options"),
         ("chat", {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
         ("completions", {"suffix": "x"}, "suffix"),
-        ("completions", {"echo": True, "logprobs": 1}, "echo"),
         ("completions", {"logprobs": 21}, "logprobs"),
         ("completions", {"min_tokens": 3}, "min_tokens"),
     ],

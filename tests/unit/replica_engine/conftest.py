@@ -98,9 +98,9 @@ def drive(
             engine.check_invariants()
             run.num_steps += 1
             run.steps.append(result)
-            if engine.drafter is None:  # one sampled row per output (with drafts, one per verified position)
-                rows = calls[num_calls] if len(calls) > num_calls else torch.empty(0, engine.model.config.vocab_size)
-                sampled = [o for o in result.outputs if o.new_token_ids]
+            sampled = [o for o in result.outputs if o.new_token_ids]
+            if engine.drafter is None and sampled:  # one sampled row per output (with drafts, one per verified
+                rows = calls[num_calls]  # position); the step's first LM-head call (prompt logprobs' comes after)
                 assert len(sampled) == rows.shape[0]
                 for out, row in zip(sampled, rows, strict=True):
                     run.logits.setdefault(out.seq_id, []).append(row)

@@ -47,11 +47,11 @@ def run_constrained(
     k: int = 0,
     prompts: list[list[int]] = PROMPTS,
     check_matchers: bool = True,
+    max_forced_drafts: int = CONFIG.max_forced_drafts,
 ) -> tuple[Run, list[int], LLMEngine]:
     compiler = ascii_compiler()
-    engine = LLMEngine(
-        model, replace(CONFIG, num_speculative_tokens=k, adaptive_speculation=False), drafter=drafter, grammar=compiler
-    )
+    config = replace(CONFIG, num_speculative_tokens=k, adaptive_speculation=False, max_forced_drafts=max_forced_drafts)
+    engine = LLMEngine(model, config, drafter=drafter, grammar=compiler)
     ids = [engine.add_request(p, params) for p in prompts]
 
     def matchers_hold_committed_tokens(engine: LLMEngine, _: StepResult) -> None:
@@ -81,6 +81,23 @@ def test_greedy_constrained_output_is_the_same_with_and_without_speculation(mode
         spec, ids, _ = run_constrained(model, params, drafter=drafter, k=3, check_matchers=name == "perturbed")
         assert [spec.tokens[i] for i in ids] == [plain.tokens[i] for i in plain_ids], name
         assert sum(s.speculation.num_drafts for s in spec.steps) > 0, name
+
+
+def test_forced_drafts_go_past_the_drafters_k_and_change_no_greedy_token(model: MoEForCausalLM) -> None:
+    """The schema's keys and punctuation, forced by the grammar, are verified as drafts after the drafter's k:
+    some step verifies more than k drafts of the one request, and its greedy output is the same without them."""
+    params = SamplingParams(max_tokens=120, temperature=0.0, grammar=GRAMMAR)
+    k = 3
+    runs = {}
+    for max_forced in (0, 8):
+        drafter = model_drafter(perturbed(model, 0.05), k)
+        runs[max_forced], ids, _ = run_constrained(
+            model, params, drafter=drafter, k=k, prompts=PROMPTS[:1], max_forced_drafts=max_forced
+        )
+        most = max(s.speculation.num_draft_tokens for s in runs[max_forced].steps)
+        assert most > k if max_forced else most == k
+    assert runs[8].tokens[ids[0]] == runs[0].tokens[ids[0]]
+    assert len(runs[8].steps) < len(runs[0].steps)
 
 
 @pytest.mark.parametrize("kind", ["perturbed", "random-block"])

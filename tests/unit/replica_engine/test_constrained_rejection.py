@@ -8,7 +8,8 @@ draft is drawn from `probabilities` of the drafter's logits with `apply_allowed`
 and every cell of the uniforms is enumerated as in test_rejection.py; the law of the emitted block, extended to
 k + 1 tokens with the target's masked conditionals, must equal the joint of k + 1 tokens drawn one by one from the
 masked target within 1e-12 in total variation. The allowed sets behind the expected law are computed here from the
-regex's language, not by llguidance.
+regex's language, not by llguidance. With forced drafts, the tokens the grammar forces after the k drafts
+(`DraftWalk.end`) join them with a one-hot q, and the masks the walk kept must equal `verification_bitmasks`'.
 
 The variant that drafts from the unmasked q, cuts the block at its first draft the grammar refuses and verifies
 against that unmasked q must fail the same check.
@@ -91,58 +92,71 @@ def emitted_law(
     compiler: GrammarCompiler,
     *,
     cut_unmasked: bool = False,
+    max_forced: int = 0,
 ) -> dict[Prefix, float]:
-    """Exact law of one step's emitted tokens after `start`, extended to k + 1 tokens with the masked target."""
+    """Exact law of one step's emitted tokens after `start`, extended to k + max_forced + 1 tokens with the masked
+    target. With `max_forced`, the tokens the grammar forces after the k drafts follow them as one-hot drafts."""
     seq = sequence_at(compiler, start)
     assert seq.grammar is not None
     state_before = mask_state(compiler, seq.grammar)
+    width = k + max_forced
     rows = []
-    for drafts in itertools.product(range(VOCAB), repeat=k):
+    for drafted in itertools.product(range(VOCAB), repeat=k):
+        walk_bitmask = None
         if cut_unmasked:
-            qs = [q[start + drafts[:j]] for j in range(k)]
-            n = next((j for j in range(k) if not hand_allowed(start + drafts[:j])[drafts[j]]), k)
+            qs = [q[start + drafted[:j]] for j in range(k)]
+            n = next((j for j in range(k) if not hand_allowed(start + drafted[:j])[drafted[j]]), k)
+            drafts = drafted
         else:
             walk = DraftWalk(compiler, [seq.grammar], CPU)
             qs, previous = [], torch.tensor([start[-1] if start else EOS])
             for j in range(k):
                 mask = walk(j, previous)
-                qs.append(probabilities(apply_allowed(logits_of(q[start + drafts[:j]]), mask), SAMPLED)[0])
-                if qs[j][drafts[j]] == 0:
+                qs.append(probabilities(apply_allowed(logits_of(q[start + drafted[:j]]), mask), SAMPLED)[0])
+                if qs[j][drafted[j]] == 0:
                     break  # a draft the masked drafter never draws: weight 0, and the walk never consumes it
-                previous = torch.tensor([drafts[j]])
-            walk.finish()
-            if len(qs) < k or qs[-1][drafts[-1]] == 0:
+                previous = torch.tensor([drafted[j]])
+            if len(qs) < k or qs[-1][drafted[-1]] == 0:
+                walk.finish()
                 assert mask_state(compiler, seq.grammar) == state_before, "the walk left the matcher moved"
                 continue
+            [(forced, walk_bitmask)] = walk.end([list(drafted)], [max_forced])
+            walk.finish()
             assert mask_state(compiler, seq.grammar) == state_before, "the walk left the matcher moved"
-            n = k
+            qs += [torch.nn.functional.one_hot(torch.tensor(t), VOCAB).double() for t in forced]
+            drafts = drafted + tuple(forced)
+            n = len(drafts)
         weight = 1.0
-        for j, token in enumerate(drafts):
+        for j, token in enumerate(drafted):
             weight *= float(qs[j][token])
         if weight == 0:
             continue
         seq.draft_token_ids = list(drafts[:n])
         bitmasks = verification_bitmasks(compiler, [seq], [n])
         assert mask_state(compiler, seq.grammar) == state_before, "verification masks left the matcher moved"
+        if walk_bitmask is not None:
+            assert walk_bitmask.equal(bitmasks[seq.seq_id]), "the walk's masks are not the verification masks"
         allowed = target_allowed([seq], [n + 1], bitmasks, VOCAB, CPU)
         assert allowed is not None
         logits = torch.cat([logits_of(p[start + drafts[:j]]) for j in range(n + 1)])
         target_rows = probabilities(apply_allowed(logits, allowed), SAMPLED.repeat([n + 1]))
-        target = torch.stack([target_rows[min(j, n)] for j in range(k + 1)])  # padded as `decide` pads
+        target = torch.stack([target_rows[min(j, n)] for j in range(width + 1)])  # padded as `decide` pads
+        padded = list(drafts) + [0] * (width - len(drafts))
+        q_rows = torch.stack([*qs, *(torch.zeros(VOCAB, dtype=torch.float64) for _ in range(width - len(qs)))])
         accept_cells = [
-            cells([float(target[j][d] / qs[j][d])]) if j < n else [(0.5, 1.0)] for j, d in enumerate(drafts)
+            cells([float(target[j][d] / q_rows[j][d])]) if j < n else [(0.5, 1.0)] for j, d in enumerate(padded)
         ]
         final_points: list[float] = []
         for j in range(n + 1):
             final_points += breakpoints(target[j])
             if j < n:
-                final_points += breakpoints((target[j] - qs[j]).clamp_min(0))
+                final_points += breakpoints((target[j] - q_rows[j]).clamp_min(0))
         for accept in itertools.product(*accept_cells):
             for u_final, w_final in cells(final_points):
                 w = weight * w_final
-                for _, width in accept:
-                    w *= width
-                rows.append((target, torch.stack(qs), list(drafts), n, [u for u, _ in accept], u_final, w))
+                for _, cell_width in accept:
+                    w *= cell_width
+                rows.append((target, q_rows, padded, n, [u for u, _ in accept], u_final, w))
     tokens, num_emitted = verify(
         torch.stack([r[0] for r in rows]),
         torch.stack([r[1] for r in rows]),
@@ -154,7 +168,7 @@ def emitted_law(
     law: dict[Prefix, float] = {}
     for row, emitted, count in zip(rows, tokens.tolist(), num_emitted.tolist(), strict=True):
         seqs = [(tuple(emitted[:count]), row[6])]
-        for _ in range(k + 1 - count):  # extend with the masked target's conditionals
+        for _ in range(width + 1 - count):  # extend with the masked target's conditionals
             extended = [((*s, t), w * float(masked(p[start + s], start + s)[t])) for s, w in seqs for t in range(VOCAB)]
             seqs = [(s, w) for s, w in extended if w]
         for s, w in seqs:
@@ -175,9 +189,11 @@ def masked_joint(p: dict[Prefix, torch.Tensor], start: Prefix, length: int) -> d
     return joint
 
 
-def tables(k: int, start: Prefix, seed: int) -> tuple[dict[Prefix, torch.Tensor], dict[Prefix, torch.Tensor]]:
+def tables(
+    k: int, start: Prefix, seed: int, max_forced: int = 0
+) -> tuple[dict[Prefix, torch.Tensor], dict[Prefix, torch.Tensor]]:
     rng = random.Random(seed)
-    depth = len(start) + k
+    depth = len(start) + k + max_forced
     return random_table(VOCAB, depth, rng, zeros=False), random_table(VOCAB, depth, rng, zeros=False)
 
 
@@ -205,6 +221,31 @@ def test_constrained_speculation_follows_the_masked_target_exactly(k: int, start
     law = emitted_law(p, q, k, start, compiler)
     assert abs(sum(law.values()) - 1.0) < 1e-12
     assert total_variation(law, masked_joint(p, start, k + 1)) < 1e-12
+
+
+def test_the_walk_reads_the_tokens_the_grammar_forces_after_the_drafts() -> None:
+    compiler = toy_compiler()
+    seq = sequence_at(compiler, ())
+    assert seq.grammar is not None
+    walk = DraftWalk(compiler, [seq.grammar], CPU)
+    walk(0, torch.tensor([EOS]))
+    walk(1, torch.tensor([0]))  # the first draft was "a": "b" then "c" must follow
+    [(forced, bitmask)] = walk.end([[0]], [3])
+    walk.finish()
+    assert forced == [1, 2]
+    seq.draft_token_ids = [0, 1, 2]
+    assert bitmask.equal(verification_bitmasks(compiler, [seq], [3])[seq.seq_id])
+
+
+@pytest.mark.parametrize(("k", "start"), [(1, ()), (2, ()), (1, (1, 0))], ids=["k1-start", "k2-start", "k1-after-b-a"])
+def test_forced_drafts_after_the_drafters_keep_speculation_exact(k: int, start: Prefix) -> None:
+    """The tokens the grammar forces after the k drafts ("b" and "c" after "a") join them with a one-hot q."""
+    compiler = toy_compiler()
+    max_forced = 2
+    p, q = tables(k, start, seed=31 * k + len(start), max_forced=max_forced)
+    law = emitted_law(p, q, k, start, compiler, max_forced=max_forced)
+    assert abs(sum(law.values()) - 1.0) < 1e-12
+    assert total_variation(law, masked_joint(p, start, k + max_forced + 1)) < 1e-12
 
 
 @pytest.mark.parametrize("k", [2, 3])

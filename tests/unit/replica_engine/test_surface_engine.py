@@ -241,3 +241,25 @@ def test_aborting_a_waiting_choice_and_the_first_one(model: MoEForCausalLM) -> N
     assert r.finals[ids[1]].finish_reason is FinishReason.ABORT
     assert r.finals[ids[2]].finish_reason is FinishReason.LENGTH
     assert len(r.tokens[ids[2]]) == 5
+
+
+def test_prompt_logprobs_are_the_models_over_the_prompt_even_when_it_is_cached(model: MoEForCausalLM) -> None:
+    """A 19-token prompt in chunks of 8 (budget), first alone, then again while its blocks are in the prefix
+    cache: the second one computes the prompt in full, and both report the dense model's log_softmax."""
+    engine = LLMEngine(model, replace(CONFIG, max_num_batched_tokens=8))
+    prompt = PROMPTS[1]
+    reference = dense_logits(model, prompt).log_softmax(-1)[:-1]  # position p gives token p + 1
+    for round_ in range(2):
+        seq_id = engine.add_request(prompt, greedy(3, prompt_logprobs=2))
+        r = drive(engine)
+        first = r.outputs[seq_id][0]
+        assert first.num_cached_tokens == 0, round_
+        assert first.prompt_logprobs is not None and len(first.prompt_logprobs) == len(prompt) - 1
+        assert all(o.prompt_logprobs is None for o in r.outputs[seq_id][1:])
+        for p, lp in enumerate(first.prompt_logprobs):
+            assert lp.logprob == pytest.approx(float(reference[p, prompt[p + 1]]), abs=1e-4)
+            top = reference[p].topk(2)
+            assert [t for t, _ in lp.top] == top.indices.tolist()
+            assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+    plain = engine.add_request(prompt, greedy(3))
+    assert drive(engine).finals[plain].num_cached_tokens == 16  # the cache did hold the prompt's blocks
