@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from router.policy.kv_events import KVEvent
 from router.policy.prefix_index import PrefixIndex
+from router.policy.routing_core import RoutingCore
 from router.policy.sharing import Batch, FleetView, Load, Pin, Routed, own_loads
 from router.policy.types import Decision, ReplicaState
 from simulations.events import Simulator
@@ -100,6 +101,10 @@ class RouterFleet:
         self._is_done: Callable[[], bool] = lambda: True
 
     # The first router's: the only one with one router.
+
+    @property
+    def core(self) -> RoutingCore:
+        return self.routers[0].core
 
     @property
     def index(self) -> PrefixIndex:

@@ -1,4 +1,5 @@
 """One simulated run: a workload through a router with one policy, over a fleet of simulated replicas.
+With a scenario's `routers.count` above one, several routers (`simulations.routers`), each request through one.
 
 Events: each request's arrival (pulled lazily from the workload, one pending at a time), each replica's step
 ends, scrapes of the engines' gauges, index sweeps, KV-event deliveries (exact modes), time-series samples and
