@@ -39,9 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
 
-    header = (
-        f"| {'workload':<8} | routers | sharing | {'hit':>5} | TTFT p50 | TTFT p99 | {'SLO':>5} | {'CPU s':>5} |"
-    )
+    header = f"| {'workload':<8} | routers | sharing | {'hit':>5} | TTFT p50 | TTFT p99 | {'SLO':>5} | {'CPU s':>5} |"
     rows = [header, "|" + "|".join("-" * len(cell) for cell in header.split("|")[1:-1]) + "|"]
     verdicts = []
     for name in args.workloads.split(","):

@@ -80,9 +80,7 @@ class FleetTicket:
 class RouterFleet:
     """`count` routers over the same replicas; the interface of one `SimRouter`, with a request to route."""
 
-    def __init__(
-        self, routers: Sequence[SimRouter], config: RoutersConfig, sim: Simulator, *, seed: int = 0
-    ) -> None:
+    def __init__(self, routers: Sequence[SimRouter], config: RoutersConfig, sim: Simulator, *, seed: int = 0) -> None:
         if len(routers) != config.count:
             raise ValueError(f"{config.count} routers configured, {len(routers)} given")
         self.routers = list(routers)
