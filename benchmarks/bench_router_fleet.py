@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--policy", default="estimated_ttft")
     parser.add_argument("--spread", default="random", choices=("random", "round_robin", "session"))
     parser.add_argument("--limit", type=int, help="replay only the Mooncake trace's first N requests")
+    parser.add_argument("--lag", type=float, help="seconds from a decision to the peers applying it (`lag_s`)")
     args = parser.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
 
@@ -53,7 +54,7 @@ def main() -> None:
         hits: dict[tuple[int, bool], float] = {}
         for count in counts:
             for sharing in (False, True) if count > 1 else (False,):
-                routers = {"count": count, "sharing": sharing, "spread": args.spread}
+                routers = {"count": count, "sharing": sharing, "spread": args.spread, "lag_s": args.lag}
                 scenario = base.model_copy(update={"routers": base.routers.model_validate(routers)})
                 started = time.process_time()
                 summary = Simulation(scenario, scenario.policies[0], workload).run().summary
@@ -74,7 +75,8 @@ def main() -> None:
                 + (f"; without sharing {off:.3f} ({(off - one) / one:+.1%})" if off is not None else "")
             )
     print()
-    print(f"policy {args.policy}, requests spread over routers: {args.spread}")
+    lag = f"{args.lag} s" if args.lag is not None else "flush interval + round trip"
+    print(f"policy {args.policy}, requests spread over routers: {args.spread}, decisions shared after {lag}")
     print("\n".join(rows))
     print()
     print("\n".join(verdicts))
