@@ -3,7 +3,7 @@
 Runs scenario 01 (the Mooncake synthetic trace at 2x on 16 replicas) and scenario 10 (agent tool loops on 8
 replicas) with 1, 2, 4 and 8 routers, each count without sharing and with it (one router has nothing to share),
 under one policy; requests reach the routers as `--spread` says. Prints one table, then, per workload, the hit
-ratio of 4 sharing routers against one router's. One core, about 10 minutes for both workloads in full:
+ratio of 4 sharing routers against one router's. One core, some 6 CPU-minutes for both workloads in full:
 
     export SHOAL_TRACES_DIR=DIR   # where `shoal simulate fetch-traces` put the traces
     taskset -c 0 .venv/bin/python benchmarks/bench_router_fleet.py
