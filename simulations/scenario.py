@@ -29,6 +29,7 @@ from router.policy.prefix_index import PrefixIndexConfig
 from router.policy.service_time import ServiceTimeEstimator
 from router.policy.session import SessionAffinityConfig
 from simulations.metrics import SLOConfig
+from simulations.routers import RoutersConfig
 from simulations.routing import IndexMode
 from simulations.scaling import AutoscaleConfig, FixedScalingConfig, ScalingConfig
 from simulations.servegen import AzureLengths, ServeGenTraceConfig, ServeGenWorkload
@@ -234,6 +235,9 @@ class Scenario(_Model):
     """The workload; None when the caller passes one to `Simulation` itself."""
     fleet: FleetConfig = Field(default_factory=FleetConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
+    routers: RoutersConfig = Field(default_factory=RoutersConfig)
+    """How many routers share the fleet and whether they share their views (`simulations.routers`); each has the
+    `router` settings. One by default."""
     policies: list[PolicyEntry] = Field(default_factory=lambda: [policy_entry(p) for p in DEFAULT_POLICIES])
     variants: list[FleetVariant] = Field(default_factory=list)
     """Fleets to compare, each run with every policy (see the module docstring). Empty (the default): the one

@@ -1,4 +1,5 @@
 """One simulated run: a workload through a router with one policy, over a fleet of simulated replicas.
+With a scenario's `routers.count` above one, several routers (`simulations.routers`), each request through one.
 
 Events: each request's arrival (pulled lazily from the workload, one pending at a time), each replica's step
 ends, scrapes of the engines' gauges, index sweeps, KV-event deliveries (exact modes), time-series samples and
@@ -27,7 +28,8 @@ from router.policy.types import Decision
 from simulations.events import Simulator
 from simulations.metrics import Recorder, Sample
 from simulations.replica import Seq, SimReplica
-from simulations.routing import INDEX_BLIND_POLICIES, SimRouter, Ticket
+from simulations.routers import FleetTicket, RouterFleet
+from simulations.routing import INDEX_BLIND_POLICIES, SimRouter
 from simulations.scaling import FleetObservation, ScalingDriver, build_scaling
 from simulations.scenario import PolicyEntry, Scenario
 from simulations.startup import StartupSampler
@@ -79,21 +81,25 @@ class Simulation:
             )
         router_cfg = scenario.router
         self.sim = Simulator()
-        self.router = SimRouter(
-            build_policy(policy.config, seed=scenario.seed),
-            PrefixIndex(router_cfg.index),
-            router_cfg.prefill_rate,
-            block_size=self.engine.block_size,
-            seed_bytes=workload.seed_bytes,
-            mode=router_cfg.index_mode,
-            max_blocks=router_cfg.max_blocks,
-            use_index=router_cfg.index_for_index_blind or policy.config.kind not in INDEX_BLIND_POLICIES,
-            is_session_affinity=router_cfg.session_affinity,
-            session_affinity=router_cfg.session,
-            max_in_flight_per_replica=router_cfg.max_in_flight_per_replica,
-            service_time=router_cfg.service_time,
-            infer_max_num_seqs=router_cfg.infer_max_num_seqs,
-        )
+        routers = [
+            SimRouter(
+                build_policy(policy.config, seed=scenario.seed + i),
+                PrefixIndex(router_cfg.index),
+                router_cfg.prefill_rate,
+                block_size=self.engine.block_size,
+                seed_bytes=workload.seed_bytes,
+                mode=router_cfg.index_mode,
+                max_blocks=router_cfg.max_blocks,
+                use_index=router_cfg.index_for_index_blind or policy.config.kind not in INDEX_BLIND_POLICIES,
+                is_session_affinity=router_cfg.session_affinity,
+                session_affinity=router_cfg.session,
+                max_in_flight_per_replica=router_cfg.max_in_flight_per_replica,
+                service_time=router_cfg.service_time,
+                infer_max_num_seqs=router_cfg.infer_max_num_seqs,
+            )
+            for i in range(scenario.routers.count)
+        ]
+        self.router = RouterFleet(routers, scenario.routers, self.sim, seed=scenario.seed)
         self.recorder = Recorder()
         self.scaling: ScalingDriver = build_scaling(scenario.autoscale or scenario.scaling)
         autoscale = scenario.autoscale
@@ -183,8 +189,8 @@ class Simulation:
         elif desired < len(active):
             # Starting replicas first, then the fewest requests in flight, then the least cached data.
             def cost(m: Member) -> tuple[bool, int, int, str]:
-                state = self.router.state(m.replica.id)
-                return (m.is_ready, state.in_flight, len(m.replica.cache.refs), m.replica.id)
+                in_flight = self.router.in_flight(m.replica.id)
+                return (m.is_ready, in_flight, len(m.replica.cache.refs), m.replica.id)
 
             for member in sorted(active, key=cost)[: len(active) - desired]:
                 self._drain(member)
@@ -216,7 +222,7 @@ class Simulation:
 
     def _dispatch(self, request: Request) -> bool:
         """Route the request to a replica; False when none can take it (none ready, or all full)."""
-        ticket = self.router.route(request.hashes, request.prompt_tokens, self.sim.now, request.session)
+        ticket = self.router.route(request.id, request.hashes, request.prompt_tokens, self.sim.now, request.session)
         if ticket is None:
             return False
         self.recorder.branches[ticket.decision.branch.value] += 1
@@ -238,14 +244,14 @@ class Simulation:
             self._on_finished(1)
 
     def _first_token(self, seq: Seq) -> None:
-        ticket: Ticket = seq.ticket
+        ticket: FleetTicket = seq.ticket
         if seq.request.is_stream:
             self.router.first_byte(ticket, self.sim.now, is_stream=True)
         self._window_hit += seq.hit_tokens or 0
         self._window_prompt += seq.request.prompt_tokens
 
     def _finish(self, seq: Seq) -> None:
-        ticket: Ticket = seq.ticket
+        ticket: FleetTicket = seq.ticket
         if not seq.request.is_stream:  # the router's first byte of a whole answer is its end
             self.router.first_byte(ticket, self.sim.now, is_stream=False)
         self.router.finish(ticket, self.sim.now)
@@ -274,7 +280,7 @@ class Simulation:
 
     def _reject(self, seq: Seq) -> None:
         """The engine refused the request (longer than its KV cache): it ends now, unserved."""
-        ticket: Ticket = seq.ticket
+        ticket: FleetTicket = seq.ticket
         self.router.finish(ticket, self.sim.now)
         self.recorder.num_rejected += 1
         self._in_flight -= 1
@@ -306,7 +312,7 @@ class Simulation:
             self.sim.at(self.sim.now + self._scrape_interval_s, self._scrape)
 
     def _sweep(self, _: Any) -> None:
-        self.router.index.expire(self.sim.now)
+        self.router.sweep(self.sim.now)
         if not self._is_done():
             self.sim.at(self.sim.now + self.scenario.router.sweep_interval_s, self._sweep)
 
@@ -336,7 +342,7 @@ class Simulation:
             num_starting=sum(1 for m in live if not m.is_ready and not m.is_draining),
             num_draining=sum(1 for m in live if m.is_draining),
             in_flight=self._in_flight - len(self._held),
-            router_waiting=sum(s.waiting for s in (self.router.state(m.replica.id) for m in live)),
+            router_waiting=sum(self.router.waiting(m.replica.id) for m in live),
             held=len(self._held),
             engine_running=sum(m.replica.num_running for m in live),
             engine_waiting=sum(m.replica.num_waiting for m in live),
@@ -367,6 +373,7 @@ class Simulation:
             self.sim.at(0.0, self._scrape)
         self.sim.at(self.scenario.router.sweep_interval_s, self._sweep)
         self.sim.at(0.0, self._sample)
+        self.router.start(self._is_done)
         if self.scaling.interval_s != float("inf"):
             self.sim.at(0.0, self._scale_tick)
         self.sim.run()
