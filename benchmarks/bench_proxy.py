@@ -686,7 +686,8 @@ def main(argv: list[str] | None = None) -> int:
         names.append("shoal-tuned")
     if args.baseline:
         names.insert(names.index("shoal") + 1 if "shoal" in names else 0, "shoal@base")
-    unknown = {n for n in names if n not in (*ROUTERS, "shoal-tuned", "shoal@base", "shoal-w2") and not n.startswith("shoal:")}
+    known = (*ROUTERS, "shoal-tuned", "shoal@base", "shoal-w2")
+    unknown = {n for n in names if n not in known and not n.startswith("shoal:")}
     if unknown:
         parser.error(f"unknown routers {sorted(unknown)}; known: {ROUTERS}")
 
