@@ -10,7 +10,7 @@ reached a TTFT p99 of 77 s). So a pin holds only while its replica's requests in
 `max_in_flight_ratio` x the eligible replicas' mean + `max_in_flight_excess`; beyond that the request goes to the
 policy, which still sees the session's cached prefix through the prefix index. The mean, not the minimum: one idle
 replica (just added, say) must not release every pin, and a policy that spreads sessions evenly should keep them
-(simulations/README.md, scenario 11, measures both).
+(docs/simulation-results.md, scenario 11, measures both).
 
 Pure: the table is the only state, and the router and the simulator drive the same object.
 """
