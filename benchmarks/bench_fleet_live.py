@@ -15,13 +15,14 @@ requests in both modes:
 - `restart`: router 3 leaves the rotation, gets SIGTERM and starts again; once its /ready answers, round 3 goes to
   it alone. `agreed` is the share of those requests it sent to the replica the other routers last chose for that
   prompt (the issue's bar: 95% within 2 s of the start).
-- `outage`: rounds 4-7 while Redis is SIGSTOPped for `--pause-s`, SIGCONTed, then stopped and started again
+- `outage`: rounds 4-11 while Redis is SIGSTOPped for `--pause-s`, SIGCONTed, then stopped and started again
   (empty) after `--down-s`; without sharing only the requests run.
-- `after`: rounds 8 on, once every router's `shoal_router_fleet_redis_up` is 1 again.
+- `after`: rounds 12 on, once every router's `shoal_router_fleet_redis_up` is 1 again.
 
 `hit` is the replicas' cached prompt tokens over prompt tokens (`usage.prompt_tokens_details.cached_tokens`,
 streamed with `stream_options.include_usage`); TTFT is the time to the first streamed content token at the client;
-branches are the routers' `shoal_router_requests_total` (router 3's from before its restart added in).
+branches are the routers' `shoal_router_requests_total` (router 3's from before its restart added in). Every
+request's figures go to `benchmarks/out/bench_fleet_live.json`.
 
     .venv/bin/python benchmarks/bench_fleet_live.py [--prompts 24] [--rounds 10] [--num-blocks 256]
 """
@@ -31,7 +32,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import datetime
+import json
 import os
 import platform
 import random
@@ -398,11 +401,11 @@ async def run_mode(
                 _value(_metrics(fleet.router_url(i)), "shoal_router_fleet_batches_applied_total") or 0 for i in everyone
             ]
             outage_task = asyncio.create_task(redis_outage(fleet, args, outage))
-        await load.run("outage", load.rounds(4, 8, rng), everyone, args.max_phase_s)
+        await load.run("outage", load.rounds(4, 12, rng), everyone, args.max_phase_s)
         if is_sharing:
             await outage_task
             outage["up_again_s"] = await redis_up_again(fleet, everyone, outage["restarted_at"])
-        await load.run("after", load.rounds(8, args.rounds, rng), everyone, args.max_phase_s)
+        await load.run("after", load.rounds(12, args.rounds, rng), everyone, args.max_phase_s)
         if is_sharing:
             after = [_metrics(fleet.router_url(i)) for i in everyone]
             outage["applied_since"] = [
@@ -410,9 +413,13 @@ async def run_mode(
                 for m, b in zip(after, applied_before, strict=True)
             ]
             outage["outages"] = [int(_value(m, "shoal_router_fleet_outages_total") or 0) for m in after]
-            window = [r for r in load.results if outage["paused_at"] <= r.sent_s <= outage["restarted_at"]]
-            outage["during"] = len(window)
-            outage["failed_during"] = sum(not r.is_ok for r in window)
+            for name, (begin, end) in {
+                "stopped (SIGSTOP)": ("paused_at", "resumed_at"),
+                "down": ("stopped_at", "restarted_at"),
+                "SIGSTOP to restart": ("paused_at", "restarted_at"),
+            }.items():
+                window = [r for r in load.results if outage[begin] <= r.sent_s <= outage[end]]
+                outage[name] = (len(window), sum(not r.is_ok for r in window), outage[end] - outage[begin])
         report["outage"] = outage
         report["branches"] = branches(fleet, everyone)
         for name, count in before.items():
@@ -432,6 +439,7 @@ async def redis_outage(fleet: Fleet, args: Any, timeline: dict[str, Any]) -> Non
     fleet.signal_redis(signal.SIGSTOP)
     await asyncio.sleep(args.pause_s)
     fleet.signal_redis(signal.SIGCONT)
+    timeline["resumed_at"] = time.monotonic()
     await asyncio.sleep(args.pause_s)
     timeline["stopped_at"] = time.monotonic()
     await asyncio.to_thread(fleet.stop_redis)
@@ -476,16 +484,21 @@ def print_tables(reports: list[dict[str, Any]], args: argparse.Namespace) -> Non
         f"rounds, concurrency {args.concurrency}, max_tokens 4\n"
     )
     print("## Sharing off against on (all phases; TTFT = first streamed token at the client)\n")
-    print("| sharing | requests | errors | hit | TTFT p50 ms | TTFT p99 ms | e2e p99 ms | seconds | branches |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| sharing | requests | errors | hit | TTFT mean ms | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p99 ms "
+        "| seconds | branches |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for rep in reports:
         res: list[Result] = rep["results"]
         ok = [r for r in res if r.is_ok]
         ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
         names = ", ".join(f"{b} {n}" for b, n in sorted(rep["branches"].items()))
+        e2e_p99_ms = _percentile([r.e2e_s for r in ok], 0.99) * 1e3
         print(
-            f"| {rep['mode']} | {len(res)} | {len(res) - len(ok)} | {_hit(res)} | {_percentile(ttfts, 0.5) * 1e3:.0f} "
-            f"| {_percentile(ttfts, 0.99) * 1e3:.0f} | {_percentile([r.e2e_s for r in ok], 0.99) * 1e3:.0f} "
+            f"| {rep['mode']} | {len(res)} | {len(res) - len(ok)} | {_hit(res)} "
+            f"| {sum(ttfts) / max(len(ttfts), 1) * 1e3:.0f} | {_percentile(ttfts, 0.5) * 1e3:.0f} "
+            f"| {_percentile(ttfts, 0.9) * 1e3:.0f} | {_percentile(ttfts, 0.99) * 1e3:.0f} | {e2e_p99_ms:.0f} "
             f"| {rep['seconds']:.0f} | {names} |"
         )
     print("\n## Hit ratio by phase\n")
@@ -519,8 +532,9 @@ def print_tables(reports: list[dict[str, Any]], args: argparse.Namespace) -> Non
         )
         print("| what | value |")
         print("| --- | --- |")
-        print(f"| requests sent from SIGSTOP to restart | {o['during']} |")
-        print(f"| of them failed | {o['failed_during']} |")
+        for name in ("stopped (SIGSTOP)", "down", "SIGSTOP to restart"):
+            sent, failed, seconds = o[name]
+            print(f"| requests sent while {name} ({seconds:.1f} s), failed | {sent}, {failed} |")
         print(f"| every router's redis_up back to 1, s after restart | {up} |")
         print(f"| outages each router counted | {', '.join(map(str, o['outages']))} |")
         print(f"| batches applied by each router since the outage began | {', '.join(map(str, o['applied_since']))} |")
@@ -534,11 +548,11 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--routers", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=24, help="system prompts of 1-2 KB")
-    parser.add_argument("--rounds", type=int, default=10, help="questions per prompt, one per round")
+    parser.add_argument("--rounds", type=int, default=16, help="questions per prompt, one per round")
     parser.add_argument("--num-blocks", type=int, default=256, help="KV blocks of 16 tokens per replica")
     parser.add_argument("--concurrency", type=int, default=3)
-    parser.add_argument("--outage-delay-s", type=float, default=2.0, help="into the outage phase, SIGSTOP")
-    parser.add_argument("--pause-s", type=float, default=4.0, help="seconds stopped, then seconds before stopping")
+    parser.add_argument("--outage-delay-s", type=float, default=1.0, help="into the outage phase, SIGSTOP")
+    parser.add_argument("--pause-s", type=float, default=3.0, help="seconds stopped, then seconds before stopping")
     parser.add_argument("--down-s", type=float, default=3.0, help="seconds Redis is down before it starts again")
     parser.add_argument("--max-phase-s", type=float, default=300.0, help="no request starts past this, per phase")
     parser.add_argument("--modes", default="off,on", help="comma-separated: off, on")
@@ -562,6 +576,11 @@ def main() -> None:
                 fleet.stop_all()
                 fleet.stop_redis()
     print_tables(reports, args)
+    out = ROOT / "benchmarks" / "out"
+    out.mkdir(exist_ok=True)
+    for rep in reports:
+        rep["results"] = [dataclasses.asdict(r) for r in rep["results"]]
+    (out / "bench_fleet_live.json").write_text(json.dumps(reports, indent=1))
 
 
 if __name__ == "__main__":
