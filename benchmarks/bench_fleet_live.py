@@ -2,8 +2,11 @@
 
 Everything runs as processes on 127.0.0.1: a redis-server, `--replicas` `shoal replica` processes of the packaged
 demo model (1 CPU thread each, `--num-blocks` KV blocks of 16 tokens, no speculation) and `--routers` `shoal router`
-processes in front of all of them, with `--redis-url` when sharing is on, without it for the baseline. Each mode
-starts fresh replicas, so both meet cold caches.
+processes in front of all of them, with `--redis-url` when sharing is on (`on`), without it for the baseline (`off`).
+Routers run in approximate mode (their index holds routing decisions, their own and, with sharing, the others');
+`+events` modes run them in exact mode, the replicas' KV events feeding every router's index and the demo
+tokenizer making chats route on the token ids those events name. Each mode starts fresh replicas: all meet cold
+caches.
 
 Workload: `--prompts` system prompts of 1-2 KB, each asked a new question every round, rounds in a
 shuffled order; request j goes to router j mod 3 (as a load balancer in front would), `--concurrency` at a time,
@@ -59,10 +62,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from replica.children import parent_death_signal  # noqa: E402
+from replica.demo.build import PACKAGED_DIR as DEMO_DIR  # noqa: E402
 from replica.demo.corpus import generate_conversations  # noqa: E402
 
 MODEL = "shoal-demo"
-MODES = ("off", "on")
+MODES = ("off", "on", "off+events", "on+events")
+"""Sharing off or on; `+events`: exact mode (module docstring)."""
 RESTARTED = 2
 """Index of the router that is restarted."""
 SHOAL = [sys.executable, "-c", "import sys; from router.cli import main; sys.exit(main())"]
@@ -213,7 +218,8 @@ class Fleet:
         self.replica_urls = []
         for i in range(self.args.replicas):
             port = _free_port()
-            command = [*SHOAL, "replica", "--model", "demo", "--served-model-name", MODEL, "--port", str(port)]
+            command = [*SHOAL, "replica", "--model", str(DEMO_DIR), "--served-model-name", MODEL]
+            command += ["--port", str(port)]
             command += ["--threads", "1", "--num-blocks", str(self.args.num_blocks), "--num-speculative-tokens", "0"]
             self.replicas.append(self._start(f"replica-{i}", command, env))
             self.replica_urls.append(f"http://127.0.0.1:{port}")
@@ -224,7 +230,7 @@ class Fleet:
                     raise RuntimeError(f"replica {url} did not start (logs in {self.workdir})")
                 time.sleep(0.2)  # polling processes that are loading the model, with a deadline
 
-    def start_router(self, i: int, is_sharing: bool) -> float:
+    def start_router(self, i: int, is_sharing: bool, has_events: bool) -> float:
         """Start router `i`; returns the seconds from its start until /ready said ready with every replica."""
         command = [*SHOAL, "router", "--port", str(self.router_ports[i]), "--no-request-log"]
         for url in self.replica_urls:
@@ -234,6 +240,9 @@ class Fleet:
             command += ["--redis-url", self.redis_url]
         # The load balancer in front (this script) takes a router out of rotation before stopping it.
         env = {**os.environ, "SHOAL_ROUTER_LIMITS__UNREADY_DELAY_S": "0"}
+        if has_events:
+            command += ["--tokenizer", f"{MODEL}={DEMO_DIR}"]
+            env["SHOAL_ROUTER_KV_EVENTS__SOURCE"] = "sse"
         started = time.monotonic()
         proc = self._start(f"router-{i}", command, env)
         if i < len(self.routers):
@@ -248,6 +257,14 @@ class Fleet:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"router {i} did not become ready (logs in {self.workdir})")
             time.sleep(0.01)  # polling a starting process, with a deadline
+
+    def wait_kv_events(self, i: int, timeout_s: float = 30.0) -> None:
+        """Until router `i` follows every replica's KV-event stream."""
+        deadline = time.monotonic() + timeout_s
+        while _value(_metrics(self.router_url(i)), "shoal_router_kv_events_live_streams") != len(self.replica_urls):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"router {i} did not follow the replicas' KV events (logs in {self.workdir})")
+            time.sleep(0.05)  # polling the router's gauge, with a deadline
 
     def stop_router(self, i: int) -> None:
         proc = self.routers[i]
@@ -356,13 +373,16 @@ def branches(fleet: Fleet, routers: Sequence[int]) -> dict[str, int]:
 async def run_mode(
     mode: str, fleet: Fleet, systems: list[str], questions: list[list[str]], args: Any
 ) -> dict[str, Any]:
-    is_sharing = mode == "on"
+    is_sharing = mode.startswith("on")
+    has_events = mode.endswith("+events")
     rng = random.Random(args.seed)  # the same request order in both modes
     fleet.start_replicas()
     if is_sharing:
         fleet.flush_redis()
     for i in range(args.routers):
-        fleet.start_router(i, is_sharing)
+        fleet.start_router(i, is_sharing, has_events)
+        if has_events:
+            fleet.wait_kv_events(i)
     load = Load(mode, fleet, systems, questions, args)
     everyone = list(range(args.routers))
     report: dict[str, Any] = {"mode": mode}
@@ -379,7 +399,7 @@ async def run_mode(
         before = branches(fleet, [RESTARTED])
         await asyncio.to_thread(fleet.stop_router, RESTARTED)
         restart_at = time.monotonic()
-        ready_s = await asyncio.to_thread(fleet.start_router, RESTARTED, is_sharing)
+        ready_s = await asyncio.to_thread(fleet.start_router, RESTARTED, is_sharing, has_events)
         ready_at = restart_at + ready_s
         probe = [(p, q) for p, q in load.rounds(warm, warm + 1, rng) if p in home]
         await load.run("restart", probe, [RESTARTED], args.max_phase_s)
@@ -405,7 +425,6 @@ async def run_mode(
         await load.run("outage", load.rounds(warm + 1, outage_end, rng), everyone, args.max_phase_s)
         if is_sharing:
             await outage_task
-            outage["up_again_s"] = await redis_up_again(fleet, everyone, outage["restarted_at"])
         await load.run("after", load.rounds(outage_end, args.rounds, rng), everyone, args.max_phase_s)
         if is_sharing:
             after = [_metrics(fleet.router_url(i)) for i in everyone]
@@ -447,13 +466,17 @@ async def redis_outage(fleet: Fleet, args: Any, timeline: dict[str, Any]) -> Non
     await asyncio.sleep(args.down_s)
     await asyncio.to_thread(fleet.start_redis)
     timeline["restarted_at"] = time.monotonic()
+    timeline["up_again_s"] = await redis_up_again(fleet, range(args.routers), timeline["restarted_at"])
 
 
 async def redis_up_again(fleet: Fleet, routers: Sequence[int], since: float, timeout_s: float = 30.0) -> float | None:
     """Seconds after `since` until every router's shoal_router_fleet_redis_up is 1; None past the deadline."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        ups = [_value(_metrics(fleet.router_url(i)), "shoal_router_fleet_redis_up") for i in routers]
+        ups = [
+            _value(await asyncio.to_thread(_metrics, fleet.router_url(i)), "shoal_router_fleet_redis_up")
+            for i in routers
+        ]
         if all(up == 1.0 for up in ups):
             return time.monotonic() - since
         await asyncio.sleep(0.1)  # polling the routers' gauges, with a deadline
