@@ -551,7 +551,7 @@ def print_tables(reports: list[dict[str, Any]], args: argparse.Namespace) -> Non
             continue
         up = f"{o['up_again_s']:.2f}" if o["up_again_s"] is not None else "not within 30 s"
         print(
-            f"\n## Redis outage (sharing on): SIGSTOP {args.pause_s:g} s, SIGCONT, {args.pause_s:g} s later "
+            f"\n## Redis outage ({rep['mode']}): SIGSTOP {args.pause_s:g} s, SIGCONT, {args.pause_s:g} s later "
             f"stopped, started again (empty) {args.down_s:g} s later\n"
         )
         print("| what | value |")
