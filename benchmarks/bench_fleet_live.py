@@ -161,6 +161,8 @@ class Fleet:
         self.redis_url: str | None = None
 
     def _start(self, name: str, command: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Call from the main thread: the kernel's SIGTERM on the parent's death follows the thread that started
+        the child (replica.children)."""
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - the child holds it
         return subprocess.Popen(
             list(command),
@@ -173,7 +175,11 @@ class Fleet:
 
     # --- Redis ---------------------------------------------------------------------------------------------------
 
-    def start_redis(self, timeout_s: float = 10.0) -> None:
+    def start_redis(self) -> None:
+        self.spawn_redis()
+        self.wait_redis()
+
+    def spawn_redis(self) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             sys.exit("redis-server is not installed (apt-get install redis-server)")
@@ -181,6 +187,9 @@ class Fleet:
         command += ["--dir", str(self.workdir)]
         self.redis = self._start("redis", command)
         self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
+
+    def wait_redis(self, timeout_s: float = 10.0) -> None:
+        assert self.redis is not None
         deadline = time.monotonic() + timeout_s
         while not self._redis_answers():
             if self.redis.poll() is not None or time.monotonic() > deadline:
@@ -232,6 +241,11 @@ class Fleet:
 
     def start_router(self, i: int, is_sharing: bool, has_events: bool) -> float:
         """Start router `i`; returns the seconds from its start until /ready said ready with every replica."""
+        started = self.spawn_router(i, is_sharing, has_events)
+        return self.wait_router(i, started)
+
+    def spawn_router(self, i: int, is_sharing: bool, has_events: bool) -> float:
+        """Start router `i`; returns when, on time.monotonic()."""
         command = [*SHOAL, "router", "--port", str(self.router_ports[i]), "--no-request-log"]
         for url in self.replica_urls:
             command += ["--replica", url]
@@ -249,6 +263,12 @@ class Fleet:
             self.routers[i] = proc
         else:
             self.routers.append(proc)
+        return started
+
+    def wait_router(self, i: int, started: float) -> float:
+        """Seconds from `started` until router `i`'s /ready said ready with every replica."""
+        proc = self.routers[i]
+        assert proc is not None
         deadline = started + 60
         while True:
             status, body = _get(self.router_url(i) + "/ready", timeout_s=1.0)
@@ -398,8 +418,8 @@ async def run_mode(
                 home[r.prompt] = r.replica
         before = branches(fleet, [RESTARTED])
         await asyncio.to_thread(fleet.stop_router, RESTARTED)
-        restart_at = time.monotonic()
-        ready_s = await asyncio.to_thread(fleet.start_router, RESTARTED, is_sharing, has_events)
+        restart_at = fleet.spawn_router(RESTARTED, is_sharing, has_events)
+        ready_s = await asyncio.to_thread(fleet.wait_router, RESTARTED, restart_at)
         ready_at = restart_at + ready_s
         probe = [(p, q) for p, q in load.rounds(warm, warm + 1, rng) if p in home]
         await load.run("restart", probe, [RESTARTED], args.max_phase_s)
@@ -464,7 +484,8 @@ async def redis_outage(fleet: Fleet, args: Any, timeline: dict[str, Any]) -> Non
     timeline["stopped_at"] = time.monotonic()
     await asyncio.to_thread(fleet.stop_redis)
     await asyncio.sleep(args.down_s)
-    await asyncio.to_thread(fleet.start_redis)
+    fleet.spawn_redis()
+    await asyncio.to_thread(fleet.wait_redis)
     timeline["restarted_at"] = time.monotonic()
     timeline["up_again_s"] = await redis_up_again(fleet, range(args.routers), timeline["restarted_at"])
 
