@@ -526,7 +526,8 @@ def print_tables(reports: list[dict[str, Any]], args: argparse.Namespace) -> Non
         f"date: {datetime.date.today()}; machine: {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}; {args.replicas} replicas (demo model, 1 thread, {args.num_blocks} "
         f"KV blocks of 16 tokens each), {args.routers} routers, {args.prompts} system prompts x {args.rounds} "
-        f"rounds, concurrency {args.concurrency}, max_tokens 4\n"
+        f"rounds, concurrency {args.concurrency}, max_tokens 4; load average {args.load_before} before the run, "
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} after\n"
     )
     print("## Sharing off against on (all phases; TTFT = first streamed token at the client)\n")
     print(
@@ -552,6 +553,16 @@ def print_tables(reports: list[dict[str, Any]], args: argparse.Namespace) -> Non
     print("| --- |" + " --- |" * len(phases))
     for rep in reports:
         cells = [_hit([r for r in rep["results"] if r.phase == p]) for p in phases]
+        print(f"| {rep['mode']} | " + " | ".join(cells) + " |")
+    print("\n## Where the prompts went (outage and after phases): per replica, prompts it served and its hit\n")
+    print("| sharing | " + " | ".join(f"replica {i + 1}" for i in range(args.replicas)) + " |")
+    print("| --- |" + " --- |" * args.replicas)
+    for rep in reports:
+        late = [r for r in rep["results"] if r.phase in ("outage", "after") and r.is_ok]
+        cells = []
+        for replica in sorted({r.replica for r in late if r.replica is not None}):
+            served = [r for r in late if r.replica == replica]
+            cells.append(f"{len({r.prompt for r in served})} prompts, hit {_hit(served)}")
         print(f"| {rep['mode']} | " + " | ".join(cells) + " |")
     print(f"\n## Restart of router {RESTARTED + 1}: its requests for seen prompts, sent once /ready answers\n")
     print(
@@ -602,12 +613,13 @@ def main() -> None:
     parser.add_argument("--pause-s", type=float, default=3.0, help="seconds stopped, then seconds before stopping")
     parser.add_argument("--down-s", type=float, default=3.0, help="seconds Redis is down before it starts again")
     parser.add_argument("--max-phase-s", type=float, default=300.0, help="no request starts past this, per phase")
-    parser.add_argument("--modes", default="off,on", help="comma-separated: off, on")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.routers <= RESTARTED:
         parser.error(f"--routers must be at least {RESTARTED + 1}")
     args.rounds = args.warm_rounds + 1 + args.outage_rounds + args.after_rounds
+    args.load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
     systems, questions = workload(args.prompts, args.rounds, args.seed)
     reports = []
     with tempfile.TemporaryDirectory() as tmp:
