@@ -12,12 +12,12 @@ Workload: `--prompts` system prompts of 1-2 KB, each asked a new question every 
 shuffled order; request j goes to router j mod 3 (as a load balancer in front would), `--concurrency` at a time,
 streamed through the official openai client, `max_tokens` 4. Together the prompts need more KV than one replica
 holds, so a prefix sent to a different replica than last time is a miss there and evicts others. Phases, the same
-requests in both modes:
+requests in every mode:
 
 - `warm`: the first `--warm-rounds` rounds.
 - `restart`: router 3 leaves the rotation, gets SIGTERM and starts again; once its /ready answers, the next round
   goes to it alone (the prompts another router has served). `agreed` is the share it sent to the replica the other
-  routers last chose for that prompt (the issue's bar: 95% within 2 s of the start).
+  routers last chose for that prompt (the bar: 95% within 2 s of the start).
 - `outage`: `--outage-rounds` rounds while Redis is SIGSTOPped for `--pause-s`, SIGCONTed, then stopped and
   started again (empty) after `--down-s`; without sharing only the requests run.
 - `after`: `--after-rounds` rounds, once every router's `shoal_router_fleet_redis_up` is 1 again.
