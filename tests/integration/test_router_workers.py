@@ -68,6 +68,22 @@ async def start_workers(
     return Workers(process, port, log_path)
 
 
+async def all_answer(workers: Workers, num_workers: int) -> bool:
+    return len(await scrape_each_worker(workers.url, num_workers)) == num_workers
+
+
+async def serving(tmp_path: Path, fakes: Sequence[FakeReplica], num_workers: int, launched: list[Workers]) -> Workers:
+    """`start_workers`, then wait until every worker answers on the port."""
+    workers = await start_workers(tmp_path, fakes, num_workers)
+    launched.append(workers)
+
+    async def ready() -> bool:
+        return await all_answer(workers, num_workers)
+
+    await eventually(ready, timeout_s=60.0, what=f"all {num_workers} workers serving")
+    return workers
+
+
 @pytest.fixture
 async def launched() -> AsyncIterator[list[Workers]]:
     started: list[Workers] = []
@@ -165,14 +181,7 @@ async def test_workers_share_one_port_and_one_view_through_redis(
 async def test_without_redis_each_worker_sees_only_its_own_requests(
     tmp_path: Path, start_fakes: StartFakes, launched: list[Workers]
 ) -> None:
-    fakes = await start_fakes(2)
-    workers = await start_workers(tmp_path, fakes, 2)
-    launched.append(workers)
-
-    async def both_serving() -> bool:
-        return len(await scrape_each_worker(workers.url, 2)) == 2
-
-    await eventually(both_serving, timeout_s=60.0, what="both workers serving")
+    workers = await serving(tmp_path, await start_fakes(2), 2, launched)
     assert "each sees only the requests it serves" in workers.log_text()
     groups = await route_prefixes(workers, 2, shared=False)
     misses_at_the_other = [
@@ -185,21 +194,14 @@ async def test_without_redis_each_worker_sees_only_its_own_requests(
 async def test_a_dead_worker_is_started_again_and_sigterm_stops_them_all(
     tmp_path: Path, start_fakes: StartFakes, launched: list[Workers]
 ) -> None:
-    fakes = await start_fakes(1)
-    workers = await start_workers(tmp_path, fakes, 2)
-    launched.append(workers)
-
-    async def both_serving() -> bool:
-        return len(await scrape_each_worker(workers.url, 2)) == 2
-
-    await eventually(both_serving, timeout_s=60.0, what="both workers serving")
+    workers = await serving(tmp_path, await start_fakes(1), 2, launched)
     first_children = children_of(workers.process.pid)
     assert len(first_children) == 2, first_children
     os.kill(first_children[0], signal.SIGKILL)
 
     async def replaced() -> bool:
         children = children_of(workers.process.pid)
-        return len(children) == 2 and first_children[0] not in children and await both_serving()
+        return len(children) == 2 and first_children[0] not in children and await all_answer(workers, 2)
 
     await eventually(replaced, timeout_s=60.0, interval_s=0.1, what="the killed worker started again")
     assert "exited (status 137); starting it again" in workers.log_text()
