@@ -174,6 +174,21 @@ class RoutingCore:
         self._replicas.pop(replica_id, None)
         self.index.remove_replica(replica_id)
 
+    def set_kv_capacity(self, replica_id: str, capacity_tokens: float) -> None:
+        """The engine's KV cache holds `capacity_tokens` (its scraped cache size): the replica's guesses are
+        bounded by that many index blocks, at the fewest tokens a block of either kind holds (a text block's
+        estimate or a token block), so no block the engine can still hold is evicted from the index for it."""
+        tracked = self._replicas.get(replica_id)
+        if tracked is None:
+            return
+        cfg = self.config
+        tokens_per_block = min(cfg.text_block_size / cfg.bytes_per_token, float(cfg.token_block_size))
+        blocks = max(1, int(capacity_tokens / tokens_per_block))
+        if blocks != tracked.state.kv_capacity_blocks:
+            tracked.state.kv_capacity_blocks = blocks
+            tracked.state.version += 1
+            self.index.add_replica(replica_id, blocks)
+
     def drop_cache(self, replica_id: str) -> None:
         """The replica went away unexpectedly (a crash loses its KV cache): forget what it held. Its learned
         prefill rate is kept: a restarted replica runs on the same hardware."""

@@ -43,6 +43,7 @@ def replica_view(replica: Replica) -> dict[str, Any]:
         "streaming": s.streaming,
         "prefill_backlog_tokens": s.waiting_prompt_tokens,
         "prefill_tokens_per_s": s.prefill_tokens_per_s,
+        "kv_capacity_blocks": s.kv_capacity_blocks,
         "engine": {
             name: value
             for name, value in (

@@ -183,7 +183,12 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     app[HEALTH] = health
     tasks = [asyncio.create_task(health.run(), name="health"), asyncio.create_task(_sweep(core, loop))]
     if settings.scrape.enabled:
-        scraper = MetricsScraper(settings.scrape, app[POOL], probe_session)
+        scraper = MetricsScraper(
+            settings.scrape,
+            app[POOL],
+            probe_session,
+            on_kv_capacity=lambda replica, tokens: core.core.set_kv_capacity(replica.id, tokens),
+        )
         tasks.append(asyncio.create_task(scraper.run(), name="scrape"))
     discovery = None
     fleet = None

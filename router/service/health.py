@@ -96,12 +96,20 @@ class _ProbeError(Exception):
 
 class MetricsScraper:
     """Reads engine gauges (queue, KV usage and, where the engine exports it, its batch limit) into each replica's
-    `ReplicaState` every `interval_s`."""
+    `ReplicaState` every `interval_s`, and the engine's KV cache size into `on_kv_capacity(replica, tokens)`
+    unless the admin API set the replica's capacity."""
 
-    def __init__(self, settings: ScrapeSettings, pool: ReplicaPool, session: aiohttp.ClientSession) -> None:
+    def __init__(
+        self,
+        settings: ScrapeSettings,
+        pool: ReplicaPool,
+        session: aiohttp.ClientSession,
+        on_kv_capacity: Callable[[Replica, float], object] = lambda replica, tokens: None,
+    ) -> None:
         self.settings = settings
         self.pool = pool
         self.session = session
+        self.on_kv_capacity = on_kv_capacity
 
     async def run(self) -> None:
         while True:
@@ -128,3 +136,6 @@ class MetricsScraper:
             kv,
             int(limit) if limit is not None else None,
         )
+        capacity = gauges.get("kv_capacity_tokens")
+        if capacity is not None and not replica.is_kv_capacity_configured:
+            self.on_kv_capacity(replica, capacity)

@@ -77,6 +77,8 @@ class Replica:
     """Set by passive failure marking: the prober checks this replica on its next tick."""
     next_probe_at: float = 0.0
     probes_since_models: int = 0
+    is_kv_capacity_configured: bool = False
+    """The KV capacity came from the admin API: a scrape of the engine's cache size does not replace it."""
     has_live_kv_events: bool = False
     """True while the replica's KV-event stream is connected and in sync: its `stored` events will confirm what
     the router sends it, so the router records its own guesses as short-lived predictions only."""
@@ -265,6 +267,7 @@ class ReplicaPool:
             base_path=base_path,
         )
         replica.probe_now = True
+        replica.is_kv_capacity_configured = kv_capacity_blocks is not None
         replica.on_eligibility_change = self._eligible_states.clear
         self._replicas[rid] = replica
         self._eligible_states.clear()

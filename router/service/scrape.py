@@ -1,7 +1,9 @@
 """Engine gauges from a replica's Prometheus `/metrics` (DESIGN.md contract 3).
 
 One parser serves vLLM and Shoal's replica (which exports vLLM's names) and SGLang. Samples of one gauge with
-several label sets (one per model served) are summed, except KV usage, where the fullest cache counts.
+several label sets (one per model served) are summed, except KV usage, where the fullest cache counts. The KV
+cache's size in tokens comes from vLLM's `vllm:cache_config_info` (its labels `num_gpu_blocks` x `block_size`) or
+SGLang's `sglang:max_total_num_tokens`; with several label sets the smallest counts.
 """
 
 from __future__ import annotations
@@ -22,11 +24,15 @@ _GAUGES: dict[str, tuple[str, str]] = {
 
 
 def parse_engine_metrics(text: str) -> dict[str, float]:
-    """Return {num_running, num_waiting, kv_usage, max_num_seqs} for the gauges present in `text` (others are
-    absent)."""
+    """Return {num_running, num_waiting, kv_usage, max_num_seqs, kv_capacity_tokens} for the gauges present in
+    `text` (others are absent)."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            capacity = _kv_capacity_tokens(sample.name, sample.labels, sample.value)
+            if capacity is not None:
+                out["kv_capacity_tokens"] = min(out.get("kv_capacity_tokens", capacity), capacity)
+                continue
             target = _GAUGES.get(sample.name)
             if target is None:
                 continue
@@ -39,3 +45,15 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
             else:
                 out[name] = max(out[name], value)
     return out
+
+
+def _kv_capacity_tokens(name: str, labels: dict[str, str], value: float) -> float | None:
+    if name == "vllm:cache_config_info":
+        try:
+            capacity = float(labels["num_gpu_blocks"]) * float(labels["block_size"])
+        except (KeyError, ValueError):  # vLLM before the profile run reports num_gpu_blocks="None"
+            return None
+        return capacity if capacity > 0 else None
+    if name == "sglang:max_total_num_tokens":
+        return value if value > 0 else None
+    return None

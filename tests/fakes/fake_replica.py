@@ -65,6 +65,9 @@ class FakeReplicaConfig:
     exports_batch_limit: bool = False
     """Export `max_num_running` in `/metrics` (as SGLang's `sglang:max_running_requests`, under either flavor:
     vLLM has no such gauge)."""
+    exports_cache_size: bool = False
+    """Export the emulated cache's size in tokens (`prefix_cache_blocks` blocks of `prefix_block_bytes /
+    bytes_per_token` tokens): vLLM's `vllm:cache_config_info` labels, or SGLang's `sglang:max_total_num_tokens`."""
     is_healthy: bool = True
     fail_status: int = 500
     fail_next_n: int = 0
@@ -307,11 +310,18 @@ class FakeReplica:
             labels = 'model_name="{}"'
         if self.config.exports_batch_limit:
             gauges["sglang:max_running_requests"] = self.config.max_num_running
+        block_tokens = self.config.prefix_block_bytes // self.config.bytes_per_token
+        if self.config.exports_cache_size and self.config.metrics_flavor == "sglang":
+            gauges["sglang:max_total_num_tokens"] = self.config.prefix_cache_blocks * block_tokens
         lines = []
         for kind, values in (("gauge", gauges), ("counter", counters)):
             for metric, value in values.items():
                 lines += [f"# HELP {metric} Fake replica {self.name}.", f"# TYPE {metric} {kind}"]
                 lines += [f"{metric}{{{labels.format(m)}}} {float(value)}" for m in self.config.models]
+        if self.config.exports_cache_size and self.config.metrics_flavor == "vllm":
+            info = f'block_size="{block_tokens}",num_gpu_blocks="{self.config.prefix_cache_blocks}"'
+            lines += ["# HELP vllm:cache_config_info KV cache configuration", "# TYPE vllm:cache_config_info gauge"]
+            lines += [f"vllm:cache_config_info{{{labels.format(m)},{info}}} 1.0" for m in self.config.models]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", headers=self._headers())
 
     async def _inference(self, request: web.Request) -> web.StreamResponse:

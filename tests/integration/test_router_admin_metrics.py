@@ -195,6 +195,43 @@ async def test_scraped_engine_gauges_vllm_and_sglang(start_fakes: StartFakes, st
     await eventually(updated, timeout_s=3, what="the new vLLM gauges")
 
 
+async def test_the_engines_kv_cache_size_bounds_the_index(start_fakes: StartFakes, start_router: StartRouter) -> None:
+    # 8 blocks of 16 tokens: 128 tokens, 8 index blocks of 64 text bytes (16 tokens at 4 bytes a token).
+    small = {"exports_cache_size": True, "prefix_cache_blocks": 8, "prefix_block_bytes": 64}
+    (vllm,) = await start_fakes(1, **small)
+    (sglang,) = await start_fakes(1, metrics_flavor="sglang", **small)
+    (silent,) = await start_fakes(1)
+    router = await start_router([vllm, sglang, silent])
+
+    async def sized() -> bool:
+        views = await router.replicas()
+        return all(views[replica_id(f)]["kv_capacity_blocks"] == 8 for f in (vllm, sglang))
+
+    await eventually(sized, timeout_s=3, what="both engines' cache sizes scraped")
+    assert (await router.replicas())[replica_id(silent)]["kv_capacity_blocks"] is None
+    for i in range(6):  # 62 blocks each; the policy spreads them, and each replica keeps at most what it can hold
+        assert (await router.complete(unique_text(LONG_PREFIX_BYTES, f"doc{i}"), max_tokens=1)).status == 200
+    held = (await router.admin("GET", "/index")).json()["blocks_per_replica"]
+    assert held[replica_id(vllm)] <= 8 and held[replica_id(sglang)] <= 8
+    assert sum(held.values()) > 16  # the replica that exports no size keeps what it was sent
+
+
+async def test_a_kv_capacity_set_through_the_admin_api_outranks_the_scrape(
+    start_fakes: StartFakes, start_router: StartRouter
+) -> None:
+    (fake,) = await start_fakes(1, exports_cache_size=True, prefix_cache_blocks=8)
+    router = await start_router([])
+    reply = await router.admin("POST", "/replicas", {"url": fake.url, "kv_capacity_blocks": 100})
+    assert reply.status == 201, reply.body
+    scrapes = fake.requests_by_path["/metrics"]
+
+    async def scraped_twice() -> bool:
+        return fake.requests_by_path["/metrics"] >= scrapes + 2
+
+    await eventually(scraped_twice, timeout_s=3, what="two scrapes")
+    assert (await router.replicas())[replica_id(fake)]["kv_capacity_blocks"] == 100
+
+
 async def test_health_and_ready(start_fakes: StartFakes, start_router: StartRouter) -> None:
     empty = await start_router([], hold={"max_wait_s": 0.0})
     assert (await empty.request("GET", "/health")).status == 200

@@ -147,3 +147,15 @@ def test_prepared_hashes_stop_at_max_blocks_and_bad_configs_are_refused() -> Non
     for bad in ({"max_blocks": 0}, {"token_block_size": 0}, {"bytes_per_token": 0.0}, {"memo_entries": -1}):
         with pytest.raises(ValueError, match="RoutingConfig"):
             RoutingConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_an_engines_cache_size_bounds_its_guesses_at_the_smallest_block() -> None:
+    core, states = make_core(text_block_size=64, token_block_size=32)  # text blocks are 16 tokens at 4 bytes a token
+    core.set_kv_capacity("a", 16 * 100)
+    assert states[0].kv_capacity_blocks == 100
+    version = states[0].version
+    core.set_kv_capacity("a", 16 * 100)  # the same size: nothing changes
+    assert states[0].version == version
+    core.record_peer("a", tokens(300), 0.0, predicted=False)
+    assert core.index.stats().blocks_per_replica["a"] <= 100
+    core.set_kv_capacity("gone", 1000)  # a replica that left: ignored
