@@ -2,11 +2,10 @@
 
 redis-py's `from_url` builds standalone clients only, so the two other deployments get a URL form of their own:
 
-| URL | client |
-| --- | --- |
-| `redis://`, `rediss://`, `unix://` | `redis.asyncio.from_url` (standalone) |
-| `redis+sentinel://[[user]:password@]host:port[,host:port...]/SERVICE[/DB]` | `Sentinel(hosts).master_for(SERVICE, db=DB)`: follows a failover |
-| `redis+cluster://[[user]:password@]host:port[,host:port...]` | `RedisCluster(startup_nodes=hosts)` |
+- `redis://`, `rediss://`, `unix://`: `redis.asyncio.from_url` (standalone).
+- `redis+sentinel://[[user]:password@]host:port[,host:port...]/SERVICE[/DB]`:
+  `Sentinel(hosts).master_for(SERVICE, db=DB)`, which asks the sentinels for the primary and so follows a failover.
+- `redis+cluster://[[user]:password@]host:port[,host:port...]`: `RedisCluster(startup_nodes=hosts)`.
 
 `rediss+sentinel://` and `rediss+cluster://` speak TLS. The user and password authenticate at the primary (Sentinel)
 or at every node (Cluster); sentinels are asked without them. Ports default to 26379 (sentinels) and 6379 (nodes).

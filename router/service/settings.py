@@ -225,6 +225,7 @@ class RequestLogSettings(_Section):
 
 # --- Router fleet: several routers share one view through Redis (router/service/fleet.py) ----------------------
 
+
 def check_redis_url(url: str) -> str:
     """A Redis URL of a form `router.service.redis_url` connects to (standalone, Sentinel or Cluster); ValueError
     naming what is wrong otherwise."""
