@@ -128,20 +128,23 @@ def redis_client(url: str, stack: contextlib.AsyncExitStack, *, timeout_s: float
     """A client for `url` whose commands time out after `timeout_s` (connecting: `connect_timeout_s`); what it
     holds is closed with `stack`. It connects lazily, at its first command."""
     target = parse_redis_url(url)
-    timeouts = {"socket_timeout": timeout_s, "socket_connect_timeout": connect_timeout_s}
     client: Any
     if target.kind == "standalone":
-        client = redis.from_url(url, **timeouts)
+        client = redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s)
     elif target.kind == "cluster":
         client = RedisCluster(
             startup_nodes=[ClusterNode(host, port) for host, port in target.hosts],
             username=target.username,
             password=target.password,
             ssl=target.is_tls,
-            **timeouts,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=connect_timeout_s,
         )
     else:
-        sentinel = Sentinel(list(target.hosts), sentinel_kwargs={**timeouts, "ssl": target.is_tls}, **timeouts)
+        timeouts = {"socket_timeout": timeout_s, "socket_connect_timeout": connect_timeout_s}
+        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+            list(target.hosts), sentinel_kwargs={**timeouts, "ssl": target.is_tls}, **timeouts
+        )
         for sentinel_client in sentinel.sentinels:
             stack.push_async_callback(sentinel_client.aclose)
         client = sentinel.master_for(
