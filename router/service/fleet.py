@@ -147,14 +147,21 @@ class FleetSharing:
         ]
 
     async def stop(self) -> None:
+        """Cancel the tasks, then close the clients, each step within `command_timeout_s`: a shutdown does not wait
+        on a Redis that is gone (a cluster client may still be retrying its nodes)."""
+        timeout_s = self.settings.command_timeout_s
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if self._tasks:
+            _, pending = await asyncio.wait(self._tasks, timeout=timeout_s)
+            if pending:
+                log.warning("fleet tasks still running %.1f s after cancel; leaving them", timeout_s)
         self._tasks = []
-        with contextlib.suppress(*_ERRORS):
-            await self._clients.aclose()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._clients.aclose()
+        except _ERRORS as exc:
+            log.info("closing the Redis clients: %s: %s", type(exc).__name__, exc)
 
     # --- what the request path calls (RoutingCore.commit) -------------------------------------------------------
 

@@ -152,9 +152,16 @@ class RedisSentinel:
         self.proc = subprocess.Popen(
             [self.primary.binary, str(config), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        wait_for(lambda: self.primary_port() == self.primary.port, "the sentinel names the primary")
+        wait_for(
+            lambda: self._is_running() and self.primary_port() == self.primary.port, "the sentinel names the primary"
+        )
         wait_for(lambda: b"master_link_status:up" in command(self.replica.port, "INFO", "replication"), "replication")
         wait_for(lambda: b"num-slaves\r\n$1\r\n1" in self._master_info(), "the sentinel sees the replica")
+
+    def _is_running(self) -> bool:
+        if self.proc is None or self.proc.poll() is not None:
+            pytest.fail(f"redis-server --sentinel exited (port {self.sentinel_port})")
+        return True
 
     def _master_info(self) -> bytes:
         return command(self.sentinel_port, "SENTINEL", "MASTER", self.service)
@@ -181,7 +188,15 @@ class RedisClusterProcesses:
         self.nodes = [
             RedisProcess(
                 workdir / f"node{i}",
-                args=["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{i}.conf"],
+                # a bus port of its own: the default, port + 10000, is past 65535 for half the free ports
+                args=[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    f"nodes-{i}.conf",
+                    "--cluster-port",
+                    str(_free_port()),
+                ],
             )
             for i in range(num_nodes)
         ]
