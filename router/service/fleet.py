@@ -1,10 +1,12 @@
 """Several routers share one view through Redis (DESIGN.md, Router fleet): publish this router's routing records,
 apply the others'.
 
-One Redis Stream, `<namespace>:fleet:records`, carries every router's batches (`router.policy.sharing`: decisions,
+One Redis Stream, `{<namespace>}:fleet:records`, carries every router's batches (`router.policy.sharing`: decisions,
 load, session pins, drains), one entry per batch with fields `r` (the publisher's id, new per process) and `d` (the
-encoded batch), capped with XADD MAXLEN ~. Drains also live in the hash `<namespace>:fleet:drains`, since a drain
-must outlive the stream's trimming.
+encoded batch), capped with XADD MAXLEN ~. Drains also live in the hash `{<namespace>}:fleet:drains`, since a drain
+must outlive the stream's trimming. The braces are a hash tag: on a Redis Cluster both keys live in one slot, so a
+publish (XADD and HSET in one pipeline) goes to one node. The URL may name a standalone Redis, Sentinel or Cluster
+(`router.service.redis_url`); every command here is a single-key one that all three serve.
 
 - Publishing is off the request path: `routed`/`pinned` (called by `RoutingCore.commit`) append to a bounded queue,
   dropping and counting past `max_queued_records`; a task turns the queue, the router's own load changes and its
@@ -33,20 +35,21 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import redis.asyncio as redis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from router.policy.sharing import Batch, Drain, FleetView, Load, Pin, Routed, SharingError, decode_batch, encode_batch
 from router.policy.sharing import own_loads as read_own_loads
 from router.service.pool import Replica, ReplicaPool
+from router.service.redis_url import redis_client
 from router.service.routing import RoutingCore
 from router.service.settings import FleetSettings
 
 log = logging.getLogger("shoal.router.fleet")
 
-_ERRORS = (RedisError, OSError, TimeoutError)
+_ERRORS = (RedisError, RedisClusterException, OSError, TimeoutError)
+"""What a Redis that is down or slow raises; RedisClusterException is no RedisError (a cluster not reachable)."""
 _REPLAY_PAGE = 1000
 """Stream entries fetched per XREVRANGE at start."""
 _READ_COUNT = 512
@@ -78,8 +81,8 @@ class FleetSharing:
         self._clock = clock
         self._on_undrained = on_undrained
         ns = settings.namespace
-        self.stream_key = f"{ns}:fleet:records"
-        self.drains_key = f"{ns}:fleet:drains"
+        self.stream_key = f"{{{ns}}}:fleet:records"
+        self.drains_key = f"{{{ns}}}:fleet:drains"
         self._routed: list[Routed] = []
         self._pins: dict[str, str] = {}
         self._num_queued = 0
@@ -114,6 +117,7 @@ class FleetSharing:
         )
         self._writer: Any = None
         self._reader: Any = None
+        self._clients = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task[None]] = []
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
@@ -121,13 +125,14 @@ class FleetSharing:
     async def start(self) -> None:
         """Connect, load the fleet's state within `load_timeout_s`, then publish and consume in the background."""
         cfg = self.settings
-        self._writer = redis.from_url(
-            self.url, socket_timeout=cfg.command_timeout_s, socket_connect_timeout=cfg.command_timeout_s
+        self._writer = redis_client(
+            self.url, self._clients, timeout_s=cfg.command_timeout_s, connect_timeout_s=cfg.command_timeout_s
         )
-        self._reader = redis.from_url(
+        self._reader = redis_client(
             self.url,
-            socket_timeout=cfg.command_timeout_s + cfg.read_block_s,
-            socket_connect_timeout=cfg.command_timeout_s,
+            self._clients,
+            timeout_s=cfg.command_timeout_s + cfg.read_block_s,
+            connect_timeout_s=cfg.command_timeout_s,
         )
         try:
             async with asyncio.timeout(cfg.load_timeout_s):
@@ -142,16 +147,21 @@ class FleetSharing:
         ]
 
     async def stop(self) -> None:
+        """Cancel the tasks, then close the clients, each step within `command_timeout_s`: a shutdown does not wait
+        on a Redis that is gone (a cluster client may still be retrying its nodes)."""
+        timeout_s = self.settings.command_timeout_s
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if self._tasks:
+            _, pending = await asyncio.wait(self._tasks, timeout=timeout_s)
+            if pending:
+                log.warning("fleet tasks still running %.1f s after cancel; leaving them", timeout_s)
         self._tasks = []
-        for client in (self._writer, self._reader):
-            if client is not None:
-                with contextlib.suppress(*_ERRORS):
-                    await client.aclose()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._clients.aclose()
+        except _ERRORS as exc:
+            log.info("closing the Redis clients: %s: %s", type(exc).__name__, exc)
 
     # --- what the request path calls (RoutingCore.commit) -------------------------------------------------------
 

@@ -21,6 +21,7 @@ from router.policy.prefill_rate import PrefillRateEstimator
 from router.policy.prefix_index import PrefixIndexConfig
 from router.policy.session import SessionAffinityConfig
 from router.service.pool import split_url
+from router.service.redis_url import parse_redis_url
 
 
 class _Section(BaseModel):
@@ -224,27 +225,19 @@ class RequestLogSettings(_Section):
 
 # --- Router fleet: several routers share one view through Redis (router/service/fleet.py) ----------------------
 
-_REDIS_SCHEMES = ("redis", "rediss", "unix")
-
 
 def check_redis_url(url: str) -> str:
-    """A standalone Redis URL redis-py's `from_url` takes; ValueError for anything else, Sentinel and Cluster
-    included: redis-py builds neither from a URL."""
-    scheme = url.partition("://")[0].lower() if "://" in url else ""
-    if "sentinel" in scheme or "cluster" in scheme:
-        raise ValueError(
-            f"redis_url {url!r}: Sentinel and Cluster cannot be reached from a URL with redis-py; "
-            "give the standalone primary's redis://host:port/db (a Sentinel-managed primary behind a Service works)"
-        )
-    if scheme not in _REDIS_SCHEMES:
-        raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {url!r}")
+    """A Redis URL of a form `router.service.redis_url` connects to (standalone, Sentinel or Cluster); ValueError
+    naming what is wrong otherwise."""
+    parse_redis_url(url)
     return url
 
 
 class FleetSettings(_Section):
-    namespace: str = Field("shoal", min_length=1)
-    """Prefix of the Redis keys this fleet uses (`<namespace>:fleet:*`): routers with the same namespace share one
-    view. One Redis may serve several fleets under different namespaces."""
+    namespace: str = Field("shoal", min_length=1, pattern=r"^[^{}]+$")
+    """Prefix of the Redis keys this fleet uses (`{<namespace>}:fleet:*`, a hash tag so that a Redis Cluster keeps
+    them in one slot): routers with the same namespace share one view. One Redis may serve several fleets under
+    different namespaces."""
     flush_interval_s: float = Field(0.05, gt=0)
     """Seconds between two batches a router publishes: 50 ms keeps peers' views well within the one second the
     fleet's load must agree in, at some 20 Redis writes per second per router."""
@@ -338,8 +331,11 @@ class RouterSettings(BaseSettings):
 
     # --- Router fleet (router/service/fleet.py) ---
     redis_url: str | None = None
-    """Redis shared by a fleet of routers (standalone: redis://host:port/db, rediss://, unix://): each publishes
-    its routing records there and applies the others'. None: this router works alone, on its own view."""
+    """Redis shared by a fleet of routers: each publishes its routing records there and applies the others'.
+    Standalone: redis://[[user]:password@]host:port/db, rediss://, unix://; Sentinel (follows a failover):
+    redis+sentinel://[[user]:password@]host:port[,host:port...]/SERVICE[/DB]; Cluster:
+    redis+cluster://[[user]:password@]host:port[,host:port...]; rediss+ for TLS (router/service/redis_url.py).
+    None: this router works alone, on its own view."""
     fleet: FleetSettings = Field(default_factory=FleetSettings)
     """With `redis_url`: how records are batched, capped and expired."""
 

@@ -254,5 +254,10 @@ async def _at_least(handle: RouterHandle, expected: int) -> bool:
     return await handle.num_ready() >= expected
 
 
-from tests.integration.redis_server import redis_process, redis_url  # noqa: E402, F401 - fixtures
+from tests.integration.redis_server import (  # noqa: E402, F401 - fixtures
+    redis_cluster,
+    redis_process,
+    redis_sentinel,
+    redis_url,
+)
 from tests.integration.replica_support import start_replica, tiny_checkpoint  # noqa: E402, F401 - fixtures

@@ -176,6 +176,7 @@ def test_templates_are_named_kind_component() -> None:
         ({"autoscaling": {"shoal": {"metricsSource": "prometheus"}}}, "/autoscaling/shoal/prometheus/url"),
         ({"autoscaling": {"shoal": {"metricsSource": "thanos"}}}, "/autoscaling/shoal/metricsSource"),
         ({"redis": {"mode": "external"}}, "/redis/external"),
+        ({"redis": {"mode": "external", "external": {"url": "redis+replica://r:6379"}}}, "/redis/external/url"),
     ],
 )
 def test_the_schema_rejects_bad_values(values: dict[str, Any], complaint: str) -> None:
@@ -701,6 +702,16 @@ def test_redis_is_auto_off_external_or_bundled() -> None:
     assert env_of(container(find(bundled, "Deployment", "router")))["SHOAL_ROUTER_REDIS_URL"]["value"] == url
     redis = container(find(bundled, "StatefulSet", "redis"))
     assert redis["args"][:4] == ["--save", "", "--appendonly", "no"]
+
+
+def test_an_external_sentinel_or_cluster_url_goes_to_the_routers_only() -> None:
+    for url in ("redis+sentinel://s1:26379,s2:26379/primary/0", "rediss+cluster://n1:6379,n2:6379"):
+        manifests = render({"redis": {"mode": "external", "external": {"url": url}}})
+        assert env_of(container(find(manifests, "Deployment", "router")))["SHOAL_ROUTER_REDIS_URL"]["value"] == url
+        assert "SHOAL_REPLICA_KV_EVENTS_REDIS_URL" not in env_of(container(find(manifests, "Deployment", "replica")))
+    standalone = render({"redis": {"mode": "external", "external": {"url": "redis://r:6379/0"}}})
+    replica_env = env_of(container(find(standalone, "Deployment", "replica")))
+    assert replica_env["SHOAL_REPLICA_KV_EVENTS_REDIS_URL"]["value"] == "redis://r:6379/0"
 
 
 def test_dashboard_shows_what_the_issue_asks_with_real_metric_names() -> None:
