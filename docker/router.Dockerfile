@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1.7
 # Shoal's router image: `shoal router` and `shoal autoscaler` (the chart runs both from it). No torch, no replica
-# engine: the core dependencies only (aiohttp, uvloop, xxhash, pydantic, prometheus-client, redis, kubernetes).
+# engine: the core dependencies (aiohttp, uvloop, xxhash, pydantic, prometheus-client, redis, kubernetes) and the
+# `tokenize` extra (tokenizers, jinja2), so `--tokenizer` works on a mounted model folder.
 # Build from the repository root (see docker/README.md):
 #   docker build -f docker/router.Dockerfile -t shoal/router:0.1.0 .
 # Base images are pinned to exact releases; pin a digest with --build-arg PYTHON_IMAGE=python:3.12.8-slim-bookworm@sha256:...
@@ -15,7 +16,7 @@ COPY pyproject.toml README.md ./
 COPY router/ router/
 COPY autoscaler/ autoscaler/
 # The wheel holds only the packages copied above; the build fails if anything pulled torch in.
-RUN /opt/shoal/bin/pip install . \
+RUN /opt/shoal/bin/pip install '.[tokenize]' \
  && if /opt/shoal/bin/pip show torch >/dev/null 2>&1; then echo "torch must not be in the router image" >&2; exit 1; fi \
  && /opt/shoal/bin/shoal router --help >/dev/null
 

@@ -152,7 +152,9 @@ def test_the_router_image_has_no_torch_and_runs_the_autoscaler() -> None:
     core = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert not [d for d in core if re.match(r"(torch|triton)\b", d)]
     runs = " ".join(i.value for i in instructions("router") if i.name == "RUN")
-    assert "pip install ." in runs and "[replica]" not in runs and "torch ==" not in runs
+    assert "pip install '.[tokenize]'" in runs and "[replica]" not in runs and "torch ==" not in runs
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert not [d for d in extras["tokenize"] if re.match(r"(torch|triton)\b", d)]  # the chat tokenizer only
 
 
 def test_the_replica_image_is_cuda_torch_and_triton() -> None:
