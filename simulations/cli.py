@@ -75,6 +75,10 @@ def add_simulate_command(subparsers: Any) -> None:
         help="engine preset (simulations/presets/), a preset YAML file, or a `shoal replica profile` JSON to fit",
     )
     parser.add_argument("--index-mode", choices=_INDEX_MODES, help="prefix index fed by decisions or by KV events")
+    parser.add_argument("--routers", type=int, metavar="N", help="routers, each with its own view (default 1)")
+    parser.add_argument(
+        "--sharing", choices=("on", "off"), help="with several routers: share decisions and loads (Redis) or not"
+    )
     parser.add_argument(
         "--seed", type=int, help="seed of the trace jitter, the policies' random choices and the accepted drafts"
     )
@@ -208,6 +212,12 @@ def resolve_scenario(args: argparse.Namespace) -> Any:
     data["fleet"] = fleet
     if args.index_mode is not None:
         data["router"] = {**(data.get("router") or {}), "index_mode": args.index_mode}
+    routers = dict(data.get("routers") or {})
+    if args.routers is not None:
+        routers["count"] = args.routers
+    if args.sharing is not None:
+        routers["sharing"] = args.sharing == "on"
+    data["routers"] = routers
     if args.policies:
         data["policies"] = [p.strip() for p in args.policies.split(",") if p.strip()]
     if args.seed is not None:
@@ -266,6 +276,11 @@ def run_simulate(args: argparse.Namespace) -> int:
     print(
         f"{scenario.name}: {workload.name}, {scenario.fleet.num_replicas} x {scenario.fleet.preset}, "
         f"index {scenario.router.index_mode}, hit ceiling {floor['hit_ratio']:.3f}"
+        + (
+            f"; {scenario.routers.count} routers, sharing {'on' if scenario.routers.sharing else 'off'}"
+            if scenario.routers.count > 1
+            else ""
+        )
         + (f"; variants: {', '.join(v.label for v in scenario.variants)}" if scenario.variants else "")
     )
     print(format_table(results, floor))
@@ -281,7 +296,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-_NOT_MATRIX_FLAGS = ("scenario", "trace", "replicas", "speed", "limit", "preset", "index_mode", "acceptance_length")
+_NOT_MATRIX_FLAGS = (
+    "scenario", "trace", "replicas", "speed", "limit", "preset", "index_mode", "acceptance_length", "routers", "sharing"
+)
 """Flags `--matrix` refuses: the matrix file sets these, per engine or trace."""
 
 
@@ -342,7 +359,7 @@ def command_line(args: argparse.Namespace) -> str:
     """The `shoal simulate` command line that reproduces `args` (for results.json and the README)."""
     words = ["shoal", "simulate"]
     flags = ("scenario", "matrix", "trace", "policies", "replicas", "speed", "limit", "preset", "index_mode", "seed")
-    for flag in (*flags, "traces_dir", "acceptance_length", "out"):
+    for flag in (*flags, "routers", "sharing", "traces_dir", "acceptance_length", "out"):
         value = getattr(args, flag, None)
         if value is not None:
             words += [f"--{flag.replace('_', '-')}", str(value)]

@@ -112,3 +112,12 @@ def test_acceptance_length_flag_turns_on_a_fleets_speculation(tmp_path: Path) ->
     on = resolve_scenario(parse(["--scenario", str(path), "--acceptance-length", "2.5", "--out", str(tmp_path)]))
     speculation = on.fleet.resolve().speculation
     assert speculation is not None and speculation.mean_acceptance_length == 2.5 and speculation.is_enabled
+
+
+def test_routers_and_sharing_flags_set_the_scenarios_routers(tmp_path: Path) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text(with_variants().model_dump_json())
+    lone = resolve_scenario(parse(["--scenario", str(path), "--out", str(tmp_path)]))
+    assert (lone.routers.count, lone.routers.sharing) == (1, False)
+    fleet = resolve_scenario(parse(["--scenario", str(path), "--routers", "4", "--sharing", "on", "--out", "o"]))
+    assert (fleet.routers.count, fleet.routers.sharing) == (4, True)
