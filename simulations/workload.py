@@ -85,40 +85,46 @@ class ListWorkload:
         return iter(self._requests)
 
 
-class PrefillOnlyWorkload:
+class _RewrittenWorkload:
+    """`workload` with every request rewritten by `rewrite`; its name says how."""
+
+    def __init__(self, workload: Workload, how: str) -> None:
+        self.inner = workload
+        self.name = f"{workload.name} ({how})"
+        self.block_size = workload.block_size
+        self.seed_bytes = workload.seed_bytes
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]  # TypeError, as for any unsized workload
+
+    def rewrite(self, request: Request) -> Request:
+        raise NotImplementedError
+
+    def requests(self) -> Iterator[Request]:
+        for request in self.inner.requests():
+            yield self.rewrite(request)
+
+
+class PrefillOnlyWorkload(_RewrittenWorkload):
     """`workload` as a disaggregated prefill fleet sees it: one output token per request (the first; decode runs
     elsewhere), and only the prompt's blocks cacheable."""
 
     def __init__(self, workload: Workload) -> None:
-        self.inner = workload
-        self.name = f"{workload.name} (prefill only)"
-        self.block_size = workload.block_size
-        self.seed_bytes = workload.seed_bytes
+        super().__init__(workload, "prefill only")
 
-    def __len__(self) -> int:
-        return len(self.inner)  # type: ignore[arg-type]  # TypeError, as for any unsized workload
-
-    def requests(self) -> Iterator[Request]:
-        for request in self.inner.requests():
-            yield replace(request, output_tokens=1, cache_hashes=None)
+    def rewrite(self, request: Request) -> Request:
+        return replace(request, output_tokens=1, cache_hashes=None)
 
 
-class ScaledOutputWorkload:
+class ScaledOutputWorkload(_RewrittenWorkload):
     """`workload` with every output `scale` times longer (rounded, at least 1 token): decode-heavy traffic."""
 
     def __init__(self, workload: Workload, scale: float) -> None:
-        self.inner = workload
+        super().__init__(workload, f"outputs x{scale:g}")
         self.scale = scale
-        self.name = f"{workload.name} (outputs x{scale:g})"
-        self.block_size = workload.block_size
-        self.seed_bytes = workload.seed_bytes
 
-    def __len__(self) -> int:
-        return len(self.inner)  # type: ignore[arg-type]  # TypeError, as for any unsized workload
-
-    def requests(self) -> Iterator[Request]:
-        for request in self.inner.requests():
-            yield replace(request, output_tokens=max(1, round(request.output_tokens * self.scale)))
+    def rewrite(self, request: Request) -> Request:
+        return replace(request, output_tokens=max(1, round(request.output_tokens * self.scale)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -185,8 +185,7 @@ class RoutingCore:
         tokens_per_block = min(cfg.text_block_size / cfg.bytes_per_token, float(cfg.token_block_size))
         blocks = max(1, int(capacity_tokens / tokens_per_block))
         if blocks != tracked.state.kv_capacity_blocks:
-            tracked.state.kv_capacity_blocks = blocks
-            tracked.state.version += 1
+            tracked.state.set_kv_capacity_blocks(blocks)
             self.index.add_replica(replica_id, blocks)
 
     def drop_cache(self, replica_id: str) -> None:

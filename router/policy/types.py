@@ -144,6 +144,11 @@ class ReplicaState:
             self.max_num_seqs = num_running  # the largest such count: a request between two steps queues briefly
         self.version += 1
 
+    def set_kv_capacity_blocks(self, blocks: int) -> None:
+        """The KV cache's size in index blocks, from the engine's metrics (`RoutingCore.set_kv_capacity`)."""
+        self.kv_capacity_blocks = blocks
+        self.version += 1
+
     def set_service(self, slot_s: float | None, learned_slots: float | None, fixed_s: float) -> None:
         """The learned service terms (`service_time.ServiceTime`)."""
         self.slot_s = slot_s

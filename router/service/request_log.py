@@ -1,14 +1,11 @@
-"""The per-request log: one JSON line per request, written off the event loop, in batches.
+"""The per-request log: one JSON line per request, formatted and written off the event loop, in batches.
 
-`record` (on the event loop) formats the request's fields (orjson, about a microsecond) and appends the line to a
-bounded deque. A writer thread wakes every `flush_interval_s`, or as soon as a batch's worth waits, takes what is
-queued and writes it in one call. Formatting stays on the loop because the loop and the writer share one GIL: a
-writer that formatted a batch would hold the GIL for the whole batch while the loop waited for it, where a writer
-that only joins bytes and writes holds it for microseconds (the write itself releases it). A slow or blocked sink
-(a full disk, a pipe nobody reads) blocks only that thread; once `max_pending_lines` wait, new lines are dropped
-and counted (`num_dropped`, and the `shoal_router_request_log_dropped_total` counter), never blocking a request or
-growing without bound. `close` flushes what is queued and stops the thread, waiting at most `close_timeout_s` for
-a sink that does not drain.
+`record` (on the event loop) appends the request's fields, unformatted, to a bounded deque and returns: a few
+hundred nanoseconds. A writer thread wakes every `flush_interval_s`, or as soon as a batch's worth waits, formats
+what is queued (orjson) and writes it in one call. A slow or blocked sink (a full disk, a pipe nobody reads) blocks
+only that thread; once `max_pending_lines` wait, new lines are dropped and counted (`num_dropped`, and the
+`shoal_router_request_log_dropped_total` counter), never blocking a request or growing without bound. `close`
+flushes what is queued and stops the thread, waiting at most `close_timeout_s` for a sink that does not drain.
 Lines leave in the order `record` was called: one deque, one writer.
 
 The sink is an unbuffered file of the log's own (`open_sink`: a file, or a duplicate of standard error), so a
@@ -66,7 +63,7 @@ class RequestLog:
         """Added to every line as "worker" (a `--workers` process's label); None: not added."""
         self.num_dropped = 0
         self.num_written = 0
-        self._pending: collections.deque[bytes] = collections.deque()
+        self._pending: collections.deque[dict[str, Any]] = collections.deque()
         self._wake = threading.Event()
         self._is_stopping = False
         self._thread: threading.Thread | None = None
@@ -85,11 +82,7 @@ class RequestLog:
         fields["ts"] = time.time()
         if self.worker is not None:
             fields["worker"] = self.worker
-        try:
-            line = orjson.dumps(fields, option=_NEWLINE)
-        except TypeError:  # a value orjson cannot encode (a lone surrogate): keep the line, lose the value
-            line = orjson.dumps({key: repr(value) for key, value in fields.items()}, option=_NEWLINE)
-        pending.append(line)  # deque.append and popleft are atomic: no lock between the loop and the writer
+        pending.append(fields)  # deque.append and popleft are atomic: no lock between the loop and the writer
         if len(pending) == _BATCH_LINES:
             self._wake.set()
 
@@ -113,7 +106,13 @@ class RequestLog:
             self._wake.wait(self.flush_interval_s)
             self._wake.clear()
             is_stopping = self._is_stopping
-            lines = [pending.popleft() for _ in range(len(pending))]
+            lines = []
+            while pending:
+                fields = pending.popleft()
+                try:
+                    lines.append(orjson.dumps(fields, option=_NEWLINE))
+                except TypeError:  # a value orjson cannot encode (a lone surrogate): keep the line, lose the value
+                    lines.append(orjson.dumps({key: repr(value) for key, value in fields.items()}, option=_NEWLINE))
             if lines:
                 try:
                     self._write(lines)

@@ -31,6 +31,7 @@ from router.service.settings import RouterSettings
 
 log = logging.getLogger("shoal.router")
 
+
 def _worker_main(settings: RouterSettings, index: int, log_level: str, listening: Event) -> None:
     from router.service.server import serve
 

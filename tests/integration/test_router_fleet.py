@@ -51,21 +51,28 @@ def peer_in_flight(router: RouterHandle) -> dict[str, int]:
     return {r.id: r.state.peer_in_flight for r in router.app[POOL]}
 
 
+async def assert_shared_prefixes(
+    a: RouterHandle, b: RouterHandle, label: str, num_prompts: int, *, timeout_s: float = 2.0
+) -> None:
+    """Each prompt routed by `a` is, once `b` has applied `a`'s batch, a cache hit on the same replica at `b`."""
+    for i in range(num_prompts):
+        text = unique_text(LONG_PREFIX_BYTES, f"{label}{i}")
+        first = await a.complete(text + " first question", max_tokens=1)
+        assert first.status == 200, first.body
+        chosen, prefix = first.replica, text
+        await eventually(lambda: chosen in holder(b, prefix), timeout_s=timeout_s, what="B indexed A's decision")  # noqa: B023
+        second = await b.complete(text + " a follow-up", max_tokens=1)
+        assert second.status == 200, second.body
+        assert (second.replica, second.branch) == (first.replica, "cache_hit")
+
+
 async def test_a_prefix_routed_by_one_router_is_a_hit_at_another(
     start_fakes: StartFakes, start_router: StartRouter, redis_process: RedisProcess
 ) -> None:
     fakes = await start_fakes(3)
     a = await fleet_router(start_router, fakes, redis_process.url)
     b = await fleet_router(start_router, fakes, redis_process.url)
-    for i in range(6):
-        text = unique_text(LONG_PREFIX_BYTES, f"doc{i}")
-        first = await a.complete(text + " first question", max_tokens=1)
-        assert first.status == 200, first.body
-        chosen, prefix = first.replica, text
-        await eventually(lambda: chosen in holder(b, prefix), timeout_s=2.0, what="B indexed A's decision")  # noqa: B023
-        second = await b.complete(text + " a follow-up", max_tokens=1)
-        assert second.status == 200, second.body
-        assert (second.replica, second.branch) == (first.replica, "cache_hit")
+    await assert_shared_prefixes(a, b, "doc", 6)
     assert b.app[FLEET].counts["batches_applied"] > 0
     assert a.app[FLEET].counts["records_dropped"] == 0
 

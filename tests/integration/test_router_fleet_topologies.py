@@ -8,24 +8,11 @@ import pytest
 import redis.asyncio as redis
 
 from router.service.app import FLEET
-from tests.integration.conftest import LONG_PREFIX_BYTES, RouterHandle, StartFakes, StartRouter, eventually, unique_text
+from tests.integration.conftest import StartFakes, StartRouter, eventually
 from tests.integration.redis_server import RedisClusterProcesses, RedisSentinel
-from tests.integration.test_router_fleet import fleet_router, holder
+from tests.integration.test_router_fleet import assert_shared_prefixes, fleet_router
 
 pytestmark = pytest.mark.integration
-
-
-async def assert_shared_prefixes(a: RouterHandle, b: RouterHandle, label: str, num_prompts: int = 3) -> None:
-    """Each prompt routed by `a` is, once `b` has applied `a`'s batch, a cache hit on the same replica at `b`."""
-    for i in range(num_prompts):
-        text = unique_text(LONG_PREFIX_BYTES, f"{label}{i}")
-        first = await a.complete(text + " first question", max_tokens=1)
-        assert first.status == 200, first.body
-        chosen, prefix = first.replica, text
-        await eventually(lambda: chosen in holder(b, prefix), timeout_s=5.0, what="B indexed A's decision")  # noqa: B023
-        second = await b.complete(text + " a follow-up", max_tokens=1)
-        assert second.status == 200, second.body
-        assert (second.replica, second.branch) == (first.replica, "cache_hit")
 
 
 async def test_routers_share_a_view_through_sentinel_and_follow_a_failover(
@@ -34,7 +21,7 @@ async def test_routers_share_a_view_through_sentinel_and_follow_a_failover(
     fakes = await start_fakes(3)
     a = await fleet_router(start_router, fakes, redis_sentinel.url)
     b = await fleet_router(start_router, fakes, redis_sentinel.url)
-    await assert_shared_prefixes(a, b, "before")
+    await assert_shared_prefixes(a, b, "before", 3, timeout_s=5.0)
     redis_sentinel.primary.pause()
     try:
         await eventually(
@@ -42,7 +29,7 @@ async def test_routers_share_a_view_through_sentinel_and_follow_a_failover(
             timeout_s=20.0,
             what="the sentinel promoted the replica",
         )
-        await assert_shared_prefixes(a, b, "after")
+        await assert_shared_prefixes(a, b, "after", 3, timeout_s=5.0)
         assert all(router.app[FLEET].counts["outages"] >= 1 for router in (a, b))  # they did lose the old primary
     finally:
         redis_sentinel.primary.resume()
@@ -59,7 +46,7 @@ async def test_routers_share_a_view_through_a_redis_cluster(
     fakes = await start_fakes(3)
     a = await fleet_router(start_router, fakes, redis_cluster.url)
     b = await fleet_router(start_router, fakes, redis_cluster.url)
-    await assert_shared_prefixes(a, b, "cluster")
+    await assert_shared_prefixes(a, b, "cluster", 3, timeout_s=5.0)
     fleet = a.app[FLEET]
     assert fleet.is_loaded and fleet.is_up
     assert b.app[FLEET].counts["batches_applied"] > 0

@@ -17,9 +17,12 @@ import pytest
 
 ROOT = Path(__file__).parents[2]
 _START = r"(?<![\w.~-])"
-"""A path starts at a word boundary: `https://host/work/` or `~/work/` is no absolute path."""
+"""A path starts at a word boundary: a URL's path or one under `~` is no absolute path."""
+_WORKSPACES = ("work", "root")
+"""Top-level directories of the machines the project is written on (a workspace, root's home)."""
 MACHINE_PATH = re.compile(
-    rf"{_START}/(?:work|root)/|{_START}/home/(?!shoal/)[\w.-]+/|{_START}/Users/[\w.-]+/|/tmp/pytest[-]of[-]"
+    rf"{_START}/(?:{'|'.join(_WORKSPACES)})/|{_START}/home/(?!shoal/)[\w.-]+/|{_START}/Users/[\w.-]+/"
+    r"|/tmp/pytest[-]of[-]"
 )
 DATA_DIRS = ("benchmarks/results/", "tests/data/")
 DATA_TMP = re.compile(rf"{_START}/tmp/")
@@ -70,15 +73,15 @@ def test_no_file_names_a_path_of_this_machine() -> None:
 @pytest.mark.parametrize(
     ("name", "text", "is_found"),
     [
-        ("tests/test_x.py", 'TRACE = Path("/' + 'work/shared/traces/x.jsonl")', True),
-        ("README.md", "cd /" + "root/shoal && make", True),
+        ("tests/test_x.py", f'TRACE = Path("/{_WORKSPACES[0]}/data/x.jsonl")', True),
+        ("README.md", f"cd /{_WORKSPACES[1]}/shoal && make", True),
         ("docs/a.md", "see /home/" + "alice/shoal", True),
         ("benchmarks/results/run.json", '{"out": "/' + 'tmp/sim/01"}', True),
         ("benchmarks/results/run.txt", "tmp_path /" + "tmp/pytest-of-root/pytest-3/x", True),
         ("tests/test_y.py", "out = tmp_path / 'x'  # not a literal path", False),
         ("README.md", "--out /" + "tmp/sim/01 (a user's choice, in prose)", False),
         ("docker/a.Dockerfile", "ENV HOME=/home/shoal PATH=/opt/shoal/bin", False),
-        ("README.md", "https://example.com/" + "work/shared and ~/" + "work/x", False),
+        ("README.md", f"https://example.com/{_WORKSPACES[0]}/x and ~/{_WORKSPACES[0]}/x", False),
     ],
 )
 def test_the_check_finds_machine_paths_and_only_those(tmp_path: Path, name: str, text: str, is_found: bool) -> None:

@@ -33,7 +33,7 @@ from replica.engine.sampler import SamplingTensors, probabilities
 from replica.engine.sampling import SamplingParams
 from replica.engine.sequence import Sequence
 from replica.grammar.matcher import GrammarCompiler, GrammarMatcher
-from tests.unit.replica_engine.test_rejection import Prefix, breakpoints, cells, random_table, total_variation
+from tests.unit.replica_engine.test_rejection import Prefix, draw_cells, random_table, total_variation
 
 TOKENS = ("a", "b", "c", "ab")
 EOS = 4
@@ -143,20 +143,8 @@ def emitted_law(
         target = torch.stack([target_rows[min(j, n)] for j in range(width + 1)])  # padded as `decide` pads
         padded = list(drafts) + [0] * (width - len(drafts))
         q_rows = torch.stack([*qs, *(torch.zeros(VOCAB, dtype=torch.float64) for _ in range(width - len(qs)))])
-        accept_cells = [
-            cells([float(target[j][d] / q_rows[j][d])]) if j < n else [(0.5, 1.0)] for j, d in enumerate(padded)
-        ]
-        final_points: list[float] = []
-        for j in range(n + 1):
-            final_points += breakpoints(target[j])
-            if j < n:
-                final_points += breakpoints((target[j] - q_rows[j]).clamp_min(0))
-        for accept in itertools.product(*accept_cells):
-            for u_final, w_final in cells(final_points):
-                w = weight * w_final
-                for _, cell_width in accept:
-                    w *= cell_width
-                rows.append((target, q_rows, padded, n, [u for u, _ in accept], u_final, w))
+        for accept_us, u_final, cell_width in draw_cells(target, q_rows, padded, n):
+            rows.append((target, q_rows, padded, n, accept_us, u_final, weight * cell_width))
     tokens, num_emitted = verify(
         torch.stack([r[0] for r in rows]),
         torch.stack([r[1] for r in rows]),

@@ -25,7 +25,7 @@ from replica.engine.rejection import verify
 from replica.engine.sampler import SamplingTensors, apply_penalties, probabilities
 from replica.engine.sampling import SamplingParams
 from replica.engine.sequence import Sequence
-from tests.unit.replica_engine.test_rejection import Prefix, breakpoints, cells, random_table, total_variation
+from tests.unit.replica_engine.test_rejection import Prefix, draw_cells, random_table, total_variation
 
 VOCAB = 4
 PROMPT = [0, 0, 2]
@@ -94,18 +94,8 @@ def emitted_law(
         raw = torch.stack([logits[OUTPUT + drafts[:j]] for j in range(k + 1)])
         target = probabilities(apply_penalties(raw, penalties), sampling.repeat([k + 1]))  # [k + 1, V]
         qs = [q[drafts[:j]] for j in range(k)]
-        accept_cells = [cells([float(target[j][d] / qs[j][d])]) for j, d in enumerate(drafts)]
-        final_points: list[float] = []
-        for j in range(k + 1):
-            final_points += breakpoints(target[j])
-            if j < k:
-                final_points += breakpoints((target[j] - qs[j]).clamp_min(0))
-        for accept in itertools.product(*accept_cells):
-            for u_final, w_final in cells(final_points):
-                w = weight * w_final
-                for _, width in accept:
-                    w *= width
-                rows.append((target, qs, list(drafts), [u for u, _ in accept], u_final, w))
+        for accept_us, u_final, width in draw_cells(target, qs, drafts, k):
+            rows.append((target, qs, list(drafts), accept_us, u_final, weight * width))
     tokens, num_emitted = verify(
         torch.stack([r[0] for r in rows]),
         torch.stack([torch.stack(r[1]) if r[1] else torch.empty(0, VOCAB, dtype=torch.float64) for r in rows]),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
@@ -49,6 +50,30 @@ def cells(points: list[float]) -> list[tuple[float, float]]:
     return [((a + b) / 2, b - a) for a, b in itertools.pairwise(edges) if b > a]
 
 
+def draw_cells(
+    target: torch.Tensor, qs: Sequence[torch.Tensor], drafts: Sequence[int], num_drafts: int
+) -> Iterator[tuple[list[float], float, float]]:
+    """Every cell of one verification's uniform draws: (acceptance uniforms, final uniform, the cell's probability).
+
+    `target` holds the K+1 target rows, `qs[j]` the draft distribution the j-th of the `num_drafts` real drafts was
+    told to come from; positions past them accept nothing and take one cell. Each acceptance uniform splits at
+    p/q, the final one at the cumulative sums of every distribution the final token can come from."""
+    accept_cells = [
+        cells([float(target[j][d] / qs[j][d])]) if j < num_drafts else [(0.5, 1.0)] for j, d in enumerate(drafts)
+    ]
+    final_points: list[float] = []
+    for j in range(len(target)):
+        final_points += breakpoints(target[j])
+        if j < num_drafts:
+            final_points += breakpoints((target[j] - qs[j]).clamp_min(0))
+    for accept in itertools.product(*accept_cells):
+        for u_final, final_width in cells(final_points):
+            width = final_width
+            for _, accept_width in accept:
+                width *= accept_width
+            yield [u for u, _ in accept], u_final, width
+
+
 def emitted_distribution(
     p: dict[Prefix, torch.Tensor],
     q: dict[Prefix, torch.Tensor],
@@ -75,21 +100,8 @@ def emitted_distribution(
         # Padding past num_drafts holds junk: verify must ignore it.
         padded_tokens = list(drafts) + [pad_rng.randrange(vocab) for _ in range(k - num_drafts)]
         padded_q = qs + [torch.full((vocab,), 1.0 / vocab, dtype=torch.float64) for _ in range(k - num_drafts)]
-        accept_cells = [
-            cells([float(target[j][d] / qs[j][d])]) if j < num_drafts else [(0.5, 1.0)]
-            for j, d in enumerate(padded_tokens)
-        ]
-        final_points: list[float] = []
-        for j in range(k + 1):
-            final_points += breakpoints(target[j])
-            if j < num_drafts:
-                final_points += breakpoints((target[j] - qs[j]).clamp_min(0))
-        for accept in itertools.product(*accept_cells):
-            for u_final, w_final in cells(final_points):
-                w = weight * w_final
-                for _, width in accept:
-                    w *= width
-                rows.append((target, padded_q, padded_tokens, [u for u, _ in accept], u_final, w))
+        for accept_us, u_final, width in draw_cells(target, qs, padded_tokens, num_drafts):
+            rows.append((target, padded_q, padded_tokens, accept_us, u_final, weight * width))
     tokens, num_emitted = verify(
         torch.stack([r[0] for r in rows]),
         torch.stack([torch.stack(r[1]) if r[1] else torch.empty(0, vocab, dtype=torch.float64) for r in rows]),
