@@ -445,21 +445,20 @@ class PrefixIndex:
         num_touched = 0
         # Leaf first: each block ends up more recent than all of its descendants (eviction takes leaves first).
         for block_hash in reversed(hashes):
+            old = guesses.pop(block_hash, None)
+            if old is not None:  # guessed already (so among the holders): a touch
+                guesses[block_hash] = old if old > deadline else deadline
+                num_touched += 1
+                continue
             shard = holders[block_hash & mask]
             held = shard.get(block_hash)
             if held is None:
                 shard[block_hash] = bit
-                guesses[block_hash] = deadline
-                continue
-            old = guesses.pop(block_hash, None)
-            if old is not None:
-                guesses[block_hash] = old if old > deadline else deadline
-                num_touched += 1
             elif held & bit:
                 continue  # exact: the engine's word outranks a guess
             else:
                 self._join(rep, block_hash, held, deadline)
-                guesses[block_hash] = deadline
+            guesses[block_hash] = deadline
         rep.guess_churn.num_deleted += num_touched
         if len(guesses) > rep.capacity_blocks:
             self._evict(rep)

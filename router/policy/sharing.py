@@ -3,9 +3,9 @@
 Each router publishes batches of what the others need to know, and applies the others' batches to its own
 `RoutingCore`, so that a prefix one router routed is a hit at every router and each replica's load, as any router
 sees it, is the sum over routers:
-  - `Routed`: a decision's replica and all of the prompt's block hashes. A peer records them as the router that
-    decided would (`RoutingCore.record_peer`): approximate, or a short-lived prediction where the peer follows that
-    replica's KV events itself.
+  - `Routed`: a replica and the block hashes of the prompts routed there since the last batch, merged
+    (`merge_routed`). A peer records them as the router that decided would (`RoutingCore.record_peer`):
+    approximate, or a short-lived prediction where the peer follows that replica's KV events itself.
   - `Loads`: the publishing router's own requests in flight per replica, as absolute counts, not begin/finish
     deltas: a lost or dropped batch is healed by the next one, where a lost delta would skew the sum for good.
     `is_complete` batches (the heartbeat) list every replica with load, so a replica left out has none from that
@@ -28,6 +28,7 @@ import base64
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import orjson
@@ -45,9 +46,30 @@ class SharingError(ValueError):
 class Routed:
     replica: str
     hashes: tuple[int, ...]
-    """All of the prompt's block hashes, from block 0."""
+    """Block hashes in the order `PrefixIndex.record` takes them: one prompt's from block 0, or several prompts'
+    merged by `merge_routed`."""
     is_tokens: bool
     """Hashed over token ids: KV events of the replica name the same blocks."""
+
+
+def merge_routed(decisions: Iterable[tuple[str, Sequence[int], bool]]) -> tuple[Routed, ...]:
+    """Decisions (replica, a prompt's block hashes from block 0, hashed over token ids), oldest first, as one
+    `Routed` per replica and kind: recording it leaves an index as recording each decision in turn at one `now`.
+
+    `PrefixIndex.record` touches a prompt's blocks leaf first, so after the decisions in turn each block sits
+    where it was last touched; those positions, newest first, are the first occurrences in the newest decision's
+    hashes followed by the next older one's, and so on. Prompts that share a system prompt or an agent's history
+    send those blocks once a batch instead of once a decision. A block's ancestors are in every prompt that holds
+    it, so they stay more recent than it, as eviction needs.
+    """
+    groups: dict[tuple[str, bool], list[Sequence[int]]] = {}
+    for replica, hashes, is_tokens in decisions:
+        if hashes:
+            groups.setdefault((replica, is_tokens), []).append(hashes)
+    return tuple(
+        Routed(replica, tuple(dict.fromkeys(chain.from_iterable(reversed(prompts)))), is_tokens)
+        for (replica, is_tokens), prompts in groups.items()
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from redis.exceptions import RedisClusterException, RedisError
 
-from router.policy.sharing import Batch, Drain, FleetView, Load, Pin, Routed, SharingError, decode_batch, encode_batch
+from router.policy.sharing import (
+    Batch,
+    Drain,
+    FleetView,
+    Load,
+    Pin,
+    SharingError,
+    decode_batch,
+    encode_batch,
+    merge_routed,
+)
 from router.policy.sharing import own_loads as read_own_loads
 from router.service.pool import Replica, ReplicaPool
 from router.service.redis_url import redis_client
@@ -83,7 +93,8 @@ class FleetSharing:
         ns = settings.namespace
         self.stream_key = f"{{{ns}}}:fleet:records"
         self.drains_key = f"{{{ns}}}:fleet:drains"
-        self._routed: list[Routed] = []
+        self._routed: list[tuple[str, list[int], bool]] = []
+        """Decisions since the last batch, oldest first (merged into the batch by `sharing.merge_routed`)."""
         self._pins: dict[str, str] = {}
         self._num_queued = 0
         self._seq = 0
@@ -169,7 +180,7 @@ class FleetSharing:
         if self._num_queued >= self.settings.max_queued_records:
             self.counts["records_dropped"] += 1
             return
-        self._routed.append(Routed(replica_id, tuple(hashes), is_tokens))
+        self._routed.append((replica_id, hashes, is_tokens))
         self._queued()
 
     def pinned(self, session_key: str, replica_id: str) -> None:
@@ -245,7 +256,7 @@ class FleetSharing:
         batch = Batch(
             self.router_id,
             self._seq,
-            tuple(self._routed),
+            merge_routed(self._routed),
             changed,
             is_heartbeat,
             tuple(Pin(k, r) for k, r in self._pins.items()),

@@ -4,6 +4,8 @@ to a real RoutingCore on an injected clock."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from router.cli import main
@@ -22,6 +24,7 @@ from router.policy.sharing import (
     SharingError,
     decode_batch,
     encode_batch,
+    merge_routed,
     own_loads,
 )
 from router.policy.types import Branch, ReplicaState
@@ -68,6 +71,65 @@ def test_a_batch_survives_the_wire() -> None:
 def test_a_malformed_batch_is_an_error(data: bytes) -> None:
     with pytest.raises(SharingError):
         decode_batch(data)
+
+
+_TEXT, _TOKENS = 1000, 2000
+"""Bases of the two kinds' hashes in the merge test: text and token-id prompts never share a block."""
+
+
+def _path(parents: list[int], node: int, base: int) -> tuple[int, ...]:
+    """Root-first path to `node` of a tree (`parents[i]` <= i, node 0 the root): chained prompts, shared prefixes."""
+    path = []
+    while node:
+        path.append(base + node)
+        node = parents[node - 1]
+    return tuple(reversed(path))
+
+
+def _index_state(index: PrefixIndex) -> tuple[object, ...]:
+    """What `record` changes, entry order included (it is the eviction order), but for the shared blocks' bounds:
+    lower bounds of their holders' deadlines, which may come out tighter from the merged records."""
+    guesses = {rid: list(rep.guesses.items()) for rid, rep in index._replicas.items()}
+    return guesses, [dict(s) for s in index._holders]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    parents=st.tuples(*(st.integers(0, i) for i in range(30))).map(list),
+    earlier=st.lists(st.tuples(st.sampled_from("ab"), st.integers(1, 30)), max_size=10),
+    decisions=st.lists(st.tuples(st.sampled_from("ab"), st.integers(0, 30), st.booleans()), max_size=40),
+)
+def test_merged_decisions_record_as_the_decisions_in_turn(
+    parents: list[int], earlier: list[tuple[str, int]], decisions: list[tuple[str, int, bool]]
+) -> None:
+    """A batch's merged `Routed` records leave a peer's index as the decisions recorded one by one at the same
+    `now`: the same entries, deadlines and touch order, and the same matches before and after they expire."""
+    one_by_one, merged = PrefixIndex(), PrefixIndex()
+    for index in (one_by_one, merged):
+        for rid in "ab":
+            index.add_replica(rid)
+        for rid, node in earlier:
+            index.record(rid, _path(parents, node, _TEXT), now=0.0)
+    routed = [(rid, _path(parents, node, _TOKENS if t else _TEXT), t) for rid, node, t in decisions]
+    for rid, hashes, is_tokens in routed:
+        if hashes:
+            one_by_one.record(rid, hashes, now=5.0, predicted=is_tokens)
+    records = merge_routed(routed)
+    assert len(records) == len({(rid, t) for rid, h, t in routed if h})
+    for record in records:
+        merged.record(record.replica, record.hashes, now=5.0, predicted=record.is_tokens)
+    # The two kinds' entries of a replica interleave in another order (they share no block, so no ancestor).
+    assert _index_state(merged)[1:] == _index_state(one_by_one)[1:]
+    for rid in "ab":
+        for kind in (_TEXT, _TOKENS):
+            of_kind = [[e for e in _index_state(x)[0][rid] if e[0] - e[0] % 1000 == kind] for x in (merged, one_by_one)]
+            assert of_kind[0] == of_kind[1]
+    ttl_s = one_by_one.config.ttl_s
+    for now in (6.0, ttl_s + 2.0, ttl_s + 6.0):  # the predicted ones live; the earlier ones expired; all expired
+        for node in range(31):
+            for base in (_TEXT, _TOKENS):
+                hashes = _path(parents, node, base)
+                assert merged.match(hashes, now=now) == one_by_one.match(hashes, now=now)
 
 
 def test_a_peers_decision_is_a_hit_here() -> None:
