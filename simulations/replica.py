@@ -10,7 +10,8 @@ The scheduler follows vLLM V1's. Each step has a budget of `max_num_batched_toke
    at least one token is computed), and blocks are allocated for the cached prefix and the first chunk. The
    queue stops at the first sequence whose blocks do not fit (no overtaking).
 The step lasts `StepModel.step_time_s(prefill tokens, decode sequences, KV tokens read, attention pairs)`, plus
-`EngineConfig.request_overhead_s` for each request admitted for the first time (not again after a preemption).
+`EngineConfig.request_overhead_s` for each request admitted for the first time (not again after a preemption),
+plus the serving loop's `step_overhead_s` and `output_overhead_s` for each sequence that samples in the step.
 When it ends, every scheduled sequence has its tokens computed; computed full blocks enter the prefix cache; a
 sequence whose tokens are all computed samples one token (the first one ends its prefill: time to first token),
 and one that has all its output finishes and releases its blocks. The next step starts at once while there is
@@ -222,6 +223,7 @@ class SimReplica:
         pairs = 0.0
         is_preempted = False
         num_new = 0
+        num_sampling = 0  # sequences whose tokens this step computes to the end: each samples one
 
         i = 0
         while i < len(running) and budget > 0:
@@ -252,6 +254,8 @@ class SimReplica:
             else:
                 prefill_tokens += t
                 pairs += t * (computed + (t + 1) / 2)
+            if t == remaining:
+                num_sampling += 1
             i += 1
 
         if not is_preempted:
@@ -285,6 +289,8 @@ class SimReplica:
                 kv_read += computed
                 prefill_tokens += t
                 pairs += t * (computed + (t + 1) / 2)
+                if t == remaining:
+                    num_sampling += 1
 
         if not scheduled:
             self.is_busy = False
@@ -299,7 +305,9 @@ class SimReplica:
             self.spec_branches[branch] += 1
             if branch == "speculated":
                 duration_s = spec_s
-        duration_s += engine.request_overhead_s * num_new
+        duration_s += (
+            engine.request_overhead_s * num_new + engine.step_overhead_s + engine.output_overhead_s * num_sampling
+        )
         self.busy_s += duration_s
         self.num_steps += 1
         self._version += 1
@@ -365,11 +373,7 @@ class SimReplica:
         for seq, need in zip(running, needs, strict=True):
             if need > 0:
                 seq.num_private += need
-        m = self.step_model
-        # Step j (0-based) reads kv_tokens + j * n tokens of KV: sum over the run in closed form.
-        duration_s = num_steps * (m.step_s + m.decode_s_per_seq * n + m.kv_read_s_per_token * kv_tokens) + (
-            m.kv_read_s_per_token * n * num_steps * (num_steps - 1) / 2
-        )
+        duration_s = self._run_s(num_steps, n, kv_tokens)
         now = self.sim.now
         self._run = (now, num_steps, n, kv_tokens)
         self.is_busy = True
@@ -379,24 +383,31 @@ class SimReplica:
         self.sim.at(now + duration_s, self._step_ended, self._version)
         return True
 
+    def _run_s(self, num_steps: int, n: int, kv_tokens: int) -> float:
+        """Duration of the first `num_steps` decode steps of a run of `n` sequences holding `kv_tokens` of KV."""
+        m = self.step_model
+        e = self.engine
+        per_step_s = m.step_s + e.step_overhead_s + (m.decode_s_per_seq + e.output_overhead_s) * n
+        # Step j (0-based) reads kv_tokens + j * n tokens of KV: the sum over the steps in closed form.
+        return num_steps * (per_step_s + m.kv_read_s_per_token * kv_tokens) + (
+            m.kv_read_s_per_token * n * num_steps * (num_steps - 1) / 2
+        )
+
     def _cut_run(self) -> None:
         """A request arrived during a decode run: end the run at the boundary of the step in progress."""
         assert self._run is not None
         start_s, num_steps, n, kv_tokens = self._run
-        m = self.step_model
         elapsed_s = self.sim.now - start_s
         end_s = 0.0
         done = num_steps
         for j in range(num_steps):
-            end_s += m.step_s + m.decode_s_per_seq * n + m.kv_read_s_per_token * (kv_tokens + j * n)
+            end_s = self._run_s(j + 1, n, kv_tokens)
             if end_s >= elapsed_s:
                 done = j + 1
                 break
         if done == num_steps:
             return
-        full_s = num_steps * (m.step_s + m.decode_s_per_seq * n + m.kv_read_s_per_token * kv_tokens) + (
-            m.kv_read_s_per_token * n * num_steps * (num_steps - 1) / 2
-        )
+        full_s = self._run_s(num_steps, n, kv_tokens)
         self.busy_s -= full_s - end_s
         self.num_steps -= num_steps - done
         self._run = (start_s, done, n, kv_tokens)

@@ -111,6 +111,14 @@ class EngineConfig(_Model):
     with the steps, so a step admitting k new requests lasts k times this longer and a queue of short requests
     costs this much each. On an idle replica TTFT grows by exactly this. Tokenisation in a separate API-server
     process overlaps the engine and is not this. 0 (the default): not modelled, as in the presets."""
+    step_overhead_s: float = Field(default=0.0, ge=0.0)
+    """Engine seconds between two steps, whatever they run: the serving loop's own turn (handing the step to and
+    from the engine's thread, routing its outputs), serial with the steps. `shoal replica profile` times
+    `LLMEngine.step()` alone and leaves it out. 0 (the default): not modelled, as in the presets."""
+    output_overhead_s: float = Field(default=0.0, ge=0.0)
+    """Engine seconds per sequence that samples in a step (a decode, or the end of a prefill): writing its new
+    token to the client (detokenising, encoding, streaming), serial with the steps on an engine whose server
+    shares its process and core. 0 (the default): not modelled, as in the presets."""
     startup_s: StartupTime = 0.0
     """Seconds from a replica's creation to its first request (image pull, weights load, CUDA graphs), or a
     distribution of them (`simulations.startup`); applies to replicas added while the simulation runs, not to

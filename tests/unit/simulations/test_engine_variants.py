@@ -38,6 +38,36 @@ def test_the_overhead_is_engine_time_paid_once_per_request() -> None:
     assert result.recorder.e2e_s == pytest.approx([0.336, 0.348])
 
 
+SERVING_LOOP = {"engine": {"step_overhead_s": 0.004, "output_overhead_s": 0.003}}
+"""4 ms between steps, and 3 ms for each sequence that samples in a step."""
+
+
+def test_the_serving_loop_costs_each_step_and_each_sequence_that_samples() -> None:
+    scn = scenario(fleet=SERVING_LOOP)
+    # The first alone: 0.01 + 0.1 + 0.004 + 0.003 = 0.117. The second's prefill beside the first's decode, both
+    # sampling: 0.01 + 0.1 + 0.002 + 0.004 + 2 x 0.003 = 0.122. Then both decode (0.024), then the second alone (0.019).
+    result = run(scn, request(0, 0.0, ((1, 100),), output_tokens=3), request(1, 0.0, ((2, 100),), output_tokens=3))
+    assert result.recorder.ttft_s == pytest.approx([0.117, 0.239])
+    assert result.recorder.e2e_s == pytest.approx([0.263, 0.282])
+
+
+@pytest.mark.parametrize("steps_per_event", [1, 64])
+def test_a_decode_run_pays_the_serving_loop_as_its_steps_would(steps_per_event: int) -> None:
+    scn = scenario(fleet=SERVING_LOOP).model_copy(update={"decode_steps_per_event": steps_per_event})
+    result = run(scn, request(0, 0.0, ((1, 100),), output_tokens=10))
+    assert result.recorder.ttft_s[0] == pytest.approx(0.117)
+    assert result.recorder.e2e_s[0] == pytest.approx(0.117 + 9 * (0.01 + 0.004 + 0.002 + 0.003))
+
+
+def test_a_decode_run_cut_by_an_arrival_ends_where_single_steps_would() -> None:
+    requests = (request(0, 0.0, ((1, 100),), output_tokens=10), request(1, 0.2, ((2, 100),), output_tokens=4))
+    runs = [
+        run(scenario(fleet=SERVING_LOOP).model_copy(update={"decode_steps_per_event": n}), *requests) for n in (1, 64)
+    ]
+    assert runs[1].recorder.ttft_s == pytest.approx(runs[0].recorder.ttft_s)
+    assert runs[1].recorder.e2e_s == pytest.approx(runs[0].recorder.e2e_s)
+
+
 def test_a_small_batch_limit_makes_a_request_wait_for_a_slot() -> None:
     requests = (request(0, 0.0, ((1, 100),), output_tokens=3), request(1, 0.0, ((2, 100),), output_tokens=3))
     both = run(scenario(fleet={"engine": {"max_num_seqs": 2}}), *requests)
