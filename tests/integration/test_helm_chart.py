@@ -4,8 +4,9 @@ Every values file under helm/shoal/ci/ is rendered and linted by Helm (helm-pyth
 manifest is validated with kubernetes-validate --strict. The rest asserts behaviour: RBAC grants exactly what
 discovery and the autoscaler need, probes and grace periods follow the router's settings, the engines' flags turn
 on prefix caching, metrics and KV events, the schema rejects bad values, and every setting the chart passes is
-a real field of the settings models, so the chart and the code cannot drift apart. The replicas' preStop drain
-script runs as a real process against a real HTTP server serving the replica's own metrics.
+a real field of the settings models (the routers' tokenizer folders included, loaded from where the pod mounts
+them), so the chart and the code cannot drift apart. The replicas' preStop drain script runs as a real process
+against a real HTTP server serving the replica's own metrics.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ import pytest
 import yaml
 from aiohttp import web
 
+from replica.demo.build import PACKAGED_DIR as DEMO_WEIGHTS
 from replica.server.metrics import ReplicaMetrics
 from replica.settings import ReplicaSettings
+from router.service.chat_tokenizer import load_tokenizers
 from router.service.metrics import RouterMetrics
 from router.service.pool import ReplicaPool
 from router.service.settings import RouterSettings
@@ -177,6 +180,9 @@ def test_templates_are_named_kind_component() -> None:
         ({"autoscaling": {"shoal": {"metricsSource": "thanos"}}}, "/autoscaling/shoal/metricsSource"),
         ({"redis": {"mode": "external"}}, "/redis/external"),
         ({"redis": {"mode": "external", "external": {"url": "redis+replica://r:6379"}}}, "/redis/external/url"),
+        ({"router": {"tokenizers": [{"model": "m", "path": "models/m"}]}}, "/router/tokenizers/0/path"),
+        ({"router": {"tokenizers": [{"model": "m", "folder": "/models/m"}]}}, "/router/tokenizers/0"),
+        ({"router": {"extraVolumeMounts": [{"name": "tokenizers"}]}}, "/router/extraVolumeMounts/0"),
     ],
 )
 def test_the_schema_rejects_bad_values(values: dict[str, Any], complaint: str) -> None:
@@ -525,6 +531,105 @@ def test_replica_pods_get_gpus_shared_memory_and_model_storage() -> None:
     cpu = container(find(render({"replicas": {"gpus": 0}}), "Deployment", "replica"))
     assert "nvidia.com/gpu" not in cpu["resources"]["limits"]
     assert env_of(cpu)["SHOAL_REPLICA_DEVICE"]["value"] == "cpu"
+
+
+# --- router tokenizers ------------------------------------------------------------------------------------------
+
+
+def _tokenizer_folder(folder: Path) -> Path:
+    """A model's tokenizer folder, as a model volume holds it: the demo model's tokenizer.json and chat template."""
+    folder.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((DEMO_WEIGHTS / name).read_bytes())
+    return folder
+
+
+def _validate(manifests: list[Manifest]) -> None:
+    for manifest in manifests:
+        if manifest.kind not in CRD_KINDS:
+            for version in KUBE_VERSIONS:
+                kubernetes_validate.validate(manifest.body, version, strict=True)
+
+
+def test_router_tokenizers_load_from_the_model_claim_mounted_read_only(tmp_path: Path) -> None:
+    # The test's folder stands for the pod's mount point, so the rendered settings load as the router loads them.
+    mount = tmp_path / "models"
+    folder = _tokenizer_folder(mount / "Qwen3-8B")
+    storage = {"kind": "pvc", "mountPath": str(mount), "pvc": {"existingClaim": "model-weights"}}
+    router = {"mountModelVolume": True, "tokenizers": [{"model": "Qwen/Qwen3-8B", "path": str(folder)}]}
+    values = {
+        "replicas": {"engine": "vllm"},
+        "model": {"name": "Qwen/Qwen3-8B", "path": "Qwen3-8B", "storage": storage},
+        "router": router,
+    }
+    manifests = render(values)
+    _validate(manifests)
+    report = helm_python.lint(CHART_DIR, values, strict=True, namespace="llm", kube_version="v1.29.0")
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == []
+
+    settings = router_settings_of(manifests)
+    assert settings.tokenizer.models == {"Qwen/Qwen3-8B": folder}
+    tokenizers = load_tokenizers(settings.tokenizer)
+    assert tokenizers["Qwen/Qwen3-8B"].template is not None  # chats route on token ids
+    # The router mounts the replicas' claim, read-only, where the replicas mount it.
+    pod = find(manifests, "Deployment", "router").body["spec"]["template"]["spec"]
+    replica_pod = find(manifests, "Deployment", "replica").body["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    replica_claim = next(v for v in replica_pod["volumes"] if v["name"] == "model")["persistentVolumeClaim"]
+    assert volumes["model"]["persistentVolumeClaim"] == {"claimName": replica_claim["claimName"], "readOnly": True}
+    assert replica_claim["claimName"] == "model-weights"
+    assert mounts["model"] == {"name": "model", "mountPath": str(mount), "readOnly": True}
+    assert folder.is_relative_to(mounts["model"]["mountPath"])
+
+    # The claim the chart creates, when routers and replicas on several nodes can mount it.
+    created = render({"model": {"storage": {"kind": "pvc", "pvc": {"accessMode": "ReadWriteMany"}}}, "router": router})
+    pod = find(created, "Deployment", "router").body["spec"]["template"]["spec"]
+    claim = {v["name"]: v for v in pod["volumes"]}["model"]["persistentVolumeClaim"]
+    assert claim == {"claimName": find(created, "PersistentVolumeClaim", "replica").name, "readOnly": True}
+    _validate(created)
+
+
+def test_router_tokenizers_load_from_a_volume_the_user_names(tmp_path: Path) -> None:
+    folder = _tokenizer_folder(tmp_path / "tokenizers" / "llama")
+    volume = {"name": "tokenizers", "persistentVolumeClaim": {"claimName": "tokenizers", "readOnly": True}}
+    mount = {"name": "tokenizers", "mountPath": str(tmp_path / "tokenizers"), "readOnly": True}
+    values = {
+        "router": {
+            "tokenizers": [{"model": "llama", "path": str(folder)}],
+            "extraVolumes": [volume],
+            "extraVolumeMounts": [mount],
+        }
+    }
+    manifests = render(values)
+    _validate(manifests)
+    assert router_settings_of(manifests).tokenizer.models == {"llama": folder}
+    pod = find(manifests, "Deployment", "router").body["spec"]["template"]["spec"]
+    assert [v["name"] for v in pod["volumes"]] == ["config", "tmp", "tokenizers"]
+    assert pod["volumes"][-1] == volume and pod["containers"][0]["volumeMounts"][-1] == mount
+
+    # By default the routers mount only their settings and /tmp, and route every model on text.
+    defaults = rendered("defaults")
+    pod = find(defaults, "Deployment", "router").body["spec"]["template"]["spec"]
+    assert [v["name"] for v in pod["volumes"]] == ["config", "tmp"]
+    assert [m["name"] for m in pod["containers"][0]["volumeMounts"]] == ["config", "tmp"]
+    assert router_settings_of(defaults).tokenizer.models == {}
+
+
+def test_router_tokenizers_refuse_a_second_source_and_a_claim_the_routers_cannot_mount() -> None:
+    tokenizers = [{"model": "m", "path": "/models/m"}]
+    direct = {"tokenizer": {"models": {"other": "/models/other"}}}
+    with pytest.raises(helm_python.HelmError, match=r"router\.tokenizers and router\.config\.tokenizer\.models"):
+        render({"router": {"tokenizers": tokenizers, "config": direct}})
+    # router.config.tokenizer.models alone is written as it is.
+    only_direct = find(render({"router": {"config": direct}}), "ConfigMap", "router").body["data"]["router.yaml"]
+    assert yaml.safe_load(only_direct)["tokenizer"]["models"] == {"other": "/models/other"}
+    with pytest.raises(helm_python.HelmError, match=r'router\.tokenizers names model "m" twice'):
+        render({"router": {"tokenizers": [*tokenizers, {"model": "m", "path": "/models/n"}]}})
+    with pytest.raises(helm_python.HelmError, match=r"mountModelVolume needs model\.storage\.kind pvc, not hostPath"):
+        render({"router": {"mountModelVolume": True}, "model": {"storage": {"kind": "hostPath"}}})
+    with pytest.raises(helm_python.HelmError, match="ReadOnlyMany or ReadWriteMany, not ReadWriteOnce"):
+        render({"router": {"mountModelVolume": True}, "model": {"storage": {"kind": "pvc"}}})
 
 
 # --- autoscaling -------------------------------------------------------------------------------------------------

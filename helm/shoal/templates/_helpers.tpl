@@ -86,6 +86,11 @@ is the namespace and service labels a ServiceMonitor gives their series. */}}
 {{- end }}
 {{- end }}
 
+{{/* The claim of the model volume (model.storage.kind pvc): an existing one, or the one the chart creates. */}}
+{{- define "shoal.modelClaimName" -}}
+{{- default (include "shoal.componentName" (dict "root" . "component" "replica")) .Values.model.storage.pvc.existingClaim }}
+{{- end }}
+
 {{/* The model name clients send: model.servedName, else the model's name (Shoal's demo model serves as
 shoal-demo, its own default). */}}
 {{- define "shoal.servedModelName" -}}
@@ -135,7 +140,8 @@ redis.external.url is left out. */}}
 {{- .Values.router.config.limits.request_timeout_s | ceil | int }}
 {{- end }}
 
-{{/* Checks the values schema cannot express (it cannot compare two values). */}}
+{{/* Checks the values schema cannot express (it cannot compare two values), and checks across sections whose
+schema error would not name the value that asks for them. */}}
 {{- define "shoal.validate" -}}
 {{- if lt (int .Values.autoscaling.maxReplicas) (int .Values.autoscaling.minReplicas) }}
 {{- fail "autoscaling.maxReplicas must be at least autoscaling.minReplicas" }}
@@ -147,6 +153,14 @@ redis.external.url is left out. */}}
 {{- $routers := ternary .Values.router.autoscaling.minReplicas .Values.router.replicas .Values.router.autoscaling.enabled | int }}
 {{- if and (eq .Values.autoscaling.mode "hpa") (gt $limit 0) (ge (float64 .Values.autoscaling.targetRequestsPerReplica) (float64 (mul $limit $routers))) }}
 {{- fail (printf "autoscaling.targetRequestsPerReplica (%v) must be below router.config.hold.max_in_flight_per_replica x routers (%d) in hpa mode: the HPA's metric, requests in flight per replica, cannot pass that, and requests held at the routers are not in it, so the HPA would never scale up" .Values.autoscaling.targetRequestsPerReplica (mul $limit $routers)) }}
+{{- end }}
+{{- if .Values.router.mountModelVolume }}
+{{- if ne .Values.model.storage.kind "pvc" }}
+{{- fail (printf "router.mountModelVolume needs model.storage.kind pvc, not %s (name other volumes in router.extraVolumes)" .Values.model.storage.kind) }}
+{{- end }}
+{{- if and (not .Values.model.storage.pvc.existingClaim) (not (has .Values.model.storage.pvc.accessMode (list "ReadOnlyMany" "ReadWriteMany"))) }}
+{{- fail (printf "router.mountModelVolume: routers and replicas may run on different nodes, so the claim the chart creates needs model.storage.pvc.accessMode ReadOnlyMany or ReadWriteMany, not %s" .Values.model.storage.pvc.accessMode) }}
+{{- end }}
 {{- end }}
 {{- if and (eq .Values.model.storage.kind "hostPath") .Values.model.storage.readOnly (not .Values.model.path) (ne .Values.replicas.engine "shoal") }}
 {{- fail "model.storage.kind hostPath with a read-only mount needs model.path (the folder of the weights)" }}
