@@ -16,8 +16,9 @@ the demo model) and through `shoal simulate`'s engine with a step model fitted t
      replica, 1 and then 4 at once; their time between tokens beyond the fitted decode step gives a cost per step
      and one per sequence that samples (the engine's `step_overhead_s` and `output_overhead_s`);
    - the serving path (two HTTP hops, the router's event loop): 24 one-token requests of 16 fresh tokens through
-     the router, whose TTFT p50 beyond the fitted one-step time and those two costs becomes the simulator's
-     `router.overhead_s`.
+     the router, and 24 of 1024 tokens each sent twice (the second a cache hit but for its last block); their
+     TTFT p50s beyond the fitted steps and those two costs give the simulator's `router.overhead_s` and its
+     `overhead_s_per_prompt_token`.
    Both simulations are shown, without those terms and with them.
 
 Each seed of `--seeds` is a workload replayed on a freshly started stack (cold caches, as the simulator starts).
@@ -110,6 +111,7 @@ class LiveTerms:
     step_overhead_s: float = 0.0
     output_overhead_s: float = 0.0
     path_s: float = 0.0
+    path_s_per_prompt_token: float = 0.0
 
 
 def simulate(workload: ListWorkload, profile: Path, seed: int, terms: LiveTerms) -> dict[str, float]:
@@ -118,7 +120,7 @@ def simulate(workload: ListWorkload, profile: Path, seed: int, terms: LiveTerms)
         {
             "name": "sim_vs_live",
             "fleet": FleetConfig(preset=str(profile), num_replicas=2, engine=engine),
-            "router": {"overhead_s": terms.path_s},
+            "router": {"overhead_s": terms.path_s, "overhead_s_per_prompt_token": terms.path_s_per_prompt_token},
             "policies": [policy_entry("estimated_ttft")],
             "seed": seed,
             "decode_steps_per_event": 1,
@@ -201,16 +203,19 @@ async def one(
     return first - sent, end - sent, cached, int(usage.get("prompt_tokens", len(prompt)))  # type: ignore[arg-type]
 
 
-async def overhead_probe(url: str, vocab_size: int, count: int = 24) -> list[float]:
-    """TTFTs of one-token requests with a fresh 16-token prompt, one at a time on an idle stack: one engine step
-    each, plus everything else on the path."""
-    rng = random.Random(12345)
+async def overhead_probe(url: str, vocab_size: int, length: int, count: int = 24) -> list[float]:
+    """TTFTs of one-token requests, one at a time on an idle stack: with `length` 16, a fresh prompt (one engine step
+    each, plus everything else on the path); longer, a fresh prompt sent twice and the second TTFT kept (a cache
+    hit but for its last block, so the path's cost per prompt token shows beside a short step)."""
+    rng = random.Random(12345 + length)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         ttfts = []
         for _ in range(count):
-            prompt = [rng.randrange(16, vocab_size) for _ in range(16)]
+            prompt = [rng.randrange(16, vocab_size) for _ in range(length)]
+            if length > BLOCK_SIZE:
+                await one(session, url, prompt, 1, time.perf_counter(), 0.0)
             ttfts.append((await one(session, url, prompt, 1, time.perf_counter(), 0.0))[0])
-    return ttfts
+    return sorted(ttfts)
 
 
 async def decode_probe(url: str, vocab_size: int, batch: int, tokens: int, rounds: int = 3) -> float:
@@ -245,14 +250,22 @@ def measure_terms(router_url: str, replica_url: str, vocab_size: int, preset: An
             f"{fitted(b) * 1e3:.2f} ms"
         )
     print(f"  -> {step_s * 1e3:.2f} ms a step and {output_s * 1e3:.2f} ms a sampling sequence outside LLMEngine.step()")
-    probe = sorted(asyncio.run(overhead_probe(router_url, vocab_size)))
-    one_step_s = m.step_time_s(16, 0, 0, 16 * 17 / 2) + step_s + output_s
-    path_s = max(0.0, percentile(probe, 0.5) - one_step_s)
+    loop_s = step_s + output_s
+    long = 1024
+    short_ttft = percentile(asyncio.run(overhead_probe(router_url, vocab_size, BLOCK_SIZE)), 0.5)
+    long_ttft = percentile(asyncio.run(overhead_probe(router_url, vocab_size, long)), 0.5)
+    short_engine_s = m.step_time_s(BLOCK_SIZE, 0, 0, BLOCK_SIZE * (BLOCK_SIZE + 1) / 2) + loop_s
+    cached = long - BLOCK_SIZE
+    long_engine_s = m.step_time_s(BLOCK_SIZE, 0, cached, BLOCK_SIZE * (cached + (BLOCK_SIZE + 1) / 2)) + loop_s
+    per_token_s = max(0.0, (long_ttft - long_engine_s - (short_ttft - short_engine_s)) / (long - BLOCK_SIZE))
+    path_s = max(0.0, short_ttft - short_engine_s - BLOCK_SIZE * per_token_s)
     print(
-        f"serving path: one-token TTFT p50 {percentile(probe, 0.5) * 1e3:.1f} ms through the router against "
-        f"{one_step_s * 1e3:.1f} ms of engine: {path_s * 1e3:.1f} ms on the path"
+        f"serving path: one-token TTFT p50 {short_ttft * 1e3:.1f} ms through the router (engine "
+        f"{short_engine_s * 1e3:.1f} ms), {long_ttft * 1e3:.1f} ms for a {long}-token prompt cached but its last "
+        f"block (engine {long_engine_s * 1e3:.1f} ms): {path_s * 1e3:.1f} ms and {per_token_s * 1e6:.2f} us a "
+        "prompt token on the path"
     )
-    return LiveTerms(step_s, output_s, path_s)
+    return LiveTerms(step_s, output_s, path_s, per_token_s)
 
 
 async def replay(url: str, workload: ListWorkload, prompts: list[list[int]], timeout_s: float) -> dict[str, float]:
@@ -322,7 +335,11 @@ def main() -> int:
     vocab_size = _demo_vocab_size()
     url = f"http://127.0.0.1:{args.port}/v1/completions"
     replica_url = f"http://127.0.0.1:{args.port + 1}/v1/completions"
-    terms: LiveTerms | None = None
+    proc = start_stack(args.port, args.port + 1)  # the probes' own stack: their prompts stay out of the replays'
+    try:
+        terms = measure_terms(url, replica_url, vocab_size, preset, args.probe_tokens)
+    finally:
+        stop_stack(proc)
     runs = []
     for seed in args.seeds:
         workload, prompts = make_workload(argparse.Namespace(**{**vars(args), "seed": seed}), vocab_size)
@@ -333,8 +350,6 @@ def main() -> int:
         )
         proc = start_stack(args.port, args.port + 1)
         try:
-            if terms is None:
-                terms = measure_terms(url, replica_url, vocab_size, preset, args.probe_tokens)
             live = asyncio.run(replay(url, workload, prompts, 600.0))
         finally:
             stop_stack(proc)
@@ -348,7 +363,6 @@ def main() -> int:
                 f"{sim[key] * scale:>10.3f} {sim[key] / live[key] - 1:>+8.1%}"
             )
         runs.append({"seed": seed, "live": live, "simulated_without_live_terms": bare, "simulated": sim})
-    assert terms is not None
 
     print(f"\nsimulated with the live terms against live, per seed (tolerance {args.tolerance:.0%})")
     print(f"{'seed':>5} " + " ".join(f"{k.removesuffix('_s'):>10}" for k in METRICS))

@@ -297,7 +297,16 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 _NOT_MATRIX_FLAGS = (
-    "scenario", "trace", "replicas", "speed", "limit", "preset", "index_mode", "acceptance_length", "routers", "sharing"
+    "scenario",
+    "trace",
+    "replicas",
+    "speed",
+    "limit",
+    "preset",
+    "index_mode",
+    "acceptance_length",
+    "routers",
+    "sharing",
 )
 """Flags `--matrix` refuses: the matrix file sets these, per engine or trace."""
 

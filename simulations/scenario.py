@@ -202,6 +202,10 @@ class RouterConfig(_Model):
     """Seconds the serving path adds to every request's first token and end, beyond the engine's steps: the HTTP
     hops client -> router -> replica and back, and the server's event loop. 0: not modelled. A few milliseconds on
     a GPU fleet's network; `benchmarks/sim_vs_live.py` measures it on the live stack (one-token requests)."""
+    overhead_s_per_prompt_token: float = Field(default=0.0, ge=0.0)
+    """Seconds the serving path adds per prompt token, on top of `overhead_s`: reading, validating and hashing the
+    prompt at the router and at the replica. 0: not modelled. `benchmarks/sim_vs_live.py` measures it with a long
+    prompt sent twice, the second time a cache hit."""
     service_time: ServiceTimeEstimator = Field(default_factory=ServiceTimeEstimator)
     """How the router learns each replica's batch slots and fixed per-request time from latencies
     (`router.policy.service_time`: `learn_slots`, `learn_fixed`, both off by default as in the live router)."""

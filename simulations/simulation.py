@@ -258,10 +258,12 @@ class Simulation:
         now = self.sim.now
         request = seq.request
         assert seq.first_token_s is not None and seq.hit_tokens is not None
+        path = self.scenario.router
+        path_s = path.overhead_s + path.overhead_s_per_prompt_token * request.prompt_tokens
         self.recorder.finished(
             arrival_s=request.arrival_s,
-            first_token_s=seq.first_token_s + self.scenario.router.overhead_s,
-            finish_s=now + self.scenario.router.overhead_s,
+            first_token_s=seq.first_token_s + path_s,
+            finish_s=now + path_s,
             prompt_tokens=request.prompt_tokens,
             hit_tokens=seq.hit_tokens,
             predicted_tokens=ticket.decision.predicted_cached_tokens,

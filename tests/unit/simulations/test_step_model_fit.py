@@ -192,3 +192,12 @@ def test_the_serving_path_latency_adds_to_first_token_and_end() -> None:
     path = Simulation(scenario(router={"overhead_s": 0.005}), policy_entry("round_robin"), workload(first)).run()
     assert path.recorder.ttft_s[0] == pytest.approx(plain.ttft_s[0] + 0.005)
     assert path.recorder.e2e_s[0] == pytest.approx(plain.e2e_s[0] + 0.005)
+
+
+def test_the_serving_path_adds_its_cost_per_prompt_token() -> None:
+    short, long = request(0, 0.0, ((1, 100),), output_tokens=3), request(1, 10.0, ((2, 400),), output_tokens=3)
+    router = {"overhead_s": 0.005, "overhead_s_per_prompt_token": 1e-5}
+    plain = Simulation(scenario(), policy_entry("round_robin"), workload(short, long)).run().recorder
+    path = Simulation(scenario(router=router), policy_entry("round_robin"), workload(short, long)).run().recorder
+    assert path.ttft_s == pytest.approx([plain.ttft_s[0] + 0.005 + 0.001, plain.ttft_s[1] + 0.005 + 0.004])
+    assert path.e2e_s == pytest.approx([plain.e2e_s[0] + 0.006, plain.e2e_s[1] + 0.009])
