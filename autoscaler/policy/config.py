@@ -27,8 +27,13 @@ class ScaleUpConfig(_Config):
     """Percent of the fleet at the period's start that may be added per period (rounded up). HPA's default
     (100%, doubling): large fleets grow geometrically instead of four at a time."""
     period_s: float = Field(15.0, gt=0)
-    """Seconds over which additions are counted. HPA's default. Replicas still starting count as added, so a
-    burst cannot stack one step on another while the first step loads its weights."""
+    """Seconds over which additions are counted. HPA's default."""
+    is_step_from_ready: bool = True
+    """The step is measured from the ready replicas only: replicas still starting are capacity on its way, not a
+    base for more, so one step must serve before the next grows the fleet further. On. During a cold start the
+    requests in flight at overloaded replicas keep rising (their batches slow down) without the load rising as
+    much; stacking a step on them every period overshot (a sinusoid of 1-24 requests/s reached 16 replicas where
+    5 static ones meet the SLO). Off: HPA's rule, a step per period whatever is still starting."""
 
 
 class ScaleDownConfig(_Config):

@@ -18,6 +18,7 @@ from autoscaler.policy import (
     ScaleDownConfig,
     ScalerState,
     ScaleToZeroConfig,
+    ScaleUpConfig,
     ScalingPolicyConfig,
     Signal,
     Window,
@@ -40,7 +41,9 @@ def steady_fleet(num_ready: int, load: float, config: ScalingPolicyConfig = DEFA
 def test_burst_with_slow_cold_starts_does_not_cascade() -> None:
     # 80 requests need 10 replicas; each new one takes 120 s to load. Starting replicas are capacity on its way,
     # so the fleet goes 1 -> 5 (the rate cap) -> 10 and stays there, although none is ready for two minutes.
-    fleet = VirtualFleet(DEFAULT, start_s=120.0, num_ready=1)
+    # HPA's rule (a step per period, whatever is starting): the second step follows the first by a period.
+    hpa_rule = DEFAULT.model_copy(update={"scale_up": ScaleUpConfig(is_step_from_ready=False)})
+    fleet = VirtualFleet(hpa_rule, start_s=120.0, num_ready=1)
     fleet.run(400.0, lambda t: requests(80))
     assert fleet.actions() == [(0.0, Action.UP, 5), (16.0, Action.UP, 10)]
     assert fleet.num_created == 9
@@ -49,6 +52,19 @@ def test_burst_with_slow_cold_starts_does_not_cascade() -> None:
     holds = [d for t, d in fleet.history if 16 < t < 136]
     assert {d.reason for d in holds} == {Reason.AT_TARGET}
     assert all(d.current_replicas == 10 for d in holds)
+
+
+def test_a_scale_up_step_waits_for_the_previous_one_to_serve() -> None:
+    # The default: the step is measured from the ready replicas, so the second step (5 -> 10) comes once the
+    # first four are ready, and the policy says meanwhile that the rate cap holds it.
+    fleet = VirtualFleet(DEFAULT, start_s=120.0, num_ready=1)
+    fleet.run(400.0, lambda t: requests(80))
+    assert fleet.actions() == [(0.0, Action.UP, 5), (120.0, Action.UP, 10)]
+    assert fleet.num_created == 9
+    assert fleet.num_ready == 10 and not fleet.starting
+    held = [d for t, d in fleet.history if 0 < t < 120]
+    assert held and all(d.reason is Reason.SCALE_UP and d.cap is Cap.SCALE_UP_RATE for d in held)
+    assert all(d.target_replicas == d.current_replicas == 5 and d.recommended_replicas == 10 for d in held)
 
 
 def test_sawtooth_load_does_not_flap() -> None:
@@ -282,7 +298,7 @@ def test_every_decision_carries_its_reason_signal_window_and_cap() -> None:
     assert decision.target_replicas == 5
     assert "prefill backlog tokens over the panic window" in decision.detail
     assert "capped by scale_up_rate" in decision.detail
-    fleet.now += 20.0
+    fleet.now += fleet.start_s  # the step is measured from ready replicas: the first four serve now
     decision = fleet.tick(Demand(requests=4, waiting=4, prefill_backlog_tokens=40_000))
     assert decision.target_replicas == 6 and decision.cap is Cap.MAX_REPLICAS
 
