@@ -120,7 +120,7 @@ def test_the_routers_ttft_reaches_shoals_breach_rule_within_one_tick() -> None:
     # the p90 is 30 s, and the next tick grows the fleet.
     assert fleet.desired_replicas(tick(0.0, (0.5,) * 9 + (30.0,))) == 2
     assert fleet.reasons["scale_up"] == fleet.reasons["ttft_breach"] == 0
-    assert fleet.desired_replicas(tick(5.0, (0.5,) * 8 + (30.0, 30.0))) > 2
+    assert (fleet.desired_replicas(tick(5.0, (0.5,) * 8 + (30.0, 30.0))) or 0) > 2
     assert fleet.reasons["scale_up"] + fleet.reasons["ttft_breach"] == 1
 
 
