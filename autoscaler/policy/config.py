@@ -39,9 +39,19 @@ class ScaleUpConfig(_Config):
 class ScaleDownConfig(_Config):
     """How the fleet shrinks: to the highest recommendation over a window, then at most a step per period."""
 
-    stabilization_window_s: float = Field(300.0, ge=0)
-    """Seconds of recommendations whose maximum a scale-down may go to. HPA's default (5 min): a lull shorter
-    than this never removes a replica that a cold start of minutes would have to bring back."""
+    stabilization_window_s: float = Field(600.0, ge=0)
+    """Seconds of recommendations whose maximum a scale-down may go to: a lull shorter than this never removes a
+    replica that a cold start of minutes would have to bring back. Ten minutes, five 120 s cold starts, twice
+    HPA's default: a load that returns within it (a 10-minute cycle) still finds its replicas. Recommendations
+    made while replicas start are not kept (`is_kept_while_starting`), so the longer window does not hold the
+    overshoot of a spike. On the workloads of `bench_autoscale.py --workload frontier`, 600 s against 300 s: fewer
+    replica-seconds and more attainment on the Azure code hour and the sinusoid (goodput 93% against 84%), up to
+    8% more replica-seconds on the other two."""
+    is_kept_while_starting: bool = False
+    """Recommendations made while replicas are starting are kept in the window. Off: they measure a fleet short
+    of the capacity it asked for (requests in flight at overloaded replicas rise as their batches slow), so the
+    window holds what the fleet measures once that capacity serves. HPA keeps them (on): a spike on the Azure
+    conversation hour then held five replicas for five minutes where two carried the load once ready."""
     max_replicas: int = Field(1, ge=0)
     """Replicas that may be removed per period. One: each removal drains a replica (its in-flight requests
     finish, its prefix cache is lost), so removals are spread out and each is observed before the next."""

@@ -232,7 +232,9 @@ def _size(
     if not earlier and (not state.recommendations or is_resuming):
         earlier = ((now, current),)
     recommendations = (*earlier, (now, recommended))
-    state = replace(state, recommendations=recommendations)
+    # While replicas start, the figures measure a fleet short of what it asked for: the window does not keep them.
+    kept = recommendations if num_starting == 0 or config.scale_down.is_kept_while_starting else earlier
+    state = replace(state, recommendations=kept)
 
     if recommended > current:
         target = min(recommended, _up_limit(current, num_starting, state.scale_steps, config.scale_up, now=now))

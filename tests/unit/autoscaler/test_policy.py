@@ -15,6 +15,7 @@ from autoscaler.policy import (
     Observation,
     PanicConfig,
     Reason,
+    ScaleDecision,
     ScaleDownConfig,
     ScalerState,
     ScaleToZeroConfig,
@@ -212,7 +213,7 @@ def test_rate_caps_scale_up_and_scale_down() -> None:
 
     # Down: max(1 replica, 10%) per 30 s once stabilized. 40 -> 36 -> 33 -> 30 -> ...
     quiet_from = fleet.now
-    fleet.run(quiet_from + 600.0, lambda t: requests(0))
+    fleet.run(quiet_from + config.scale_down.stabilization_window_s + 300.0, lambda t: requests(0))
     downs = fleet.actions(since=quiet_from)
     assert downs[0][0] >= quiet_from + config.scale_down.stabilization_window_s
     assert [target for _, _, target in downs[:3]] == [36, 32, 28]
@@ -265,9 +266,10 @@ def test_tolerance_band() -> None:
     assert fleet.size == 11
     assert fleet.history[-1][1].reason is Reason.WITHIN_TOLERANCE
     fleet = steady_fleet(10, 80)
-    fleet.run(fleet.now + 600.0, lambda t: requests(73))  # 9.1 replicas: 9% below
+    past_window_s = DEFAULT.scale_down.stabilization_window_s + 300.0
+    fleet.run(fleet.now + past_window_s, lambda t: requests(73))  # 9.1 replicas: 9% below
     assert fleet.size == 10
-    fleet.run(fleet.now + 600.0, lambda t: requests(70))  # 8.75 replicas: 12.5% below
+    fleet.run(fleet.now + past_window_s, lambda t: requests(70))  # 8.75 replicas: 12.5% below
     assert fleet.size == 9
 
 
@@ -346,3 +348,22 @@ def test_config_fields_document_themselves_and_reject_unknowns() -> None:
         ScalingPolicyConfig(min_replicas=5, max_replicas=2)
     config = ScalingPolicyConfig.model_validate({"scale_to_zero": {"enabled": True, "idle_s": 30}})
     assert config.scale_to_zero.idle_s == 30 and config.target_requests_per_replica == 8
+
+
+def test_the_window_forgets_what_a_fleet_short_of_its_replicas_measured() -> None:
+    # 2 replicas carry 16 requests; 4 more start and, while they load, the 2 read 80 in flight (their batches
+    # slow). Once the 6 serve, 16 again: the readings made while they started are not kept, so the window lets the
+    # fleet shrink at once; kept (HPA's way), they hold it for the whole window.
+    def after_the_start(config: ScalingPolicyConfig) -> ScaleDecision:
+        state = ScalerState()
+        _, state = decide(Observation(requests(16), num_ready=2), state, config, now=0.0)
+        starting = Observation(requests(80), num_ready=2, starting_since=(1.0,) * 4)
+        for now in (5.0, 60.0, 115.0):
+            _, state = decide(starting, state, config, now=now)
+        decision, _ = decide(Observation(requests(16), num_ready=6), state, config, now=200.0)
+        return decision
+
+    forgotten = after_the_start(DEFAULT)
+    assert forgotten.action is Action.DOWN and forgotten.reason is Reason.SCALE_DOWN
+    kept = after_the_start(DEFAULT.model_copy(update={"scale_down": ScaleDownConfig(is_kept_while_starting=True)}))
+    assert kept.action is Action.HOLD and kept.reason is Reason.STABILIZING
