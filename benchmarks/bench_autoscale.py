@@ -41,10 +41,12 @@ has N in flight (`router/policy/admission.py`): one queue at the router instead 
 `--workload frontier` is the yardstick of issue 20: on four workloads (the Azure code hour, the Azure conversation
 hour, the ServeGen day of scenario 09, and a sinusoid between 1 and 24 requests/s with a 10-minute period) it runs
 static peak, Shoal's policy, HPA's and KEDA's defaults, and the clairvoyant fleet over a grid of factors and holds
-(`--frontier-factors`, `--frontier-holds`), and prints per workload the cost-attainment frontier (the clairvoyant
-points no other point beats on both replica-seconds and attainment) beside the policies, with the goal: Shoal at
->= 99% attainment with <= 1.1x the frontier's replica-seconds at 99%, below HPA's and KEDA's; on the sinusoid,
-goodput (TTFT and TPOT both within the SLO) >= 90%. `--plot-dir DIR` writes one PNG per workload (replica-seconds
+(`--frontier-factors` 0.5-3x, `--frontier-holds` 0 and 120 s; the sweep's time is printed), and prints per workload
+the cost-attainment frontier (the points of the clairvoyant fleets and static peak that no other beats on both
+replica-seconds and attainment: a fleet that knows the load may also hold one size) beside the policies, with the
+goal: Shoal at >= 99% attainment with <= 1.1x the frontier's replica-seconds at 99%, below HPA's and KEDA's; on the
+sinusoid, goodput (TTFT and TPOT both within the SLO) >= 90%. `--frontier-only code,conv,sinusoid,servegen` runs a
+subset. `--plot-dir DIR` writes one PNG per workload (replica-seconds
 as % of static peak against attainment). `--startup` sets every row's cold starts: seconds, or a distribution as
 JSON (`{"kind": "lognormal", "p50_s": 90, "p90_s": 180}`, `simulations/startup.py`); the titles name it.
 
