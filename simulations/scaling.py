@@ -16,6 +16,7 @@ query. Metrics are fresh at each tick (no scrape lag is modelled, for every poli
 from __future__ import annotations
 
 import bisect
+import math
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -61,6 +62,9 @@ class FleetObservation:
     """Request arrivals over the last interval, per second."""
     starting_since: tuple[float, ...] = ()
     """Creation time of each replica still starting (`num_starting` of them), oldest first."""
+    ttfts_s: tuple[float, ...] = ()
+    """TTFT of each request whose first token came since the previous tick (the routers' histogram over one
+    round); requests still waiting are not in it."""
 
 
 class ScalingDriver(Protocol):
@@ -184,6 +188,17 @@ class AutoscaleConfig(_Config):
         return fleet_replicas
 
 
+_Counts = tuple[int, int, int, int, tuple[float, ...]]
+
+
+def quantile(values: tuple[float, ...], q: float) -> float | None:
+    """The `q` quantile of `values` (nearest rank); None when there are none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
 class PolicyFleet:
     """Runs one of `autoscaler.policy`'s pure policies each tick; counts its reasons (`reasons`)."""
 
@@ -192,7 +207,7 @@ class PolicyFleet:
         self.config = config.policy_config()
         self.metric_lag_s = config.metric_lag_s
         self.reasons: Counter[str] = Counter()
-        self._history: deque[tuple[float, tuple[int, int, int, int]]] = deque()
+        self._history: deque[tuple[float, _Counts]] = deque()
         """(time, `_lagged`'s counts) of past ticks, for `metric_lag_s`."""
         self._shoal = ScalerState()
         self._hpa = HPAState()
@@ -201,7 +216,7 @@ class PolicyFleet:
     def desired_replicas(self, observation: FleetObservation) -> int | None:
         obs, now = observation, observation.now_s
         current = obs.num_ready + obs.num_starting
-        in_flight, held, waiting, engine_waiting = self._lagged(obs)
+        in_flight, held, waiting, engine_waiting, ttfts_s = self._lagged(obs)
         config = self.config
         if isinstance(config, ScalingPolicyConfig):
             demand = fleet_demand(
@@ -209,6 +224,7 @@ class PolicyFleet:
                 waiting=waiting,
                 held=held,
                 engine_waiting=engine_waiting,
+                ttft_s=quantile(ttfts_s, config.ttft_quantile),
             )
             seen = Observation(demand=demand, num_ready=obs.num_ready, starting_since=obs.starting_since)
             decision, self._shoal = decide(seen, self._shoal, config, now=now)
@@ -228,10 +244,10 @@ class PolicyFleet:
         self.reasons[static.reason.value] += 1
         return static.target_replicas
 
-    def _lagged(self, obs: FleetObservation) -> tuple[int, int, int, int]:
-        """(in flight, held, waiting at the routers, waiting in engines) as of `metric_lag_s` ago: the
+    def _lagged(self, obs: FleetObservation) -> _Counts:
+        """(in flight, held, waiting at the routers, waiting in engines, TTFTs) as of `metric_lag_s` ago: the
         newest tick at least that old (the oldest one while the run is younger than the lag)."""
-        current = (obs.in_flight, obs.held, obs.router_waiting, obs.engine_waiting)
+        current = (obs.in_flight, obs.held, obs.router_waiting, obs.engine_waiting, obs.ttfts_s)
         if self.metric_lag_s <= 0.0:
             return current
         history = self._history

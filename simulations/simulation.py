@@ -115,6 +115,8 @@ class Simulation:
         self._in_flight = 0
         self._num_arrived = 0
         self._arrived_at_last_tick = 0
+        self._ttfts_since_tick: list[float] = []
+        """TTFT of each first token since the last scaling tick (the routers' histogram over one round)."""
         self._window_hit = 0
         self._window_prompt = 0
         self._end_s = 0.0
@@ -249,6 +251,7 @@ class Simulation:
             self.router.first_byte(ticket, self.sim.now, is_stream=True)
         self._window_hit += seq.hit_tokens or 0
         self._window_prompt += seq.request.prompt_tokens
+        self._ttfts_since_tick.append(self.sim.now + self.scenario.router.overhead_s - seq.request.arrival_s)
 
     def _finish(self, seq: Seq) -> None:
         ticket: FleetTicket = seq.ticket
@@ -351,8 +354,10 @@ class Simulation:
             mean_kv_usage=sum(m.replica.cache.usage for m in live) / len(live) if live else 0.0,
             arrivals_per_s=(self._num_arrived - self._arrived_at_last_tick) / interval,
             starting_since=tuple(sorted(m.created_s for m in live if not m.is_ready and not m.is_draining)),
+            ttfts_s=tuple(self._ttfts_since_tick),
         )
         self._arrived_at_last_tick = self._num_arrived
+        self._ttfts_since_tick = []
         desired = self.scaling.desired_replicas(observation)
         if desired is not None:
             self._scale_to(max(0, desired))

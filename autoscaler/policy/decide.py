@@ -26,7 +26,9 @@ Per call:
    starting (the idle window is its own stabilization); from zero, any waiting request wakes the fleet.
 
 Rate caps follow HPA: changes already made within the period count against it, and the period's starting size
-is the base of the percent step. Everything is a function of the arguments; `now` is the caller's clock.
+is the base of the percent step. Unlike HPA, replicas still starting are not part of that base
+(`scale_up.is_step_from_ready`): a step waits for the previous one to serve, so a queue that builds during a cold
+start cannot stack steps on it. Everything is a function of the arguments; `now` is the caller's clock.
 """
 
 from __future__ import annotations
@@ -175,6 +177,7 @@ def decide(
             config,
             now=now,
             current=current,
+            num_starting=num_starting,
             recommended=recommended,
             wanted=wanted,
             window=window,
@@ -204,6 +207,7 @@ def _size(
     *,
     now: float,
     current: int,
+    num_starting: int,
     recommended: int,
     wanted: int,
     window: Window,
@@ -228,10 +232,12 @@ def _size(
     if not earlier and (not state.recommendations or is_resuming):
         earlier = ((now, current),)
     recommendations = (*earlier, (now, recommended))
-    state = replace(state, recommendations=recommendations)
+    # While replicas start, the figures measure a fleet short of what it asked for: the window does not keep them.
+    kept = recommendations if num_starting == 0 or config.scale_down.is_kept_while_starting else earlier
+    state = replace(state, recommendations=kept)
 
     if recommended > current:
-        target = min(recommended, _up_limit(current, state.scale_steps, config.scale_up, now=now))
+        target = min(recommended, _up_limit(current, num_starting, state.scale_steps, config.scale_up, now=now))
         if target < recommended:
             cap = Cap.SCALE_UP_RATE
         reason = Reason.WAKE_FROM_ZERO if is_wake else Reason.TTFT_BREACH if is_breach else Reason.SCALE_UP
@@ -287,7 +293,7 @@ def _without_metrics(
             target, cap = min(fallback, config.max_replicas), Cap.FALLBACK
     recommended = target
     if target > current:
-        limit = _up_limit(current, state.scale_steps, config.scale_up, now=now)
+        limit = _up_limit(current, current - observation.num_ready, state.scale_steps, config.scale_up, now=now)
         if limit < target:
             target, cap = limit, Cap.SCALE_UP_RATE
     held = "applying the fallback" if cap is Cap.FALLBACK else "holding the current size"
@@ -336,10 +342,15 @@ def _finish(
     return decision, replace(state, scale_steps=steps)
 
 
-def _up_limit(current: int, steps: tuple[tuple[float, int], ...], rule: ScaleUpConfig, *, now: float) -> int:
-    """Most replicas allowed now: the period's starting size plus the larger of the two steps."""
+def _up_limit(
+    current: int, num_starting: int, steps: tuple[tuple[float, int], ...], rule: ScaleUpConfig, *, now: float
+) -> int:
+    """Most replicas allowed now: the period's starting size plus the larger of the two steps; with
+    `is_step_from_ready`, the starting size counts only ready replicas."""
     added = sum(d for t, d in steps if d > 0 and t > now - rule.period_s)
     start = max(0, current - added)
+    if rule.is_step_from_ready:
+        start = min(start, current - num_starting)
     return start + max(rule.max_replicas, math.ceil(start * rule.max_percent / 100.0))
 
 

@@ -15,9 +15,11 @@ from autoscaler.policy import (
     Observation,
     PanicConfig,
     Reason,
+    ScaleDecision,
     ScaleDownConfig,
     ScalerState,
     ScaleToZeroConfig,
+    ScaleUpConfig,
     ScalingPolicyConfig,
     Signal,
     Window,
@@ -40,7 +42,9 @@ def steady_fleet(num_ready: int, load: float, config: ScalingPolicyConfig = DEFA
 def test_burst_with_slow_cold_starts_does_not_cascade() -> None:
     # 80 requests need 10 replicas; each new one takes 120 s to load. Starting replicas are capacity on its way,
     # so the fleet goes 1 -> 5 (the rate cap) -> 10 and stays there, although none is ready for two minutes.
-    fleet = VirtualFleet(DEFAULT, start_s=120.0, num_ready=1)
+    # HPA's rule (a step per period, whatever is starting): the second step follows the first by a period.
+    hpa_rule = DEFAULT.model_copy(update={"scale_up": ScaleUpConfig(is_step_from_ready=False)})
+    fleet = VirtualFleet(hpa_rule, start_s=120.0, num_ready=1)
     fleet.run(400.0, lambda t: requests(80))
     assert fleet.actions() == [(0.0, Action.UP, 5), (16.0, Action.UP, 10)]
     assert fleet.num_created == 9
@@ -49,6 +53,19 @@ def test_burst_with_slow_cold_starts_does_not_cascade() -> None:
     holds = [d for t, d in fleet.history if 16 < t < 136]
     assert {d.reason for d in holds} == {Reason.AT_TARGET}
     assert all(d.current_replicas == 10 for d in holds)
+
+
+def test_a_scale_up_step_waits_for_the_previous_one_to_serve() -> None:
+    # The default: the step is measured from the ready replicas, so the second step (5 -> 10) comes once the
+    # first four are ready, and the policy says meanwhile that the rate cap holds it.
+    fleet = VirtualFleet(DEFAULT, start_s=120.0, num_ready=1)
+    fleet.run(400.0, lambda t: requests(80))
+    assert fleet.actions() == [(0.0, Action.UP, 5), (120.0, Action.UP, 10)]
+    assert fleet.num_created == 9
+    assert fleet.num_ready == 10 and not fleet.starting
+    held = [d for t, d in fleet.history if 0 < t < 120]
+    assert held and all(d.reason is Reason.SCALE_UP and d.cap is Cap.SCALE_UP_RATE for d in held)
+    assert all(d.target_replicas == d.current_replicas == 5 and d.recommended_replicas == 10 for d in held)
 
 
 def test_sawtooth_load_does_not_flap() -> None:
@@ -196,7 +213,7 @@ def test_rate_caps_scale_up_and_scale_down() -> None:
 
     # Down: max(1 replica, 10%) per 30 s once stabilized. 40 -> 36 -> 33 -> 30 -> ...
     quiet_from = fleet.now
-    fleet.run(quiet_from + 600.0, lambda t: requests(0))
+    fleet.run(quiet_from + config.scale_down.stabilization_window_s + 300.0, lambda t: requests(0))
     downs = fleet.actions(since=quiet_from)
     assert downs[0][0] >= quiet_from + config.scale_down.stabilization_window_s
     assert [target for _, _, target in downs[:3]] == [36, 32, 28]
@@ -249,9 +266,10 @@ def test_tolerance_band() -> None:
     assert fleet.size == 11
     assert fleet.history[-1][1].reason is Reason.WITHIN_TOLERANCE
     fleet = steady_fleet(10, 80)
-    fleet.run(fleet.now + 600.0, lambda t: requests(73))  # 9.1 replicas: 9% below
+    past_window_s = DEFAULT.scale_down.stabilization_window_s + 300.0
+    fleet.run(fleet.now + past_window_s, lambda t: requests(73))  # 9.1 replicas: 9% below
     assert fleet.size == 10
-    fleet.run(fleet.now + 600.0, lambda t: requests(70))  # 8.75 replicas: 12.5% below
+    fleet.run(fleet.now + past_window_s, lambda t: requests(70))  # 8.75 replicas: 12.5% below
     assert fleet.size == 9
 
 
@@ -282,7 +300,7 @@ def test_every_decision_carries_its_reason_signal_window_and_cap() -> None:
     assert decision.target_replicas == 5
     assert "prefill backlog tokens over the panic window" in decision.detail
     assert "capped by scale_up_rate" in decision.detail
-    fleet.now += 20.0
+    fleet.now += fleet.start_s  # the step is measured from ready replicas: the first four serve now
     decision = fleet.tick(Demand(requests=4, waiting=4, prefill_backlog_tokens=40_000))
     assert decision.target_replicas == 6 and decision.cap is Cap.MAX_REPLICAS
 
@@ -330,3 +348,22 @@ def test_config_fields_document_themselves_and_reject_unknowns() -> None:
         ScalingPolicyConfig(min_replicas=5, max_replicas=2)
     config = ScalingPolicyConfig.model_validate({"scale_to_zero": {"enabled": True, "idle_s": 30}})
     assert config.scale_to_zero.idle_s == 30 and config.target_requests_per_replica == 8
+
+
+def test_the_window_forgets_what_a_fleet_short_of_its_replicas_measured() -> None:
+    # 2 replicas carry 16 requests; 4 more start and, while they load, the 2 read 80 in flight (their batches
+    # slow). Once the 6 serve, 16 again: the readings made while they started are not kept, so the window lets the
+    # fleet shrink at once; kept (HPA's way), they hold it for the whole window.
+    def after_the_start(config: ScalingPolicyConfig) -> ScaleDecision:
+        state = ScalerState()
+        _, state = decide(Observation(requests(16), num_ready=2), state, config, now=0.0)
+        starting = Observation(requests(80), num_ready=2, starting_since=(1.0,) * 4)
+        for now in (5.0, 60.0, 115.0):
+            _, state = decide(starting, state, config, now=now)
+        decision, _ = decide(Observation(requests(16), num_ready=6), state, config, now=200.0)
+        return decision
+
+    forgotten = after_the_start(DEFAULT)
+    assert forgotten.action is Action.DOWN and forgotten.reason is Reason.SCALE_DOWN
+    kept = after_the_start(DEFAULT.model_copy(update={"scale_down": ScaleDownConfig(is_kept_while_starting=True)}))
+    assert kept.action is Action.HOLD and kept.reason is Reason.STABILIZING

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from simulations.scaling import PolicyFleet
+from simulations.scaling import FleetObservation, PolicyFleet
 from simulations.scenario import Scenario, policy_entry
 from simulations.simulation import Simulation
 
@@ -93,3 +93,53 @@ def test_metric_lag_delays_what_the_policy_sees_of_a_burst() -> None:
     prompt, lagged = first_scale_up(0.0), first_scale_up(30.0)
     assert prompt < 50.0 + 15.0 + 5.0  # the HPA's 15 s sync period
     assert lagged >= prompt + 30.0
+
+
+def test_the_routers_ttft_reaches_shoals_breach_rule_within_one_tick() -> None:
+    from simulations.scaling import AutoscaleConfig, FleetObservation, PolicyFleet
+
+    def tick(now: float, ttfts_s: tuple[float, ...]) -> FleetObservation:
+        return FleetObservation(
+            now_s=now,
+            num_ready=2,
+            num_starting=0,
+            num_draining=0,
+            in_flight=4,
+            router_waiting=0,
+            held=0,
+            engine_running=4,
+            engine_waiting=0,
+            mean_kv_usage=0.0,
+            arrivals_per_s=1.0,
+            ttfts_s=ttfts_s,
+        )
+
+    config = AutoscaleConfig(policy="shoal", target_requests_per_replica=8.0, shoal={"target_ttft_s": 2.0})
+    fleet = PolicyFleet(config)
+    # Nine first tokens within the target and one far over it: the p90 (nearest rank) is within it. Two over it:
+    # the p90 is 30 s, and the next tick grows the fleet.
+    assert fleet.desired_replicas(tick(0.0, (0.5,) * 9 + (30.0,))) == 2
+    assert fleet.reasons["scale_up"] == fleet.reasons["ttft_breach"] == 0
+    assert (fleet.desired_replicas(tick(5.0, (0.5,) * 8 + (30.0, 30.0))) or 0) > 2
+    assert fleet.reasons["scale_up"] + fleet.reasons["ttft_breach"] == 1
+
+
+def test_a_simulated_queue_shows_as_ttft_in_the_observation() -> None:
+    class Recording:
+        """A driver that never scales and keeps what it was shown."""
+
+        interval_s = 1.0
+
+        def __init__(self) -> None:
+            self.ttfts_s: list[float] = []
+
+        def desired_replicas(self, observation: FleetObservation) -> int | None:
+            self.ttfts_s.extend(observation.ttfts_s)
+            return None
+
+    simulation = Simulation(autoscaled("shoal"), policy_entry("least_load"), workload(*burst()))
+    driver = Recording()
+    simulation.scaling = driver
+    result = simulation.run()
+    # Every first token is shown once, at the tick after it, with the TTFT the recorder keeps.
+    assert sorted(driver.ttfts_s) == pytest.approx(sorted(result.recorder.ttft_s))
