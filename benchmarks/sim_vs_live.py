@@ -18,7 +18,10 @@ the demo model) and through `shoal simulate`'s engine with a step model fitted t
    - the serving path (two HTTP hops, the router's event loop): 24 one-token requests of 16 fresh tokens through
      the router, and 24 of 1024 tokens each sent twice (the second a cache hit but for its last block); their
      TTFT p50s beyond the fitted steps and those two costs give the simulator's `router.overhead_s` and its
-     `overhead_s_per_prompt_token`.
+     `overhead_s_per_prompt_token`;
+   - waking an idle stack: the 16-token one-token requests again, each 0.5 s after the previous answer; their TTFT
+     p50 beyond the back-to-back one is the engine's `wake_s`, added to a step that starts an idle engine (a
+     profile of back-to-back steps never sees it, and at a low load most first tokens come from such a step).
    Both simulations are shown, without those terms and with them.
 
 Each seed of `--seeds` is a workload replayed on a freshly started stack (cold caches, as the simulator starts).
@@ -112,10 +115,15 @@ class LiveTerms:
     output_overhead_s: float = 0.0
     path_s: float = 0.0
     path_s_per_prompt_token: float = 0.0
+    wake_s: float = 0.0
 
 
 def simulate(workload: ListWorkload, profile: Path, seed: int, terms: LiveTerms) -> dict[str, float]:
-    engine = {"step_overhead_s": terms.step_overhead_s, "output_overhead_s": terms.output_overhead_s}
+    engine = {
+        "step_overhead_s": terms.step_overhead_s,
+        "output_overhead_s": terms.output_overhead_s,
+        "wake_s": terms.wake_s,
+    }
     scenario = Scenario.model_validate(
         {
             "name": "sim_vs_live",
@@ -203,14 +211,16 @@ async def one(
     return first - sent, end - sent, cached, int(usage.get("prompt_tokens", len(prompt)))  # type: ignore[arg-type]
 
 
-async def overhead_probe(url: str, vocab_size: int, length: int, count: int = 24) -> list[float]:
+async def overhead_probe(url: str, vocab_size: int, length: int, count: int = 24, gap_s: float = 0.0) -> list[float]:
     """TTFTs of one-token requests, one at a time on an idle stack: with `length` 16, a fresh prompt (one engine step
     each, plus everything else on the path); longer, a fresh prompt sent twice and the second TTFT kept (a cache
-    hit but for its last block, so the path's cost per prompt token shows beside a short step)."""
+    hit but for its last block, so the path's cost per prompt token shows beside a short step). Each request goes
+    `gap_s` after the previous one's answer (0: at once, the engine and the CPU still awake)."""
     rng = random.Random(12345 + length)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         ttfts = []
         for _ in range(count):
+            await asyncio.sleep(gap_s)  # paces the probe's arrivals, as a workload's gaps would; no state awaited
             prompt = [rng.randrange(16, vocab_size) for _ in range(length)]
             if length > BLOCK_SIZE:
                 await one(session, url, prompt, 1, time.perf_counter(), 0.0)
@@ -265,7 +275,13 @@ def measure_terms(router_url: str, replica_url: str, vocab_size: int, preset: An
         f"block (engine {long_engine_s * 1e3:.1f} ms): {path_s * 1e3:.1f} ms and {per_token_s * 1e6:.2f} us a "
         "prompt token on the path"
     )
-    return LiveTerms(step_s, output_s, path_s, per_token_s)
+    rested_ttft = percentile(asyncio.run(overhead_probe(router_url, vocab_size, BLOCK_SIZE, gap_s=WAKE_GAP_S)), 0.5)
+    wake_s = max(0.0, rested_ttft - short_ttft)
+    print(
+        f"waking: one-token TTFT p50 {rested_ttft * 1e3:.1f} ms {WAKE_GAP_S} s after the previous answer, against "
+        f"{short_ttft * 1e3:.1f} ms at once: {wake_s * 1e3:.1f} ms to wake an idle stack"
+    )
+    return LiveTerms(step_s, output_s, path_s, per_token_s, wake_s)
 
 
 async def replay(url: str, workload: ListWorkload, prompts: list[list[int]], timeout_s: float) -> dict[str, float]:
@@ -288,6 +304,10 @@ async def replay(url: str, workload: ListWorkload, prompts: list[list[int]], tim
         "hit_ratio": sum(r[2] for r in results) / sum(r[3] for r in results),
     }
 
+
+WAKE_GAP_S = 0.5
+"""Idle seconds before each request of the waking probe: longer than the gap after which TTFT stops rising (0.1-0.3
+s on the development VM), shorter than the replays' mean gap between two requests to one replica (1.3 s)."""
 
 METRICS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "hit_ratio")
 

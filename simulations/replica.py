@@ -11,7 +11,8 @@ The scheduler follows vLLM V1's. Each step has a budget of `max_num_batched_toke
    queue stops at the first sequence whose blocks do not fit (no overtaking).
 The step lasts `StepModel.step_time_s(prefill tokens, decode sequences, KV tokens read, attention pairs)`, plus
 `EngineConfig.request_overhead_s` for each request admitted for the first time (not again after a preemption),
-plus the serving loop's `step_overhead_s` and `output_overhead_s` for each sequence that samples in the step.
+plus the serving loop's `step_overhead_s` and `output_overhead_s` for each sequence that samples in the step, plus
+`wake_s` when the engine was idle before it.
 When it ends, every scheduled sequence has its tokens computed; computed full blocks enter the prefix cache; a
 sequence whose tokens are all computed samples one token (the first one ends its prefill: time to first token),
 and one that has all its output finishes and releases its blocks. The next step starts at once while there is
@@ -163,6 +164,8 @@ class SimReplica:
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_rejected = 0
+        self._is_waking = False
+        """The next step starts an idle engine (`EngineConfig.wake_s`)."""
         self.busy_s = 0.0
         """Seconds spent running steps."""
 
@@ -197,6 +200,7 @@ class SimReplica:
             return
         self.waiting.append(seq)
         if not self.is_busy:
+            self._is_waking = True
             self._start_step()
         elif self._run is not None:
             self._cut_run()
@@ -308,6 +312,9 @@ class SimReplica:
         duration_s += (
             engine.request_overhead_s * num_new + engine.step_overhead_s + engine.output_overhead_s * num_sampling
         )
+        if self._is_waking:
+            self._is_waking = False
+            duration_s += engine.wake_s
         self.busy_s += duration_s
         self.num_steps += 1
         self._version += 1

@@ -119,6 +119,10 @@ class EngineConfig(_Model):
     """Engine seconds per sequence that samples in a step (a decode, or the end of a prefill): writing its new
     token to the client (detokenising, encoding, streaming), serial with the steps on an engine whose server
     shares its process and core. 0 (the default): not modelled, as in the presets."""
+    wake_s: float = Field(default=0.0, ge=0.0)
+    """Seconds added to the first step after the engine was idle: its threads and the CPU waking (a sleeping worker
+    thread, cold caches, a clock that slowed down), which a profile of back-to-back steps never sees. At a low load
+    most first tokens come from such a step. 0 (the default): not modelled, as in the presets."""
     startup_s: StartupTime = 0.0
     """Seconds from a replica's creation to its first request (image pull, weights load, CUDA graphs), or a
     distribution of them (`simulations.startup`); applies to replicas added while the simulation runs, not to

@@ -68,6 +68,19 @@ def test_a_decode_run_cut_by_an_arrival_ends_where_single_steps_would() -> None:
     assert runs[1].recorder.e2e_s == pytest.approx(runs[0].recorder.e2e_s)
 
 
+def test_only_a_step_that_starts_an_idle_engine_pays_for_waking_it() -> None:
+    scn = scenario(fleet={"engine": {"wake_s": 0.02}})
+    # The first wakes the engine: 0.11 + 0.02. The second arrives during that step and joins the next one (beside
+    # the first's decode: 0.112), which starts a busy engine. The third arrives at 5 s, to an idle engine again.
+    requests = (
+        request(0, 0.0, ((1, 100),), output_tokens=2),
+        request(1, 0.05, ((2, 100),), output_tokens=2),
+        request(2, 5.0, ((3, 100),), output_tokens=1),
+    )
+    result = run(scn, *requests)
+    assert result.recorder.ttft_s == pytest.approx([0.13, 0.13 + 0.112 - 0.05, 0.13])
+
+
 def test_a_small_batch_limit_makes_a_request_wait_for_a_slot() -> None:
     requests = (request(0, 0.0, ((1, 100),), output_tokens=3), request(1, 0.0, ((2, 100),), output_tokens=3))
     both = run(scenario(fleet={"engine": {"max_num_seqs": 2}}), *requests)
