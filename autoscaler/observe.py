@@ -43,6 +43,8 @@ _GAUGES = {
     "shoal_router_prefill_backlog_tokens": "prefill_backlog_tokens",
 }
 _TTFT = "shoal_router_ttft_seconds"
+_ANSWERED = "shoal_router_requests"
+_REQUEST_SECONDS = "shoal_router_request_seconds"
 
 
 def static_routers(urls: Sequence[str]) -> RouterSource:
@@ -112,6 +114,22 @@ class RouterFigures:
     """None without an admin token."""
     cached_blocks: Mapping[str, int]
     """Prefix-index entries per replica id."""
+    answered: float | None = None
+    """Requests answered since the router started (`shoal_router_requests_total`, every label)."""
+    request_seconds: tuple[float, float] | None = None
+    """(sum, count) of its whole-request time histogram."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Counts:
+    """One router's running totals at one round: what arrivals and request times are measured between."""
+
+    at: float
+    answered: float
+    present: float
+    """Requests in flight or held: arrivals = answered + the change of this."""
+    seconds_sum: float
+    seconds_count: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +168,7 @@ class RouterFleet:
         self._quantile = ttft_quantile
         self._clock = clock
         self._previous_ttft: dict[str, tuple[tuple[float, float], ...]] = {}
+        self._previous_counts: dict[str, _Counts] = {}
         self.last_view: FleetView | None = None
 
     # Observation ---------------------------------------------------------------------------------------------
@@ -177,8 +196,9 @@ class RouterFleet:
         listed = {url: {r.url: r for r in f.replicas} for url, f in figures.items() if f.replicas is not None}
         replicas = _replica_loads(figures)
         demand: Demand | None
+        counts = {url: c for url, f in figures.items() if (c := _counts(f, measured_at)) is not None}
         if reading is None:
-            demand = None if errors else self._demand(figures, replicas)
+            demand = None if errors else self._demand(figures, replicas, counts)
         else:
             errors += reading.errors
             measured_at -= reading.age_s
@@ -189,6 +209,7 @@ class RouterFleet:
             self._previous_ttft[url] = f.ttft_buckets
         for gone in set(self._previous_ttft) - set(routers):
             del self._previous_ttft[gone]
+        self._previous_counts = counts
         return self._remember(FleetView(measured_at, demand, replicas, listed, errors))
 
     async def _read_source(self) -> DemandReading | None:
@@ -198,7 +219,9 @@ class RouterFleet:
         self.last_view = view
         return view
 
-    def _demand(self, figures: Mapping[str, RouterFigures], replicas: Mapping[str, ReplicaLoad]) -> Demand:
+    def _demand(
+        self, figures: Mapping[str, RouterFigures], replicas: Mapping[str, ReplicaLoad], counts: Mapping[str, _Counts]
+    ) -> Demand:
         total = dict.fromkeys(_GAUGES.values(), 0.0)
         for f in figures.values():
             for key in total:
@@ -213,11 +236,14 @@ class RouterFleet:
             prefill_backlog_tokens=total["prefill_backlog_tokens"],
             kv_usage=_kv_usage(figures, replicas),
             ttft_s=ttft,
+            **_rates(counts, self._previous_counts, set(figures)),
         )
 
     async def _read_router(self, url: str) -> RouterFigures:
         gauges: dict[str, float] = {}
         buckets: list[tuple[float, float]] = []
+        answered: float | None = None
+        seconds: tuple[float, float] | None = None
         text = "" if self._demand_source is not None else await self._get_text(url + "/metrics")
         for family in text_string_to_metric_families(text):
             if family.name in _GAUGES:
@@ -226,6 +252,12 @@ class RouterFleet:
                 buckets = sorted(
                     (float(s.labels["le"]), s.value) for s in family.samples if s.name == _TTFT + "_bucket"
                 )
+            elif family.name == _ANSWERED:
+                answered = sum(s.value for s in family.samples if s.name == _ANSWERED + "_total")
+            elif family.name == _REQUEST_SECONDS:
+                by_name = {s.name: s.value for s in family.samples if not s.labels}
+                if _REQUEST_SECONDS + "_sum" in by_name and _REQUEST_SECONDS + "_count" in by_name:
+                    seconds = (by_name[_REQUEST_SECONDS + "_sum"], by_name[_REQUEST_SECONDS + "_count"])
         if "in_flight" not in gauges and self._demand_source is None:
             raise RouterError("no shoal_router_in_flight gauge: not a Shoal router?")
         replicas: tuple[RouterReplica, ...] | None = None
@@ -236,7 +268,7 @@ class RouterFleet:
             )
             replicas = tuple(_router_replica(r) for r in listing.get("replicas", []))
             cached = {str(k): int(v) for k, v in (index.get("blocks_per_replica") or {}).items()}
-        return RouterFigures(gauges, tuple(buckets), replicas, cached)
+        return RouterFigures(gauges, tuple(buckets), replicas, cached, answered, seconds)
 
     # Steering ------------------------------------------------------------------------------------------------
 
@@ -324,6 +356,34 @@ class RouterFleet:
                     raise RouterError(f"{method} {url}: HTTP {resp.status}: {(await resp.text())[:200]}")
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise RouterError(f"{method} {url}: {exc!r}") from exc
+
+
+def _counts(figures: RouterFigures, at: float) -> _Counts | None:
+    if figures.answered is None or figures.request_seconds is None:
+        return None
+    present = figures.gauges.get("in_flight", 0.0) + figures.gauges.get("held", 0.0)
+    return _Counts(at, figures.answered, present, *figures.request_seconds)
+
+
+def _rates(current: Mapping[str, _Counts], previous: Mapping[str, _Counts], routers: set[str]) -> dict[str, Any]:
+    """`arrivals_per_s` and `request_s` since the previous round, summed over routers: a request that arrived
+    was answered, or is still in flight or held (arrivals = answered + the change of those). Both None unless
+    every router answered both rounds with counters that did not go back (a restarted router's would
+    understate); `request_s` None also when no request finished."""
+    unknown: dict[str, Any] = {"arrivals_per_s": None, "request_s": None}
+    if not routers or set(current) != routers or not routers <= set(previous):
+        return unknown
+    arrived = seconds = finished = elapsed = 0.0
+    for url in routers:
+        now, then = current[url], previous[url]
+        answered = now.answered - then.answered
+        if answered < 0 or now.seconds_count < then.seconds_count or now.at <= then.at:
+            return unknown
+        arrived += max(0.0, answered + now.present - then.present)
+        seconds += now.seconds_sum - then.seconds_sum
+        finished += now.seconds_count - then.seconds_count
+        elapsed = max(elapsed, now.at - then.at)
+    return {"arrivals_per_s": arrived / elapsed, "request_s": seconds / finished if finished else None}
 
 
 def _router_replica(entry: Mapping[str, Any]) -> RouterReplica:

@@ -9,8 +9,8 @@ summed (TTFT: the largest), so a query that leaves out `sum()` still counts ever
 A round yields demand only when every query succeeds and each of the four gauges (in flight, queue depth, held,
 prefill backlog) gives a finite sample at most `max_sample_age_s` old. An error status, an HTTP error, no answer
 in time, an empty vector, NaN or an old sample fails the round (the policy then holds, as when a router does not
-answer its scrape), and the log names the query. TTFT and KV usage are optional figures: no sample, or NaN (a
-rate over a window without requests), is no figure, while an error still fails the round.
+answer its scrape), and the log names the query. TTFT, KV usage, arrivals and request time are optional figures:
+no sample, or NaN (a rate over a window without requests), is no figure, while an error still fails the round.
 
 A sum cannot tell a router that went away from one that died: a dead router's series go stale and drop out of
 it, and demand looks smaller than it is. So each round also counts the router targets Prometheus finds down
@@ -36,7 +36,7 @@ from autoscaler.settings import PrometheusSettings
 
 log = logging.getLogger(__name__)
 
-_OPTIONAL = frozenset({"ttft_s", "kv_usage", "routers_down"})
+_OPTIONAL = frozenset({"ttft_s", "kv_usage", "arrivals_per_s", "request_s", "routers_down"})
 """Figures whose absence is no failure (no router down: `count()` of nothing is no series)."""
 
 
@@ -122,6 +122,9 @@ class PrometheusDemand:
             prefill_backlog_tokens=values["prefill_backlog_tokens"] or 0.0,
             kv_usage=values.get("kv_usage"),
             ttft_s=values.get("ttft_s"),
+            held=held,
+            arrivals_per_s=values.get("arrivals_per_s"),
+            request_s=values.get("request_s"),
         )
         return DemandReading(demand, age_s=max(0.0, now - oldest_s))
 

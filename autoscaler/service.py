@@ -33,6 +33,11 @@ class AutoscalerMetrics:
             "shoal_autoscaler_signal_desired_replicas", "Replicas each signal asks for", ["signal"], registry=r
         )
         self.panicking = Gauge("shoal_autoscaler_panic", "1 while panic mode is on", registry=r)
+        self.target_requests = Gauge(
+            "shoal_autoscaler_target_requests_per_replica",
+            "Requests per replica the last decision sized on (learnt with capacity.learn_target)",
+            registry=r,
+        )
         self.metrics_age = Gauge(
             "shoal_autoscaler_metrics_age_seconds", "Age of the routers' figures at the last decision", registry=r
         )
@@ -68,6 +73,8 @@ class AutoscalerMetrics:
             if signal in decision.desired_by_signal:
                 self.signal_desired.labels(signal.value).set(decision.desired_by_signal[signal])
         self.panicking.set(1 if decision.is_panicking else 0)
+        if decision.target_requests_per_replica is not None:
+            self.target_requests.set(decision.target_requests_per_replica)
         if metrics_age_s is not None:
             self.metrics_age.set(metrics_age_s)
 

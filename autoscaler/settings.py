@@ -104,6 +104,17 @@ class PrometheusQueries(_Section):
     """Sum over ready replicas of their KV cache fraction (0..1 each). Unset: not queried; the routers' admin API
     gives it, as with `source: routers`. Set it (e.g. `sum(vllm:kv_cache_usage_perc{namespace="llm"})`) when
     Prometheus scrapes the engines themselves. No sample means no KV figure."""
+    arrivals_per_s: str | None = None
+    """Requests reaching the routers per second, for the policy's `capacity.from_arrivals`. Unset: not queried,
+    and that signal falls back to the requests in flight. Over the routers' own figures, arrivals are the answered
+    rate plus the growth of those in flight and held: `sum(rate(shoal_router_requests_total{...}[1m])) +
+    sum(deriv(shoal_router_in_flight{...}[1m])) + sum(deriv(shoal_router_held_requests{...}[1m]))`. No sample
+    means no figure."""
+    request_s: str | None = None
+    """Mean whole-request time, seconds, for `capacity.from_arrivals`. Unset: not queried. Over the routers'
+    figures: `sum(rate(shoal_router_request_seconds_sum{...}[1m])) /
+    sum(rate(shoal_router_request_seconds_count{...}[1m]))`. No sample, or NaN (no request finished), means no
+    figure."""
 
     routers_down: str | None = None
     """Router scrape targets Prometheus finds down. While any is, the sums above miss its requests (its series
@@ -123,8 +134,9 @@ class PrometheusQueries(_Section):
                 "{quantile}", repr(ttft_quantile)
             ),
         }
-        if self.kv_usage:
-            queries["kv_usage"] = self.kv_usage
+        for name in ("kv_usage", "arrivals_per_s", "request_s"):
+            if query := getattr(self, name):
+                queries[name] = query
         if self.routers_down != "none":
             queries["routers_down"] = self.routers_down or f"count(up{matchers} == 0)"
         return queries

@@ -385,11 +385,11 @@ def frontier_report(
             f"frontier at {100 * goal:g}%: {best.replica_seconds:.0f} replica-s ({best.policy}; "
             f"{len(clairvoyant)} clairvoyant points and static peak)"
         )
-    shoal = by_policy.get("shoal")
     checks: list[tuple[str, bool, str]] = []
-    if shoal is not None:
+    for shoal in (r for r in rows if r.policy not in ("hpa", "keda")):
+        name = shoal.policy
         checks.append(
-            (f"shoal >= {100 * goal:g}% attainment", shoal.attainment >= goal, f"{100 * shoal.attainment:.2f}%")
+            (f"{name} >= {100 * goal:g}% attainment", shoal.attainment >= goal, f"{100 * shoal.attainment:.2f}%")
         )
         if best is None:
             checks.append((f"frontier at {100 * goal:g}%", False, "no point reaches it"))
@@ -398,7 +398,7 @@ def frontier_report(
             at = "" if shoal.attainment >= goal else f", but at {100 * shoal.attainment:.2f}%"
             checks.append(
                 (
-                    f"shoal at {100 * goal:g}% with <= {FRONTIER_SLACK:g}x the frontier's replica-s there",
+                    f"{name} at {100 * goal:g}% with <= {FRONTIER_SLACK:g}x the frontier's replica-s there",
                     shoal.attainment >= goal and ratio <= FRONTIER_SLACK,
                     f"{ratio:.3f}x ({shoal.replica_seconds:.0f} against {best.replica_seconds:.0f}: {best.policy}){at}",
                 )
@@ -413,7 +413,7 @@ def frontier_report(
             is_below |= shoal.attainment >= goal > baseline.attainment
             checks.append(
                 (
-                    f"shoal below {other}",
+                    f"{name} below {other}",
                     is_below,
                     f"{shoal.replica_seconds:.0f} replica-s at {100 * shoal.attainment:.2f}% against "
                     f"{baseline.replica_seconds:.0f} at {100 * baseline.attainment:.2f}%",
@@ -422,7 +422,7 @@ def frontier_report(
         if is_sinusoid:
             checks.append(
                 (
-                    f"shoal goodput >= {100 * SINUSOID_GOODPUT:g}%",
+                    f"{name} goodput >= {100 * SINUSOID_GOODPUT:g}%",
                     shoal.goodput >= SINUSOID_GOODPUT,
                     f"{100 * shoal.goodput:.2f}%",
                 )
@@ -540,7 +540,8 @@ def main() -> None:
         action="append",
         default=[],
         help="JSON merged into the scenario's `autoscale` section (mappings key by key): one more row, shoal unless "
-        "it sets `policy`; `rate_oracle_lead_s` makes it the rate-oracle bound (above); repeatable",
+        "it sets `policy`, named `name` if it sets one; `rate_oracle_lead_s` makes it the rate-oracle bound "
+        "(above); repeatable",
     )
     parser.add_argument(
         "--policies",
@@ -694,12 +695,13 @@ def main() -> None:
         rows = [run(scenario, workload, policy) for policy in policies]
         for i, overrides in enumerate(args.shoal_variant):
             overrides = dict(overrides)
+            label = overrides.pop("name", None)
             policy = overrides.pop("policy", "shoal")
             lead_s = overrides.pop("rate_oracle_lead_s", None)
             oracle = None if lead_s is None else (float(lead_s), static.request_mean_s)
             variant = run(scenario, workload, policy, rate_oracle=oracle, **overrides)
             name = policy if oracle is None else f"{policy} on the true rate {float(lead_s):g} s ahead"
-            variant.policy = f"{name} {json.dumps(overrides)}"
+            variant.policy = label or f"{name} {json.dumps(overrides)}"
             rows.insert(min(1 + i, len(rows)), variant)
         if is_frontier:
             started = time.monotonic()

@@ -65,6 +65,9 @@ class FleetObservation:
     ttfts_s: tuple[float, ...] = ()
     """TTFT of each request whose first token came since the previous tick (the routers' histogram over one
     round); requests still waiting are not in it."""
+    request_times_s: tuple[float, ...] = ()
+    """Time of each request that finished since the previous tick, arrival to last byte (the routers'
+    `shoal_router_request_seconds` over one round)."""
 
 
 class ScalingDriver(Protocol):
@@ -188,7 +191,7 @@ class AutoscaleConfig(_Config):
         return fleet_replicas
 
 
-_Counts = tuple[int, int, int, int, tuple[float, ...]]
+_Counts = tuple[int, int, int, int, tuple[float, ...], float, tuple[float, ...]]
 
 
 def quantile(values: tuple[float, ...], q: float) -> float | None:
@@ -216,7 +219,7 @@ class PolicyFleet:
     def desired_replicas(self, observation: FleetObservation) -> int | None:
         obs, now = observation, observation.now_s
         current = obs.num_ready + obs.num_starting
-        in_flight, held, waiting, engine_waiting, ttfts_s = self._lagged(obs)
+        in_flight, held, waiting, engine_waiting, ttfts_s, arrivals_per_s, request_times_s = self._lagged(obs)
         config = self.config
         if isinstance(config, ScalingPolicyConfig):
             demand = fleet_demand(
@@ -225,6 +228,8 @@ class PolicyFleet:
                 held=held,
                 engine_waiting=engine_waiting,
                 ttft_s=quantile(ttfts_s, config.ttft_quantile),
+                arrivals_per_s=arrivals_per_s,
+                request_s=sum(request_times_s) / len(request_times_s) if request_times_s else None,
             )
             seen = Observation(demand=demand, num_ready=obs.num_ready, starting_since=obs.starting_since)
             decision, self._shoal = decide(seen, self._shoal, config, now=now)
@@ -245,9 +250,18 @@ class PolicyFleet:
         return static.target_replicas
 
     def _lagged(self, obs: FleetObservation) -> _Counts:
-        """(in flight, held, waiting at the routers, waiting in engines, TTFTs) as of `metric_lag_s` ago: the
-        newest tick at least that old (the oldest one while the run is younger than the lag)."""
-        current = (obs.in_flight, obs.held, obs.router_waiting, obs.engine_waiting, obs.ttfts_s)
+        """(in flight, held, waiting at the routers, waiting in engines, TTFTs, arrivals per second, request
+        times) as of `metric_lag_s` ago: the newest tick at least that old (the oldest one while the run is younger
+        than the lag)."""
+        current = (
+            obs.in_flight,
+            obs.held,
+            obs.router_waiting,
+            obs.engine_waiting,
+            obs.ttfts_s,
+            obs.arrivals_per_s,
+            obs.request_times_s,
+        )
         if self.metric_lag_s <= 0.0:
             return current
         history = self._history

@@ -116,6 +116,7 @@ class Simulation:
         self._num_arrived = 0
         self._arrived_at_last_tick = 0
         self._ttfts_since_tick: list[float] = []
+        self._request_times_since_tick: list[float] = []
         """TTFT of each first token since the last scaling tick (the routers' histogram over one round)."""
         self._window_hit = 0
         self._window_prompt = 0
@@ -272,6 +273,7 @@ class Simulation:
             predicted_tokens=ticket.decision.predicted_cached_tokens,
             output_tokens=request.output_tokens,
         )
+        self._request_times_since_tick.append(now + path_s - request.arrival_s)
         self._in_flight -= 1
         self._end_s = now
         if self._on_finished is not None:
@@ -355,9 +357,11 @@ class Simulation:
             arrivals_per_s=(self._num_arrived - self._arrived_at_last_tick) / interval,
             starting_since=tuple(sorted(m.created_s for m in live if not m.is_ready and not m.is_draining)),
             ttfts_s=tuple(self._ttfts_since_tick),
+            request_times_s=tuple(self._request_times_since_tick),
         )
         self._arrived_at_last_tick = self._num_arrived
         self._ttfts_since_tick = []
+        self._request_times_since_tick = []
         desired = self.scaling.desired_replicas(observation)
         if desired is not None:
             self._scale_to(max(0, desired))

@@ -16,6 +16,7 @@ from autoscaler.policy.baselines import (
     static_decide,
 )
 from autoscaler.policy.config import (
+    CapacityConfig,
     ForecastConfig,
     MetricsConfig,
     PanicConfig,
@@ -43,6 +44,7 @@ __all__ = [
     "BaselineDecision",
     "BaselineReason",
     "Cap",
+    "CapacityConfig",
     "Demand",
     "ForecastConfig",
     "HPAConfig",

@@ -106,6 +106,46 @@ class ForecastConfig(_Config):
     more than half again what is measured; faster rises are bursts, which panic mode sizes on its own window."""
 
 
+class CapacityConfig(_Config):
+    """What a replica carries, taken from the fleet's own figures instead of on trust (both parts off by default).
+
+    In flight, an overloaded replica's requests pile up as its batches slow: the count rises with the overload
+    more than with the load, so a fleet sized on it asks, one cold start later, for replicas the load never
+    needed. And `target_requests_per_replica` is a guess about the model, the GPU and the traffic that only the
+    TTFT the routers observe can check."""
+
+    from_arrivals: bool = False
+    """The requests signal counts what the arrivals keep in flight at a healthy pace (Little's law: arrivals per
+    second x the nominal request time) plus the requests held at the routers, in place of the requests in
+    flight. Until a request has finished, or where the arrivals are not measured, the requests in flight count."""
+    nominal_window_s: float = Field(600.0, gt=0)
+    """Seconds over which the nominal request time is averaged (exponentially), over healthy intervals only:
+    those whose TTFT quantile meets `target_ttft_s` (every interval without a TTFT target). Ten minutes: longer
+    than a burst's overload, short enough to follow a change of traffic within the hour."""
+    learn_target: bool = False
+    """`target_requests_per_replica` is where learning starts: on an interval measured on a settled fleet, a
+    TTFT quantile below `raise_below` x `target_ttft_s` raises the target by `raise_percent_per_min` (up to the
+    load per replica over `near_target`), and one above `target_ttft_s` cuts it by `cut_factor` (at most once
+    per `expected_start_s`: the replicas a cut asks for must serve before the next is judged). Additive
+    increase, multiplicative decrease: the target settles under the load at which TTFT reaches its target (see
+    `autoscaler.policy.capacity`). Needs `target_ttft_s`."""
+    near_target: float = Field(0.7, gt=0, le=1)
+    """The target grows to at most the load per replica it was seen to carry well over this (0.7: a shrink of
+    the fleet asks each replica for at most 43% more than it showed it carries), and a breach cuts it only at a
+    load of at least this share of it (a lightly loaded fleet's breach is not the target's doing)."""
+    raise_below: float = Field(0.5, gt=0, lt=1)
+    """Share of `target_ttft_s` under which the TTFT quantile raises the target. Half: room for the queue a
+    rise of the load builds during a cold start."""
+    raise_percent_per_min: float = Field(10.0, gt=0)
+    """Growth of the target per minute of healthy, near-target intervals."""
+    cut_factor: float = Field(0.8, gt=0, lt=1)
+    """The target after a breach, as a share of what it was."""
+    min_factor: float = Field(0.25, gt=0, le=1)
+    """The learnt target never goes below this share of `target_requests_per_replica`."""
+    max_factor: float = Field(4.0, ge=1)
+    """Nor above this many times it."""
+
+
 class ScaleToZeroConfig(_Config):
     """Removing every replica when there is no traffic, and waking on the first request."""
 
@@ -188,6 +228,8 @@ class ScalingPolicyConfig(_Config):
     """Burst handling (Knative's panic mode)."""
     forecast: ForecastConfig = Field(default_factory=ForecastConfig)
     """Predictive scale-up on the demand trend (off by default)."""
+    capacity: CapacityConfig = Field(default_factory=CapacityConfig)
+    """Demand from arrivals and a per-replica target learnt from TTFT (off by default)."""
     scale_to_zero: ScaleToZeroConfig = Field(default_factory=ScaleToZeroConfig)
     """Idle fleets to zero replicas (off by default)."""
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
@@ -206,6 +248,8 @@ class ScalingPolicyConfig(_Config):
                 f"forecast.window_s ({self.forecast.window_s}) must not be shorter than stable_window_s "
                 f"({self.stable_window_s})"
             )
+        if self.capacity.learn_target and self.target_ttft_s is None:
+            raise ValueError("capacity.learn_target needs target_ttft_s: the target is learnt from TTFT")
         return self
 
     @property

@@ -6,7 +6,10 @@ Per call:
    starts from cascading, and the deadline is what stops a stuck start from blocking the fleet forever.
 2. Missing or stale figures hold the current size, never lower it; after `hold_after_failures` such
    observations the decision says so and applies the fallback, if any.
-3. Demand is absolute: per signal, desired = ceil(total / per-replica target), averaged over the stable window
+3. With `capacity` (off by default, `capacity.py`): the requests are what the arrivals keep in flight at the
+   nominal pace, plus the held ones (`from_arrivals`), and the per-replica target is learnt from TTFT
+   (`learn_target`).
+3b. Demand is absolute: per signal, desired = ceil(total / per-replica target), averaged over the stable window
    and over the short panic window; the largest signal wins. The requests signal may keep a square-root
    headroom for Poisson noise (`requests_headroom_sd`): ceil((requests + beta x sqrt(requests)) / target).
 4. Panic (Knative) when the short window needs at least `threshold` x the ready replicas (before rounding up) and,
@@ -37,6 +40,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from autoscaler.policy.capacity import learn, nominal_request_s, sized_demand
 from autoscaler.policy.config import ScaleDownConfig, ScaleUpConfig, ScalingPolicyConfig
 from autoscaler.policy.demand import ceil_replicas, describe, is_burst, largest, mean_demand, raw_desired
 from autoscaler.policy.forecast import forecast_demand
@@ -83,7 +87,13 @@ def decide(
         verdict, state = _without_metrics(observation, state, config, now=now, current=current)
         is_panicking = state.panic_until is not None and now < state.panic_until
         return _finish(
-            verdict, state, config, now=now, current=current, num_overdue=num_overdue, is_panicking=is_panicking
+            verdict,
+            replace(state, previous_fleet=None),
+            config,
+            now=now,
+            current=current,
+            num_overdue=num_overdue,
+            is_panicking=is_panicking,
         )
 
     horizon = max(
@@ -91,10 +101,17 @@ def decide(
         config.panic.window_s if config.panic.enabled else 0.0,
         config.forecast.window_s if config.forecast.enabled else 0.0,
     )
-    samples = (*(s for s in state.samples if s.at > now - horizon), Sample(now, demand))
+    elapsed_s = now - state.samples[-1].at if state.samples else 0.0
+    nominal_s = nominal_request_s(state.nominal_request_s, demand, config, elapsed_s=elapsed_s)
+    sized = sized_demand(demand, nominal_s, config)
+    lesson = learn(
+        state, sized, config, num_ready=observation.num_ready, num_starting=num_starting, elapsed_s=elapsed_s, now=now
+    )
+    target = lesson.target
+    samples = (*(s for s in state.samples if s.at > now - horizon), Sample(now, sized))
     last_busy_at = now if demand.is_busy else (state.last_busy_at if state.last_busy_at is not None else now)
     stable_mean = mean_demand(samples, now - config.stable_window_s)
-    stable = raw_desired(stable_mean, observation.num_ready, config)
+    stable = raw_desired(stable_mean, observation.num_ready, config, target)
     stable_signal, stable_raw = largest(stable)
     stable_n = ceil_replicas(stable_raw)
 
@@ -102,10 +119,10 @@ def decide(
     short, short_signal, short_n = stable, stable_signal, stable_n
     if config.panic.enabled:
         short_mean = mean_demand(samples, now - config.panic.window_s)
-        short = raw_desired(short_mean, observation.num_ready, config)
+        short = raw_desired(short_mean, observation.num_ready, config, target)
         short_signal, short_raw = largest(short)
         short_n = ceil_replicas(short_raw)
-        if is_burst(short_mean, short_signal, short_raw, observation.num_ready, config):
+        if is_burst(short_mean, short_signal, short_raw, observation.num_ready, config, target):
             panic_until = now + config.stable_window_s
     is_panicking = panic_until is not None
 
@@ -123,9 +140,11 @@ def decide(
         f"{describe(mean_demand(samples, now - window_s), signal)} over the {window} window ({window_s:.0f} s) "
         f"needs {wanted} (ready {observation.num_ready}, starting {num_starting})"
     )
+    if lesson.note:
+        figures = f"{figures}; {lesson.note}"
     ahead = None
     if config.forecast.enabled:
-        ahead = _ahead(samples, stable_mean, observation.num_ready, config, now=now, current=current)
+        ahead = _ahead(samples, stable_mean, observation.num_ready, config, target, now=now, current=current)
     if ahead is not None and ahead.recommended > recommended:
         window, signal, by_signal = Window.FORECAST, ahead.signal, ahead.by_signal
         wanted, recommended = ahead.wanted, ahead.recommended
@@ -153,6 +172,9 @@ def decide(
         panic_until=panic_until,
         last_busy_at=last_busy_at,
         failed_observations=0,
+        nominal_request_s=nominal_s,
+        learnt_target=target if config.capacity.learn_target else None,
+        target_changed_at=lesson.changed_at,
     )
 
     idle_s = now - last_busy_at
@@ -188,7 +210,7 @@ def decide(
             is_resuming=is_resuming,
             figures=figures,
         )
-    return _finish(
+    decision, state = _finish(
         verdict,
         state,
         config,
@@ -198,7 +220,9 @@ def decide(
         is_panicking=is_panicking,
         signal=signal,
         desired_by_signal={s: ceil_replicas(v) for s, v in by_signal.items()},
+        target_requests=target,
     )
+    return decision, replace(state, previous_fleet=(decision.target_replicas, num_starting))
 
 
 def _size(
@@ -312,6 +336,7 @@ def _finish(
     is_panicking: bool,
     signal: Signal | None = None,
     desired_by_signal: Mapping[Signal, int] | None = None,
+    target_requests: float | None = None,
 ) -> tuple[ScaleDecision, ScalerState]:
     """The decision, and the state with this step recorded for the rate caps."""
     period_s = max(config.scale_up.period_s, config.scale_down.period_s)
@@ -338,6 +363,7 @@ def _finish(
         is_panicking=is_panicking,
         num_overdue=num_overdue,
         detail=detail,
+        target_requests_per_replica=target_requests,
     )
     return decision, replace(state, scale_steps=steps)
 
@@ -378,6 +404,7 @@ def _ahead(
     stable_mean: Demand,
     num_ready: int,
     config: ScalingPolicyConfig,
+    target: float,
     *,
     now: float,
     current: int,
@@ -393,7 +420,7 @@ def _ahead(
     )
     if forecast is None:
         return None
-    by_signal = raw_desired(forecast.demand, num_ready, config)
+    by_signal = raw_desired(forecast.demand, num_ready, config, target)
     signal, raw = largest(by_signal)
     wanted = ceil_replicas(raw)
     # Above the current size only past the tolerance band, as any rise; below it a rising trend can still hold

@@ -29,6 +29,8 @@ def fleet_demand(
     prefill_backlog_tokens: float = 0.0,
     kv_usage: float | None = None,
     ttft_s: float | None = None,
+    arrivals_per_s: float | None = None,
+    request_s: float | None = None,
 ) -> Demand:
     """The fleet's demand from the routers' and engines' counts.
 
@@ -37,11 +39,15 @@ def fleet_demand(
     `engine_waiting`: the engines' own queue gauges summed (None when not scraped). Engine-queued requests beyond
     the routers' waiting ones (clients that reach the engines directly) are added to both figures. Engines'
     running counts are not read: they lag the routers' own counts by a scrape, and a finished batch would then
-    read as load for that long.
+    read as load for that long. `arrivals_per_s` and `request_s` (the mean time of the requests finished since the
+    last reading) feed `capacity.from_arrivals`.
     """
     for name, value in (("in_flight", in_flight), ("waiting", waiting), ("held", held)):
         if value < 0 or math.isnan(value):
             raise ValueError(f"{name} must be a count >= 0, got {value}")
+    for name, rate in (("arrivals_per_s", arrivals_per_s), ("request_s", request_s)):
+        if rate is not None and not rate >= 0:
+            raise ValueError(f"{name} must be >= 0, got {rate}")
     unseen = max(0.0, (engine_waiting or 0.0) - waiting)
     return Demand(
         requests=in_flight + unseen + held,
@@ -49,25 +55,36 @@ def fleet_demand(
         prefill_backlog_tokens=prefill_backlog_tokens,
         kv_usage=kv_usage,
         ttft_s=ttft_s,
+        held=held,
+        arrivals_per_s=arrivals_per_s,
+        request_s=request_s,
     )
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
 
 
 def mean_demand(samples: tuple[Sample, ...], since: float) -> Demand:
     """The mean of each figure over the samples after `since` (the last sample is always included)."""
     window = [s.demand for s in samples if s.at > since] or [samples[-1].demand]
-    kv = [d.kv_usage for d in window if d.kv_usage is not None]
-    ttft = [d.ttft_s for d in window if d.ttft_s is not None]
     n = len(window)
     return Demand(
         requests=sum(d.requests for d in window) / n,
         waiting=sum(d.waiting for d in window) / n,
         prefill_backlog_tokens=sum(d.prefill_backlog_tokens for d in window) / n,
-        kv_usage=sum(kv) / len(kv) if kv else None,
-        ttft_s=sum(ttft) / len(ttft) if ttft else None,
+        kv_usage=_mean([d.kv_usage for d in window]),
+        ttft_s=_mean([d.ttft_s for d in window]),
+        held=sum(d.held for d in window) / n,
+        arrivals_per_s=_mean([d.arrivals_per_s for d in window]),
+        request_s=_mean([d.request_s for d in window]),
     )
 
 
-def is_burst(short: Demand, signal: Signal, desired: float, num_ready: int, config: ScalingPolicyConfig) -> bool:
+def is_burst(
+    short: Demand, signal: Signal, desired: float, num_ready: int, config: ScalingPolicyConfig, target: float
+) -> bool:
     """Panic's condition: the short window needs `threshold` x the ready replicas (unrounded), and, on the
     requests signal, its requests exceed the ready capacity by more than the noise margin."""
     ready = max(1, num_ready)
@@ -75,14 +92,15 @@ def is_burst(short: Demand, signal: Signal, desired: float, num_ready: int, conf
         return False
     if signal is not Signal.REQUESTS:
         return True
-    capacity = ready * config.target_requests_per_replica
+    capacity = ready * target
     return short.requests - capacity > config.panic.noise_margin_sd * math.sqrt(capacity)
 
 
-def raw_desired(demand: Demand, num_ready: int, config: ScalingPolicyConfig) -> dict[Signal, float]:
-    """Desired replicas per configured signal, before rounding up."""
+def raw_desired(demand: Demand, num_ready: int, config: ScalingPolicyConfig, target: float) -> dict[Signal, float]:
+    """Desired replicas per configured signal, before rounding up; `target` is the requests per replica (the
+    configured one, or the learnt one)."""
     requests = demand.requests + config.requests_headroom_sd * math.sqrt(max(0.0, demand.requests))
-    desired = {Signal.REQUESTS: requests / config.target_requests_per_replica}
+    desired = {Signal.REQUESTS: requests / target}
     if config.target_prefill_backlog_tokens_per_replica is not None:
         desired[Signal.PREFILL_BACKLOG] = (
             demand.prefill_backlog_tokens / config.target_prefill_backlog_tokens_per_replica

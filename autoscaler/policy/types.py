@@ -105,10 +105,17 @@ class Demand:
     """Sum over ready replicas of their KV cache fraction (0..1 each); None when not every replica reports it."""
     ttft_s: float | None = None
     """TTFT quantile (`ttft_quantile`) over the requests since the last observation; None with none."""
+    held: float = 0.0
+    """Of `requests`, those held at the routers for want of a replica."""
+    arrivals_per_s: float | None = None
+    """Requests that reached the routers per second since the last observation; None when not measured."""
+    request_s: float | None = None
+    """Mean time of the requests that finished since the last observation, first byte to last; None with none."""
 
     @property
     def is_busy(self) -> bool:
-        return self.requests > 0 or self.waiting > 0
+        """Requests waiting, running or held, or arrived since the last observation."""
+        return self.requests > 0 or self.waiting > 0 or (self.arrivals_per_s or 0.0) > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +155,9 @@ class ScaleDecision:
     """Starting replicas past their start deadline: counted as failed, not as capacity."""
     detail: str = ""
     """One line for logs: the figures behind the reason."""
+    target_requests_per_replica: float | None = None
+    """The requests per replica the decision sized on (learnt with `capacity.learn_target`); None without
+    figures."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,3 +182,12 @@ class ScalerState:
     """Last `now` at which any request was waiting or running (for scale to zero)."""
     failed_observations: int = 0
     """Consecutive observations with missing or stale figures."""
+    nominal_request_s: float | None = None
+    """Request time on healthy intervals, exponentially averaged (`capacity.from_arrivals`); None until one."""
+    learnt_target: float | None = None
+    """Requests per replica learnt from TTFT (`capacity.learn_target`); None: the configured target."""
+    target_changed_at: float | None = None
+    """When `learnt_target` was last cut: one cut per cold start."""
+    previous_fleet: tuple[int, int] | None = None
+    """(target, replicas starting) of the previous decision with figures: the fleet this interval's TTFT was
+    measured on, when nothing was starting and the target was reached."""

@@ -45,7 +45,8 @@ def routing_config(settings: RouterSettings) -> RoutingConfig:
 
 class RecordSink(Protocol):
     """Where committed decisions go for the other routers of a fleet (`router.service.fleet.FleetSharing`).
-    Called on the request path: it must only queue."""
+    Called on the request path: it must only queue. `hashes` is the prompt's own list, kept as it is until the next
+    batch is published; neither side changes it after the call."""
 
     def routed(self, replica_id: str, hashes: list[int], is_tokens: bool) -> None: ...
 

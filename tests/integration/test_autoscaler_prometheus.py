@@ -201,6 +201,20 @@ async def test_optional_figures_may_be_missing_and_a_kv_query_overrides_the_rout
     reading = await reader.read()
     assert reading.demand is not None and reading.demand.kv_usage == 0.75
 
+    # Arrivals and request time (for `capacity.from_arrivals`) are queried only when set; NaN is no figure.
+    arrivals = 'sum(rate(shoal_router_requests_total{namespace="llm"}[1m]))'
+    request_s = 'sum(rate(shoal_router_request_seconds_sum{namespace="llm"}[1m])) / sum(rate(x[1m]))'
+    reader = PrometheusDemand(
+        http,
+        prometheus_settings(rig.prometheus.url, queries={"arrivals_per_s": arrivals, "request_s": request_s}),
+        ttft_quantile=0.9,
+        wall_clock=lambda: rig.clock[1],
+    )
+    rig.prometheus.set({arrivals: vector(1.5, 2.0), request_s: vector(math.nan)})
+    reading = await reader.read()
+    assert reading.demand is not None and not reading.errors
+    assert (reading.demand.arrivals_per_s, reading.demand.request_s) == (3.5, None)
+
 
 async def test_good_figures_shrink_the_idle_fleet(rig: Rig) -> None:
     """The control for the failure cases below: the same rig, answered well, removes a replica."""
@@ -295,9 +309,12 @@ async def test_shoal_autoscaler_reads_the_prometheus_its_settings_name(
     async def wants_three() -> bool:
         try:
             async with http.get(f"http://127.0.0.1:{port}/metrics") as resp:
-                return metric_value(await resp.text(), "shoal_autoscaler_desired_replicas") == 3.0
+                text = await resp.text()
         except aiohttp.ClientError:
             return False
+        # The target it sized on is exported too (the configured one: nothing is learnt here).
+        is_target = metric_value(text, "shoal_autoscaler_target_requests_per_replica") == 2.0
+        return metric_value(text, "shoal_autoscaler_desired_replicas") == 3.0 and is_target
 
     try:
         await eventually(wants_three, timeout_s=10, what="3 replicas wanted for the 6 requests Prometheus reports")
