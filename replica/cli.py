@@ -267,6 +267,7 @@ def _run_profile(args: argparse.Namespace) -> int:
     if args.quick:
         grid = ProfileGrid(
             prefill_tokens=(16, 128),
+            is_budget_chunk_timed=False,
             prefix_tokens=(0, 128),
             decode_seqs=(1, 4),
             decode_context_tokens=(64,),

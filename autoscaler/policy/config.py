@@ -186,7 +186,8 @@ class ScalingPolicyConfig(_Config):
     target_requests_per_replica: float = Field(8.0, gt=0)
     """Requests (waiting plus running) one replica should carry. Demand is absolute: desired replicas =
     ceil(total requests / this). 8 is a quarter of the bundled engine's batch of 32 sequences, leaving room
-    for a burst while panic mode sizes it; tune per model and GPU (vLLM on an H100 carries 32 or more)."""
+    for a burst while panic mode sizes it; tune per model and GPU (vLLM on an H100 carries 32 or more), or let
+    `capacity.learn_target` move it with the routers' TTFT."""
     requests_headroom_sd: float = Field(0.0, ge=0)
     """Headroom for Poisson noise on the requests signal, in standard deviations: desired replicas =
     ceil((requests + this x sqrt(requests)) / `target_requests_per_replica`), the square-root staffing rule.

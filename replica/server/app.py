@@ -645,10 +645,12 @@ def create_app(
     *,
     checkpoint_dir: Path | None = None,
     drafter: DrafterModel | None = None,
+    warm_up: bool = False,
 ) -> web.Application:
     """`checkpoint_dir` (config.json, *.safetensors, tokenizer.json) is fingerprinted for capture records; it is
     needed, and read, only when `settings.capture_dir` is set. With a `drafter` (and `num_speculative_tokens` > 0)
-    the engine speculates."""
+    the engine speculates. `warm_up`: the engine runs one throwaway request before it serves
+    (`LLMEngine.warm_up`)."""
     model_name = settings.model_name
     k = settings.speculative_tokens(default_num_speculative_tokens(drafter)) if drafter is not None else 0
     config = settings.engine_config(num_speculative_tokens=k)
@@ -700,6 +702,8 @@ def create_app(
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         if capture is not None:
             capture.start()
+        if warm_up:
+            await async_engine.warm_up()
         async_engine.start()
         if settings.kv_events_redis_url:
             await hub.start_redis(settings.kv_events_redis_url, settings.kv_events_stream)

@@ -89,6 +89,13 @@ class AsyncEngine:
         """Submitted and not yet running (including requests the engine has not picked up yet)."""
         return max(0, len(self._streams) - self.engine.num_running)
 
+    async def warm_up(self) -> None:
+        """`LLMEngine.warm_up` in the worker thread the steps run in (some first-call costs are the thread's own);
+        before `start`."""
+        if self._task is not None:
+            raise RuntimeError("warm up before start")
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.warm_up)
+
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._drive(), name="shoal-engine-driver")
 

@@ -124,7 +124,7 @@ def serve(settings: ReplicaSettings, *, threads: int | None = None) -> int:
             ranks.stop()
         return 1
     assert isinstance(model, MoEForCausalLM) and isinstance(tokenizer, Tokenizer)
-    app = create_app(settings, model, tokenizer, checkpoint_dir=checkpoint, drafter=drafter)
+    app = create_app(settings, model, tokenizer, checkpoint_dir=checkpoint, drafter=drafter, warm_up=True)
     ready = {"event": "ready", "model": settings.model_name, "url": f"http://{settings.host}:{settings.port}"}
     try:
         web.run_app(

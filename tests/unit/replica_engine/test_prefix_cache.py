@@ -8,6 +8,7 @@ import random
 from dataclasses import replace
 from typing import Any
 
+import pytest
 import torch
 
 from replica.engine.engine import EngineConfig, LLMEngine
@@ -105,3 +106,20 @@ def test_prefix_caching_disabled(model: MoEForCausalLM) -> None:
     assert second.steps[0].num_batched_tokens == len(FIRST)
     assert all(step.events == [] for step in first.steps + second.steps)
     assert first.tokens[first_id] == second.tokens[second_id]
+
+
+def test_a_warm_up_leaves_no_cached_block_and_no_event(model: MoEForCausalLM) -> None:
+    e = engine(model)
+    e.warm_up()
+    assert not e.has_work and not e.block_manager.hash_to_block and not e.block_manager.drain_events()
+    # The first request after it finds nothing cached, announces its blocks as a cold engine's first would, and
+    # computes what a cold engine computes.
+    seq_id, run = run_one(e, FIRST, greedy(4))
+    assert run.finals[seq_id].num_cached_tokens == 0
+    stored = [h for step in run.steps for ev in step.events if isinstance(ev, BlockStored) for h in ev.block_hashes]
+    assert stored == hash_tokens(FIRST + run.tokens[seq_id][:-1], SEED, BS)
+    assert_same_as_cold(model, run, seq_id, FIRST, 4)
+    # Only an idle engine warms up.
+    e.add_request(FIRST, greedy(1))
+    with pytest.raises(RuntimeError, match="idle engine"):
+        e.warm_up()

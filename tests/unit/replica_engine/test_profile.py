@@ -18,6 +18,7 @@ from simulations.step_model import load_preset
 
 GRID = ProfileGrid(
     prefill_tokens=(16, 64),
+    is_budget_chunk_timed=False,
     prefix_tokens=(0, 64),
     decode_seqs=(1, 3),
     decode_context_tokens=(32,),
@@ -63,6 +64,14 @@ def test_each_sample_is_a_step_of_the_shape_it_claims(model: MoEForCausalLM) -> 
     eng.check_invariants()
     # The timed prefill steps really computed chunk-sized batches (64 new tokens after a cached 64-token prefix).
     assert (64, 0, 1) in batches
+
+
+def test_the_engines_own_chunk_budget_is_timed(model: MoEForCausalLM) -> None:
+    # A long prompt runs in chunks of max_num_batched_tokens (128 here): the grid times that size after each prefix
+    # where it fits, beside its own sizes.
+    samples = Profiler(engine(model)).run(replace(GRID, is_budget_chunk_timed=True))
+    prefills = sorted((s.kv_tokens_read, s.prefill_tokens) for s in samples if s.kind == "prefill")
+    assert prefills == [(0, 16), (0, 64), (0, 128), (64, 16), (64, 64), (64, 128)]
 
 
 def test_the_simulator_fits_the_document(model: MoEForCausalLM, tmp_path: Path) -> None:
