@@ -2,7 +2,8 @@
 
 Two parts, each off by default:
 - `from_arrivals`: the requests signal counts arrivals x the nominal request time (Little's law at a healthy
-  pace) plus the held requests, in place of the requests in flight. The nominal request time is an exponential
+  pace) plus the waiting requests (queued in engines or held at routers: the queue is demand), in place of the
+  requests in flight. The nominal request time is an exponential
   average, over `nominal_window_s`, of the mean request time of healthy intervals (TTFT quantile within
   `target_ttft_s`): an overload's slow requests do not enter it, so an overload does not inflate the demand.
 - `learn_target`: the per-replica target moves with the TTFT the routers observe, on intervals measured on a

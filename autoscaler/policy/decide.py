@@ -7,7 +7,7 @@ Per call:
 2. Missing or stale figures hold the current size, never lower it; after `hold_after_failures` such
    observations the decision says so and applies the fallback, if any.
 3. With `capacity` (off by default, `capacity.py`): the requests are what the arrivals keep in flight at the
-   nominal pace, plus the held ones (`from_arrivals`), and the per-replica target is learnt from TTFT
+   nominal pace, plus the waiting ones (`from_arrivals`), and the per-replica target is learnt from TTFT
    (`learn_target`).
 3b. Demand is absolute: per signal, desired = ceil(total / per-replica target), averaged over the stable window
    and over the short panic window; the largest signal wins. The requests signal may keep a square-root
