@@ -693,6 +693,27 @@ def test_shoal_autoscaler_reads_prometheus_when_asked(monkeypatch: pytest.Monkey
     assert not [n for n in routers_env if n.startswith("SHOAL_AUTOSCALER_METRICS__")]
 
 
+def test_shoal_autoscaler_capacity_and_ttft_target_reach_its_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings_module = pytest.importorskip("autoscaler.settings")
+    shoal = {"targetTtftSeconds": 2.5, "capacity": {"fromArrivals": True, "learnTarget": True}}
+    manifests = render({"autoscaling": {"mode": "shoal", "shoal": shoal}})
+    env = env_of(container(find(manifests, "Deployment", "autoscaler")))
+    for name in list(os.environ):
+        if name.startswith("SHOAL_AUTOSCALER_"):
+            monkeypatch.delenv(name)
+    for name, entry in env.items():
+        if name.startswith("SHOAL_AUTOSCALER_"):
+            monkeypatch.setenv(name, entry.get("value", "from-a-secret"))
+    policy = settings_module.AutoscalerSettings().policy
+    assert policy.target_ttft_s == 2.5 and policy.capacity.from_arrivals and policy.capacity.learn_target
+    # Off by default: none of it is set.
+    plain = env_of(container(find(rendered("autoscaler-scale-to-zero"), "Deployment", "autoscaler")))
+    assert not [n for n in plain if "CAPACITY" in n or "TARGET_TTFT" in n]
+    # Learning needs the TTFT target it learns from: the chart says so instead of a pod that fails to start.
+    with pytest.raises(helm_python.HelmError, match=r"learnTarget needs autoscaling\.shoal\.targetTtftSeconds"):
+        render({"autoscaling": {"mode": "shoal", "shoal": {"capacity": {"learnTarget": True}}}})
+
+
 def test_keda_and_hpa_scale_on_metrics_the_router_exports() -> None:
     exported = router_metric_samples()
     keda = find(rendered("keda"), "ScaledObject", "replica").body["spec"]
