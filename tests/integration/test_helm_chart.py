@@ -664,21 +664,26 @@ def test_shoal_autoscaler_is_wired_to_the_replicas_the_routers_and_the_admin_tok
     assert router_settings_of(manifests).hold.max_wait_s == 600
 
 
-def test_shoal_autoscaler_reads_prometheus_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+def autoscaler_settings_from(env: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """AutoscalerSettings as the autoscaler process loads them: from its environment, the pod's literal values set
+    and Secrets standing in as placeholders."""
     settings_module = pytest.importorskip("autoscaler.settings", reason="AutoscalerSettings arrive with the autoscaler")
-    manifests = rendered("autoscaler-prometheus")
-    env = env_of(container(find(manifests, "Deployment", "autoscaler")))
-    assert env["SHOAL_AUTOSCALER_METRICS__PROMETHEUS__BEARER_TOKEN"]["valueFrom"] == {
-        "secretKeyRef": {"name": "prometheus-reader", "key": "token"}
-    }
-    # Loaded as the process loads them: from its environment (Secrets stand in as placeholders).
     for name in list(os.environ):
         if name.startswith("SHOAL_AUTOSCALER_"):
             monkeypatch.delenv(name)
     for name, entry in env.items():
         if name.startswith("SHOAL_AUTOSCALER_"):
             monkeypatch.setenv(name, entry.get("value", "from-a-secret"))
-    settings = settings_module.AutoscalerSettings()
+    return settings_module.AutoscalerSettings()
+
+
+def test_shoal_autoscaler_reads_prometheus_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    manifests = rendered("autoscaler-prometheus")
+    env = env_of(container(find(manifests, "Deployment", "autoscaler")))
+    assert env["SHOAL_AUTOSCALER_METRICS__PROMETHEUS__BEARER_TOKEN"]["valueFrom"] == {
+        "secretKeyRef": {"name": "prometheus-reader", "key": "token"}
+    }
+    settings = autoscaler_settings_from(env, monkeypatch)
     prometheus = settings.metrics.prometheus
     assert settings.metrics.source == "prometheus" and prometheus.url == "http://prometheus-operated.monitoring:9090"
     assert prometheus.bearer_token is not None and prometheus.headers == {"X-Scope-OrgID": "llm"}
@@ -694,17 +699,10 @@ def test_shoal_autoscaler_reads_prometheus_when_asked(monkeypatch: pytest.Monkey
 
 
 def test_shoal_autoscaler_capacity_and_ttft_target_reach_its_policy(monkeypatch: pytest.MonkeyPatch) -> None:
-    settings_module = pytest.importorskip("autoscaler.settings")
     shoal = {"targetTtftSeconds": 2.5, "capacity": {"fromArrivals": True, "learnTarget": True}}
     manifests = render({"autoscaling": {"mode": "shoal", "shoal": shoal}})
     env = env_of(container(find(manifests, "Deployment", "autoscaler")))
-    for name in list(os.environ):
-        if name.startswith("SHOAL_AUTOSCALER_"):
-            monkeypatch.delenv(name)
-    for name, entry in env.items():
-        if name.startswith("SHOAL_AUTOSCALER_"):
-            monkeypatch.setenv(name, entry.get("value", "from-a-secret"))
-    policy = settings_module.AutoscalerSettings().policy
+    policy = autoscaler_settings_from(env, monkeypatch).policy
     assert policy.target_ttft_s == 2.5 and policy.capacity.from_arrivals and policy.capacity.learn_target
     # Off by default: none of it is set.
     plain = env_of(container(find(rendered("autoscaler-scale-to-zero"), "Deployment", "autoscaler")))
