@@ -121,18 +121,6 @@ class RouterFigures:
 
 
 @dataclass(frozen=True, slots=True)
-class _Counts:
-    """One router's running totals at one round: what arrivals and request times are measured between."""
-
-    at: float
-    answered: float
-    present: float
-    """Requests in flight or held: arrivals = answered + the change of this."""
-    seconds_sum: float
-    seconds_count: float
-
-
-@dataclass(frozen=True, slots=True)
 class FleetView:
     """The routers' figures at `measured_at` (the caller's clock)."""
 
@@ -167,8 +155,8 @@ class RouterFleet:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._quantile = ttft_quantile
         self._clock = clock
-        self._previous_ttft: dict[str, tuple[tuple[float, float], ...]] = {}
-        self._previous_counts: dict[str, _Counts] = {}
+        self._previous: dict[str, tuple[float, RouterFigures]] = {}
+        """Per router, when it last answered and what: TTFT, arrivals and request times are measured since."""
         self.last_view: FleetView | None = None
 
     # Observation ---------------------------------------------------------------------------------------------
@@ -196,9 +184,8 @@ class RouterFleet:
         listed = {url: {r.url: r for r in f.replicas} for url, f in figures.items() if f.replicas is not None}
         replicas = _replica_loads(figures)
         demand: Demand | None
-        counts = {url: c for url, f in figures.items() if (c := _counts(f, measured_at)) is not None}
         if reading is None:
-            demand = None if errors else self._demand(figures, replicas, counts)
+            demand = None if errors else self._demand(figures, replicas, measured_at)
         else:
             errors += reading.errors
             measured_at -= reading.age_s
@@ -206,10 +193,9 @@ class RouterFleet:
             if demand is not None and demand.kv_usage is None:
                 demand = replace(demand, kv_usage=_kv_usage(figures, replicas))
         for url, f in figures.items():
-            self._previous_ttft[url] = f.ttft_buckets
-        for gone in set(self._previous_ttft) - set(routers):
-            del self._previous_ttft[gone]
-        self._previous_counts = counts
+            self._previous[url] = (measured_at, f)
+        for gone in set(self._previous) - set(routers):
+            del self._previous[gone]
         return self._remember(FleetView(measured_at, demand, replicas, listed, errors))
 
     async def _read_source(self) -> DemandReading | None:
@@ -220,13 +206,14 @@ class RouterFleet:
         return view
 
     def _demand(
-        self, figures: Mapping[str, RouterFigures], replicas: Mapping[str, ReplicaLoad], counts: Mapping[str, _Counts]
+        self, figures: Mapping[str, RouterFigures], replicas: Mapping[str, ReplicaLoad], measured_at: float
     ) -> Demand:
         total = dict.fromkeys(_GAUGES.values(), 0.0)
         for f in figures.values():
             for key in total:
                 total[key] += f.gauges.get(key, 0.0)
-        deltas = [_delta(f.ttft_buckets, self._previous_ttft.get(url)) for url, f in figures.items()]
+        before = {url: self._previous.get(url) for url in figures}
+        deltas = [_delta(f.ttft_buckets, (b := before[url]) and b[1].ttft_buckets) for url, f in figures.items()]
         ttft = histogram_quantile(self._quantile, _sum_buckets([d for d in deltas if d]))
         return fleet_demand(
             in_flight=total["in_flight"],
@@ -236,7 +223,7 @@ class RouterFleet:
             prefill_backlog_tokens=total["prefill_backlog_tokens"],
             kv_usage=_kv_usage(figures, replicas),
             ttft_s=ttft,
-            **_rates(counts, self._previous_counts, set(figures)),
+            **_rates(figures, before, measured_at),
         )
 
     async def _read_router(self, url: str) -> RouterFigures:
@@ -358,32 +345,38 @@ class RouterFleet:
             raise RouterError(f"{method} {url}: {exc!r}") from exc
 
 
-def _counts(figures: RouterFigures, at: float) -> _Counts | None:
-    if figures.answered is None or figures.request_seconds is None:
-        return None
-    present = figures.gauges.get("in_flight", 0.0) + figures.gauges.get("held", 0.0)
-    return _Counts(at, figures.answered, present, *figures.request_seconds)
-
-
-def _rates(current: Mapping[str, _Counts], previous: Mapping[str, _Counts], routers: set[str]) -> dict[str, Any]:
-    """`arrivals_per_s` and `request_s` since the previous round, summed over routers: a request that arrived
-    was answered, or is still in flight or held (arrivals = answered + the change of those). Both None unless
-    every router answered both rounds with counters that did not go back (a restarted router's would
+def _rates(
+    figures: Mapping[str, RouterFigures], before: Mapping[str, tuple[float, RouterFigures] | None], now: float
+) -> dict[str, Any]:
+    """`arrivals_per_s` and `request_s` since each router's previous answer, over every router: a request that
+    arrived was answered, or is still in flight or held (arrivals = answered + the change of those). Both None
+    unless every router gave both counters now and before and neither went back (a restarted router's would
     understate); `request_s` None also when no request finished."""
     unknown: dict[str, Any] = {"arrivals_per_s": None, "request_s": None}
-    if not routers or set(current) != routers or not routers <= set(previous):
+    if not figures:
         return unknown
-    arrived = seconds = finished = elapsed = 0.0
-    for url in routers:
-        now, then = current[url], previous[url]
-        answered = now.answered - then.answered
-        if answered < 0 or now.seconds_count < then.seconds_count or now.at <= then.at:
+    arrivals_per_s = seconds = finished = 0.0
+    for url, f in figures.items():
+        previous = before[url]
+        if previous is None or now <= previous[0]:
             return unknown
-        arrived += max(0.0, answered + now.present - then.present)
-        seconds += now.seconds_sum - then.seconds_sum
-        finished += now.seconds_count - then.seconds_count
-        elapsed = max(elapsed, now.at - then.at)
-    return {"arrivals_per_s": arrived / elapsed, "request_s": seconds / finished if finished else None}
+        then, old = previous
+        if f.answered is None or f.request_seconds is None or old.answered is None or old.request_seconds is None:
+            return unknown
+        answered = f.answered - old.answered
+        (seconds_now, count_now), (seconds_then, count_then) = f.request_seconds, old.request_seconds
+        if answered < 0 or count_now < count_then:
+            return unknown
+        arrived = answered + _present(f) - _present(old)
+        arrivals_per_s += max(0.0, arrived) / (now - then)
+        seconds += seconds_now - seconds_then
+        finished += count_now - count_then
+    return {"arrivals_per_s": arrivals_per_s, "request_s": seconds / finished if finished else None}
+
+
+def _present(figures: RouterFigures) -> float:
+    """Requests in flight at the router or held by it."""
+    return figures.gauges.get("in_flight", 0.0) + figures.gauges.get("held", 0.0)
 
 
 def _router_replica(entry: Mapping[str, Any]) -> RouterReplica:

@@ -122,7 +122,6 @@ class PrometheusDemand:
             prefill_backlog_tokens=values["prefill_backlog_tokens"] or 0.0,
             kv_usage=values.get("kv_usage"),
             ttft_s=values.get("ttft_s"),
-            held=held,
             arrivals_per_s=values.get("arrivals_per_s"),
             request_s=values.get("request_s"),
         )

@@ -26,8 +26,8 @@ the demo model) and through `shoal simulate`'s engine with a step model fitted t
 
 Each seed of `--seeds` is a workload replayed on a freshly started stack (cold caches, as the simulator starts),
 `--live-repeats` times: live is the median of those replays, and their spread (largest over smallest) is printed,
-since a VM's speed can drift between replays by more than the tolerance (seed 8 on a 2-core AMD VM: TTFT p50 31.9
-and 26.1 ms, 15 minutes apart).
+since a VM's speed can drift between replays by more than the tolerance (benchmarks/results/sim_vs_live_amd.txt:
+up to 19% on TTFT p99 between two replays of one seed).
 Prints live and simulated side by side per seed, then every seed's relative differences, and exits 1 when TTFT
 p50, p90, p99, end-to-end p50 or the hit ratio of any seed differ by more than `--tolerance` (15%, the
 simulator's validation target). Not part of `make test`: it needs a quiet machine.

@@ -48,8 +48,7 @@ class ProfileGrid:
     """Prefill chunk sizes; capped by the engine's max_num_batched_tokens (one chunk per step)."""
     is_budget_chunk_timed: bool = True
     """The engine's own chunk budget (max_num_batched_tokens) is timed too, after each prefix: every chunk of a long
-    prompt but its last is that size, and a fit that never saw one extrapolates (on the demo model a 1024-token
-    chunk took 1.3x what a fit up to 512 predicted)."""
+    prompt but its last is that size, and a fit that never saw one would extrapolate to it."""
     prefix_tokens: tuple[int, ...] = (0, 256, 1024)
     """Cached prefixes before each chunk; multiples of the block size, so the whole prefix is cached."""
     decode_seqs: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
@@ -233,8 +232,7 @@ class Profiler:
                         partial(self.mixed, seqs, chunk, context, grid.repeats, grid.warmup_steps),
                     )
                 )
-        # Warm the allocator and kernels once before anything is kept.
-        self.prefill(min(64, cfg.max_num_batched_tokens), 0, grid.warmup_steps)
+        self.engine.warm_up()  # the allocator and kernels, once, before anything is kept
         samples = []
         started = time.perf_counter()
         for i, (label, point) in enumerate(points, 1):

@@ -116,8 +116,9 @@ class Simulation:
         self._num_arrived = 0
         self._arrived_at_last_tick = 0
         self._ttfts_since_tick: list[float] = []
-        self._request_times_since_tick: list[float] = []
         """TTFT of each first token since the last scaling tick (the routers' histogram over one round)."""
+        self._request_times_since_tick: list[float] = []
+        """Whole time of each request finished since the last scaling tick, arrival to last byte."""
         self._window_hit = 0
         self._window_prompt = 0
         self._end_s = 0.0

@@ -118,9 +118,10 @@ class CapacityConfig(_Config):
     """The requests signal counts what the arrivals keep in flight at a healthy pace (Little's law: arrivals per
     second x the nominal request time) plus the waiting requests (queued or held), in place of the requests in
     flight. Until a request has finished, or where the arrivals are not measured, the requests in flight count.
-    On the four workloads of `bench_autoscale.py --workload frontier` it cut replica-seconds on the conversation
-    hour and the ServeGen day (with `learn_target`: 1.02x and 1.09x static peak at 99%) and cost the sinusoid its
-    goodput (84% against 93%: ramps that outrun a cold start are followed later), hence off by default."""
+    With `learn_target`, on the four workloads of `bench_autoscale.py --workload frontier` (its capacity row,
+    docs/simulation-results.md) it cut replica-seconds on the conversation hour and the ServeGen day (1.02x and
+    1.09x static peak at 99%) and cost the sinusoid its goodput (84% against 93%: ramps that outrun a cold start
+    are followed later), hence off by default."""
     nominal_window_s: float = Field(600.0, gt=0)
     """Seconds over which the nominal request time is averaged (exponentially), over healthy intervals only:
     those whose TTFT quantile meets `target_ttft_s` (every interval without a TTFT target). Ten minutes: longer

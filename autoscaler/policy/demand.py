@@ -55,7 +55,6 @@ def fleet_demand(
         prefill_backlog_tokens=prefill_backlog_tokens,
         kv_usage=kv_usage,
         ttft_s=ttft_s,
-        held=held,
         arrivals_per_s=arrivals_per_s,
         request_s=request_s,
     )
@@ -76,7 +75,6 @@ def mean_demand(samples: tuple[Sample, ...], since: float) -> Demand:
         prefill_backlog_tokens=sum(d.prefill_backlog_tokens for d in window) / n,
         kv_usage=_mean([d.kv_usage for d in window]),
         ttft_s=_mean([d.ttft_s for d in window]),
-        held=sum(d.held for d in window) / n,
         arrivals_per_s=_mean([d.arrivals_per_s for d in window]),
         request_s=_mean([d.request_s for d in window]),
     )

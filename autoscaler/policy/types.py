@@ -105,8 +105,6 @@ class Demand:
     """Sum over ready replicas of their KV cache fraction (0..1 each); None when not every replica reports it."""
     ttft_s: float | None = None
     """TTFT quantile (`ttft_quantile`) over the requests since the last observation; None with none."""
-    held: float = 0.0
-    """Of `requests`, those held at the routers for want of a replica."""
     arrivals_per_s: float | None = None
     """Requests that reached the routers per second since the last observation; None when not measured."""
     request_s: float | None = None

@@ -208,10 +208,9 @@ class LLMEngine:
 
     def warm_up(self) -> None:
         """Run one request of a full chunk budget of prompt tokens and one output token, then forget it: the first
-        request served otherwise pays the allocator's and the kernels' first calls (on the demo model on a CPU, a
-        cold 669-token prompt took 108 ms as a fresh replica's first request against 60 ms predicted). Leaves no
-        cached block and no KV event behind, and no decode step to teach the speculation policy. Call it before
-        serving, with nothing queued."""
+        request served otherwise pays the allocator's and the kernels' first calls. Leaves no cached block and no KV
+        event behind, and no decode step to teach the speculation policy. Call it before serving, with nothing
+        queued."""
         if self.has_work:
             raise RuntimeError("warm_up needs an idle engine")
         vocab = self.model.config.vocab_size
