@@ -1,9 +1,9 @@
 """Least load ("join the shortest queue"): each request goes to the replica with the smallest queue depth.
 
-Queue depth is `ReplicaState.queue_depth`: the larger of the router's in-flight count and the engine's running
-plus waiting sequences, so the policy sees other routers' load once a scrape has. Ties (common when the fleet
-is idle) go round robin: to the first tied id after the last replica chosen, in id order, so an idle fleet is
-not funnelled to its smallest id.
+Queue depth is `ReplicaState.queue_depth`: the router's own in-flight count plus the sequences the engine
+counted beyond the router's own at its last scrape, so the policy sees other routers' load once a scrape has.
+Ties (common when the fleet is idle) go round robin: to the first tied id after the last replica chosen, in id
+order, so an idle fleet is not funnelled to its smallest id.
 
 No parameters (`LeastLoadConfig` below). Cache-blind; the branch is LEAST_LOAD (ONLY_REPLICA for a single
 replica). Source: join-the-shortest-queue, the textbook load-only baseline.

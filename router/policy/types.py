@@ -90,6 +90,8 @@ class ReplicaState:
     """Of `waiting`, those other routers reported."""
     peer_waiting_prompt_tokens: int = 0
     """Of `waiting_prompt_tokens`, those other routers reported."""
+    in_flight_at_scrape: int = 0
+    """`in_flight` when the engine's gauges were last set: what of the engine's count was this router's own."""
     version: int = field(default=0, repr=False, compare=False)
     """Bumped by every method below that changes a field. A policy that derives terms from the fields keeps them
     with the state object and the version they were derived at, and need not read the fields again while both are
@@ -138,6 +140,7 @@ class ReplicaState:
         self.num_running = num_running
         self.num_waiting = num_waiting
         self.kv_usage = kv_usage
+        self.in_flight_at_scrape = self.in_flight
         if max_num_seqs is not None and max_num_seqs > 0:
             self.max_num_seqs = max_num_seqs
         elif infer_max_num_seqs and num_running and num_waiting and num_running > (self.max_num_seqs or 0):
@@ -198,9 +201,12 @@ class ReplicaState:
 
     @property
     def queue_depth(self) -> int:
-        """Best estimate of requests queued or running on the replica: the larger of router and engine views."""
+        """Best estimate of requests queued or running on the replica: this router's own (exact and current) plus
+        those the engine counted beyond them at its last scrape (sent by clients or routers this one does not
+        hear from). The engine's count alone lags a scrape interval: a replica that drained since looks busy."""
         engine = (self.num_running or 0) + (self.num_waiting or 0)
-        return max(self.in_flight, engine)
+        foreign = engine - self.in_flight_at_scrape
+        return self.in_flight + foreign if foreign > 0 else self.in_flight
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,8 @@ from router.policy.types import Branch, Decision, ReplicaState, RouteRequest
 def reference_queue_s(r: ReplicaState) -> float:
     """Seconds of wait for a batch slot: n - B + 1 completions at B / slot_s per second once n >= B."""
     slots = r.max_num_seqs if r.max_num_seqs is not None else r.learned_slots
-    n = max(r.in_flight, (r.num_running or 0) + (r.num_waiting or 0))
+    # The router's own requests now and those the engine counted beyond its own at the last scrape.
+    n = r.in_flight + max(0, (r.num_running or 0) + (r.num_waiting or 0) - r.in_flight_at_scrape)
     if slots is None or r.slot_s is None or n < slots:
         return 0.0
     return (n - slots + 1) * r.slot_s / slots

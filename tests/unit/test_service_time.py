@@ -62,6 +62,21 @@ def test_a_scrape_that_sees_a_queue_takes_the_largest_running_count_as_the_batch
     assert r.batch_slots == 16.0
 
 
+def test_the_queue_is_the_routers_own_requests_now_plus_what_the_engine_counted_beyond_them() -> None:
+    r = ReplicaState("a")
+    for _ in range(6):
+        r.begin(100, now=0.0)
+    r.set_gauges(4, 4, None)  # 8 on the engine when the router had 6 there: 2 came from elsewhere
+    assert r.queue_depth == 8
+    for _ in range(5):
+        r.finish(100, is_waiting=True)  # drained since the scrape: the engine's 8 are stale
+    assert r.queue_depth == 3
+    r.set_gauges(1, 0, None)  # fewer than the router's own (one not yet arrived): nothing foreign
+    assert r.queue_depth == 1
+    r.begin(100, now=1.0)
+    assert r.queue_depth == 2
+
+
 def test_known_slots_turn_every_duration_into_a_slot_time() -> None:
     est = ServiceTimeEstimator()
     state = ServiceTime()
