@@ -18,6 +18,7 @@ def fleet(**hot: object) -> list[ReplicaState]:
     replicas = [ReplicaState(rid, max_num_seqs=4, slot_s=0.5) for rid in ("a", "b", "c")]
     for name, value in hot.items():
         setattr(replicas[0], name, value)
+    replicas[0].in_flight_at_scrape = replicas[0].in_flight  # its gauges were scraped with these requests there
     return replicas
 
 
