@@ -118,9 +118,12 @@ async def test_local_replicas_grow_under_load_and_shrink_without_failing_a_reque
         )
 
         # Most of the load stops: 3 clients of longer requests want 2 replicas. The victim is drained while its
-        # request still streams, and removed only once that request is done.
-        tail.start(3)
+        # request still streams, and removed only once that request is done. The tail starts once the burst's last
+        # requests are done, so that it lands one request per replica (placed beside the burst's, it could leave a
+        # replica idle, and the fewest-in-flight victim would then have nothing to drain); the scale-down window
+        # still remembers the burst, so the fleet stays at 3 until the tail has spread.
         await burst.stop()
+        tail.start(3)
         await eventually(lambda: _num_processes(actuator, 2), timeout_s=40, what="the fleet shrunk to 2")
         drained_busy = [r for r in controller.removals if r.outcome == "drained" and r.in_flight_at_drain]
         assert drained_busy, list(controller.removals)
