@@ -213,7 +213,7 @@ class RouterFleet:
             for key in total:
                 total[key] += f.gauges.get(key, 0.0)
         before = {url: self._previous.get(url) for url in figures}
-        deltas = [_delta(f.ttft_buckets, (b := before[url]) and b[1].ttft_buckets) for url, f in figures.items()]
+        deltas = [_delta(f.ttft_buckets, _ttft_buckets(before[url])) for url, f in figures.items()]
         ttft = histogram_quantile(self._quantile, _sum_buckets([d for d in deltas if d]))
         return fleet_demand(
             in_flight=total["in_flight"],
@@ -372,6 +372,10 @@ def _rates(
         seconds += seconds_now - seconds_then
         finished += count_now - count_then
     return {"arrivals_per_s": arrivals_per_s, "request_s": seconds / finished if finished else None}
+
+
+def _ttft_buckets(previous: tuple[float, RouterFigures] | None) -> tuple[tuple[float, float], ...] | None:
+    return None if previous is None else previous[1].ttft_buckets
 
 
 def _present(figures: RouterFigures) -> float:

@@ -6,12 +6,11 @@ Per call:
    starts from cascading, and the deadline is what stops a stuck start from blocking the fleet forever.
 2. Missing or stale figures hold the current size, never lower it; after `hold_after_failures` such
    observations the decision says so and applies the fallback, if any.
-3. With `capacity` (off by default, `capacity.py`): the requests are what the arrivals keep in flight at the
-   nominal pace, plus the waiting ones (`from_arrivals`), and the per-replica target is learnt from TTFT
-   (`learn_target`).
-3b. Demand is absolute: per signal, desired = ceil(total / per-replica target), averaged over the stable window
+3. Demand is absolute: per signal, desired = ceil(total / per-replica target), averaged over the stable window
    and over the short panic window; the largest signal wins. The requests signal may keep a square-root
-   headroom for Poisson noise (`requests_headroom_sd`): ceil((requests + beta x sqrt(requests)) / target).
+   headroom for Poisson noise (`requests_headroom_sd`): ceil((requests + beta x sqrt(requests)) / target). With
+   `capacity` (off by default, `capacity.py`) the requests are what the arrivals keep in flight at the nominal
+   pace plus the waiting ones (`from_arrivals`), and the target is learnt from TTFT (`learn_target`).
 4. Panic (Knative) when the short window needs at least `threshold` x the ready replicas (before rounding up) and,
    on the requests signal, exceeds their capacity by more than Poisson noise (`noise_margin_sd`): size on the
    short window, never below the current size, until a stable window passes without the condition.

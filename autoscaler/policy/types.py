@@ -108,7 +108,7 @@ class Demand:
     arrivals_per_s: float | None = None
     """Requests that reached the routers per second since the last observation; None when not measured."""
     request_s: float | None = None
-    """Mean time of the requests that finished since the last observation, first byte to last; None with none."""
+    """Mean time of the requests that finished since the last observation, arrival to last byte; None with none."""
 
     @property
     def is_busy(self) -> bool:
