@@ -665,6 +665,7 @@ def create_app(
     )
     metrics_ = ReplicaMetrics(model_name)
     metrics_.cache_config.labels(model_name, str(settings.block_size), str(settings.num_blocks)).set(1)
+    metrics_.max_num_seqs.labels(model_name).set(config.max_num_seqs)
     hub = KVEventHub(settings.replica_id or f"{settings.host}:{settings.port}")
     state_holder: list[ReplicaState] = []
     async_engine = AsyncEngine(engine, max_waiting=settings.max_waiting, on_step=lambda r: state_holder[0].on_step(r))

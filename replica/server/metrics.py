@@ -49,6 +49,13 @@ class ReplicaMetrics:
         self.e2e = Histogram(
             "vllm:e2e_request_latency_seconds", "Arrival to last token", labels, buckets=_E2E_BUCKETS_S, registry=r
         )
+        # vLLM exports no batch limit; routers read this one as they read SGLang's sglang:max_running_requests.
+        self.max_num_seqs = Gauge(
+            "shoal_replica_max_num_seqs",
+            "Sequences the engine runs at once (its batch limit); past it requests wait for a slot",
+            labels,
+            registry=r,
+        )
         self.cache_config = Gauge(
             "vllm:cache_config_info", "KV cache configuration", [*labels, "block_size", "num_gpu_blocks"], registry=r
         )

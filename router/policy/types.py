@@ -76,8 +76,9 @@ class ReplicaState:
     last_selected: float = float("-inf")
     """`now` of the last time a policy chose this replica (least-recently-chosen tie break)."""
     max_num_seqs: int | None = None
-    """The engine's batch slots (sequences it runs at once), when known: scraped (sglang:max_running_requests), or
-    the largest running count of a scrape that saw requests queued in the engine. None: unknown."""
+    """The engine's batch slots (sequences it runs at once), when known: scraped (SGLang's
+    sglang:max_running_requests, Shoal's shoal_replica_max_num_seqs), or the largest running count of a scrape that
+    saw requests queued in the engine. None: unknown."""
     slot_s: float | None = None
     """Learned mean seconds a request holds a batch slot here (`service_time`); None until one finished."""
     learned_slots: float | None = None

@@ -1,7 +1,8 @@
 """Engine gauges from a replica's Prometheus `/metrics` (DESIGN.md contract 3).
 
-One parser serves vLLM and Shoal's replica (which exports vLLM's names) and SGLang. Samples of one gauge with
-several label sets (one per model served) are summed, except KV usage, where the fullest cache counts. The KV
+One parser serves vLLM and Shoal's replica (which exports vLLM's names, and as `shoal_replica_max_num_seqs` the
+batch limit that vLLM does not export) and SGLang. Samples of one gauge with several label sets (one per model
+served) are summed, except KV usage, where the fullest cache counts. The KV
 cache's size in tokens comes from vLLM's `vllm:cache_config_info` (its labels `num_gpu_blocks` x `block_size`) or
 SGLang's `sglang:max_total_num_tokens`; with several label sets the smallest counts.
 """
@@ -20,6 +21,7 @@ _GAUGES: dict[str, tuple[str, str]] = {
     "sglang:num_queue_reqs": ("num_waiting", "sum"),
     "sglang:token_usage": ("kv_usage", "max"),
     "sglang:max_running_requests": ("max_num_seqs", "sum"),
+    "shoal_replica_max_num_seqs": ("max_num_seqs", "sum"),
 }
 
 

@@ -178,7 +178,7 @@ async def test_client_disconnect_aborts_and_frees_blocks(start_replica: StartRep
 
 
 async def test_metrics_use_vllm_names(start_replica: StartReplica) -> None:
-    replica = await start_replica()
+    replica = await start_replica(max_num_seqs=6)
     async with client(replica.url) as c:
         for _ in range(2):
             await c.completions.create(model="shoal-demo", prompt=SYSTEM, max_tokens=3)
@@ -194,6 +194,7 @@ async def test_metrics_use_vllm_names(start_replica: StartReplica) -> None:
     assert metric_value(text, "vllm:generation_tokens_total", labels) == 6
     assert metric_value(text, "vllm:time_to_first_token_seconds_count", labels) == 2
     assert metric_value(text, "vllm:request_success_total", {**labels, "finished_reason": "length"}) == 2
+    assert metric_value(text, "shoal_replica_max_num_seqs", labels) == 6  # vLLM has no gauge for its batch limit
 
 
 async def test_kv_events_stream_snapshot_then_stored_blocks_with_router_hashes(start_replica: StartReplica) -> None:

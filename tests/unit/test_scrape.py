@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from prometheus_client import generate_latest
+
+from replica.server.metrics import ReplicaMetrics
 from router.service.scrape import parse_engine_metrics
 
 VLLM = """\
@@ -26,3 +29,12 @@ def test_a_cache_not_yet_profiled_has_no_size() -> None:
 def test_sglang_reports_its_cache_in_tokens() -> None:
     text = 'sglang:max_total_num_tokens{model_name="m"} 500000.0\nsglang:num_queue_reqs{model_name="m"} 2.0\n'
     assert parse_engine_metrics(text) == {"kv_capacity_tokens": 500000.0, "num_waiting": 2.0}
+
+
+def test_shoal_replicas_export_the_batch_limit_vllm_does_not() -> None:
+    metrics = ReplicaMetrics("m")
+    metrics.max_num_seqs.labels("m").set(48)
+    metrics.num_running.labels("m").set(5)
+    gauges = parse_engine_metrics(generate_latest(metrics.registry).decode())
+    assert gauges["max_num_seqs"] == 48.0
+    assert gauges["num_running"] == 5.0
