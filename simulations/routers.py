@@ -144,9 +144,11 @@ class RouterFleet:
         for router in self.routers:
             router.set_eligible(replica_id, is_eligible)
 
-    def scrape(self, replica_id: str, num_running: int, num_waiting: int, kv_usage: float) -> None:
+    def scrape(
+        self, replica_id: str, num_running: int, num_waiting: int, kv_usage: float, max_num_seqs: int | None = None
+    ) -> None:
         for router in self.routers:
-            router.scrape(replica_id, num_running, num_waiting, kv_usage)
+            router.scrape(replica_id, num_running, num_waiting, kv_usage, max_num_seqs)
 
     def apply_kv_events(self, replica_id: str, events: Sequence[KVEvent], now: float) -> None:
         for router in self.routers:

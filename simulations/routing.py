@@ -134,10 +134,13 @@ class SimRouter:
         """The request ended; as at the live router, its duration teaches the replica's service-time terms."""
         self.core.finish(ticket, now)
 
-    def scrape(self, replica_id: str, num_running: int, num_waiting: int, kv_usage: float) -> None:
-        """The gauges a scrape of the replica's /metrics returned now."""
+    def scrape(
+        self, replica_id: str, num_running: int, num_waiting: int, kv_usage: float, max_num_seqs: int | None = None
+    ) -> None:
+        """The gauges a scrape of the replica's /metrics returned now; `max_num_seqs` when the engine exports its
+        batch limit."""
         self.core.state(replica_id).set_gauges(
-            num_running, num_waiting, kv_usage, infer_max_num_seqs=self.infer_max_num_seqs
+            num_running, num_waiting, kv_usage, max_num_seqs, infer_max_num_seqs=self.infer_max_num_seqs
         )
 
     def apply_kv_events(self, replica_id: str, events: Sequence[KVEvent], now: float) -> None:

@@ -211,8 +211,7 @@ class RouterConfig(_Model):
     (`router.policy.service_time`: `learn_slots`, `learn_fixed`, both off by default as in the live router)."""
     infer_max_num_seqs: bool = False
     """Take a replica's batch limit from a scrape that sees requests queued beside running ones
-    (`ReplicaState.set_gauges`). Off by default, as in the live router: a full KV cache queues requests too. The
-    simulated engines export no limit of their own (vLLM's metrics do not)."""
+    (`ReplicaState.set_gauges`). Off by default, as in the live router: a full KV cache queues requests too."""
     session: SessionAffinityConfig = Field(default_factory=SessionAffinityConfig)
     """When a pin yields to the policy (its replica overloaded) and how many sessions are remembered: the live
     router's `session_affinity` settings."""

@@ -315,7 +315,8 @@ class Simulation:
     def _scrape(self, _: Any) -> None:
         for member in self._live_members():
             r = member.replica
-            self.router.scrape(r.id, r.num_running, r.num_waiting, r.cache.usage)
+            limit = r.engine.max_num_seqs if r.engine.exports_max_num_seqs else None
+            self.router.scrape(r.id, r.num_running, r.num_waiting, r.cache.usage, max_num_seqs=limit)
         if not self._is_done():
             self.sim.at(self.sim.now + self._scrape_interval_s, self._scrape)
 

@@ -100,6 +100,10 @@ class EngineConfig(_Model):
     same blocks (exact mode needs them equal). vLLM's and SGLang's default: 16."""
     max_num_seqs: int = Field(default=256, ge=1)
     """Most sequences running at once (vLLM `--max-num-seqs`, default 256)."""
+    exports_max_num_seqs: bool = False
+    """The engine's gauges carry `max_num_seqs`, as SGLang's (`sglang:max_running_requests`) and Shoal's replica's
+    (`shoal_replica_max_num_seqs`) do, so the router knows its batch slots. Off by default: vLLM's metrics carry no
+    limit, and the presets model vLLM."""
     max_num_batched_tokens: int = Field(default=8192, ge=1)
     """Token budget of one step, prefill chunks and decode tokens together (vLLM V1 `--max-num-batched-tokens`,
     8192 for the online server on datacenter GPUs)."""
@@ -399,7 +403,7 @@ def fit_speculation(section: dict[str, Any], model: StepModel) -> tuple[Speculat
 
 def preset_from_profile(path: Path) -> Preset:
     """A preset whose step model is fitted to a `shoal replica profile` file and whose engine is the profiled
-    one (its KV blocks, batch limits and block size)."""
+    one (its KV blocks, batch limits and block size), exporting its batch limit as Shoal's replica does."""
     try:
         document = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -434,6 +438,7 @@ def preset_from_profile(path: Path) -> Preset:
             max_num_seqs=engine["max_num_seqs"],
             max_num_batched_tokens=engine["max_num_batched_tokens"],
             enable_prefix_caching=engine.get("enable_prefix_caching", True),
+            exports_max_num_seqs=True,
         ),
     )
 

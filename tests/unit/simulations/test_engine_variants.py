@@ -133,3 +133,16 @@ def test_the_router_infers_a_batch_limit_from_scrapes_only_when_asked(is_inferre
     simulation = Simulation(scn, policy_entry("round_robin"), workload(*requests))
     simulation.run()
     assert simulation.router.state("r000").max_num_seqs == (2 if is_inferred else None)
+
+
+@pytest.mark.parametrize("is_exported", [False, True])
+def test_engines_that_export_their_batch_limit_tell_the_router_at_the_first_scrape(is_exported: bool) -> None:
+    scn = scenario(
+        fleet={"engine": {"max_num_seqs": 3, "exports_max_num_seqs": is_exported}},
+        router={"scrape_interval_s": 0.05},
+    )
+    # One request at a time: no scrape ever sees a queue, so nothing could be inferred.
+    requests = [request(i, 0.5 * i, ((i + 1, 100),), output_tokens=2) for i in range(2)]
+    simulation = Simulation(scn, policy_entry("round_robin"), workload(*requests))
+    simulation.run()
+    assert simulation.router.state("r000").max_num_seqs == (3 if is_exported else None)

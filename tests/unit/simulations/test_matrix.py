@@ -81,7 +81,10 @@ def test_flags_the_matrix_file_sets_are_refused(matrix_file: Path, tmp_path: Pat
 
 def test_the_packaged_matrix_is_valid_and_its_engines_resolve() -> None:
     matrix = load_matrix(Path(__file__).parents[3] / "simulations" / "matrices" / "engines_x_traces.yaml")
-    assert matrix.num_runs == 6 * 5 * 9
+    assert matrix.num_runs == 7 * 5 * 9
     fleets = {e.label: matrix.scenario(e, matrix.traces[0], 0).fleet for e in matrix.engines}
     assert fleets["one_slow"].step_time_factors == [2.0]
+    assert not fleets["small_batch"].resolve().engine.exports_max_num_seqs
+    assert fleets["small_batch_exported"].resolve().engine.exports_max_num_seqs
+    assert fleets["profiled"].resolve().engine.exports_max_num_seqs  # as Shoal's replica does
     assert fleets["profiled"].resolve().engine.max_num_batched_tokens == 512  # the profile's, not the base preset's
