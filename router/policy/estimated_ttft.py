@@ -13,7 +13,7 @@ r.waiting requests) and `c(r)` = cached_tokens(r) (predicted prefix match, from 
     pressure(r) = kv_pressure_s * x**2,   x = max(0, kv_usage - kv_pressure_threshold) / (1 - kv_pressure_threshold)
     queue(r)    = (n - B + 1) * slot_s / B  if n >= B else 0        # n = r.queue_depth, B = r.batch_slots
     ttft(r)     = prefill(r) + decode(r) + pressure(r) + queue(r) + r.fixed_s
-    fleet(r)    = fleet_cost_weight * (own(r) - min_r' own(r'))
+    fleet(r)    = fleet_cost_weight * (own(r) - min_r' own(r'))  if r.queue_depth > 0, else 0
     cost(r)     = ttft(r) + fleet(r)
 
 - prefill: engines prefill first come, first served, so the request waits for the backlog ahead of it and then
@@ -41,14 +41,19 @@ r.waiting requests) and `c(r)` = cached_tokens(r) (predicted prefix match, from 
   delays the requests after it by about x * rho / (1 - rho) in total. So a placement is charged its prefill time
   beyond the cheapest placement's (0 on the replica with the longest match when rates are equal), times the
   weight. Without it, near saturation requests leave the replica holding their prefix for a slightly shorter
-  queue, the hit ratio falls, and the saturated fleet pays for the recomputation in queueing.
+  queue, the hit ratio falls, and the saturated fleet pays for the recomputation in queueing. A replica with
+  nothing in flight is not charged: no request there waits behind the recomputation (later ones see it as
+  backlog), and a copy made there is how a prefix hotter than its holders can serve spreads (a hot prefix over
+  8 replicas, `simulations/matrices/engines_x_traces.yaml`: charged, its holders queued 32 running and 20 waiting
+  while two replicas took no request). `charges_idle_replicas` charges them too.
 
 Choice. A replica whose queue depth is at or past `max_queue_per_replica` is skipped while another is under
 the cap; when every replica is at it, the smallest cost over all wins and the branch is OVERLOADED. Every
-candidate within `tie_epsilon_s + tie_rel_epsilon * best` of the best cost is tied, and the tie goes to fewer
-requests in flight, then the least recently chosen (`last_selected`, which the driver sets to `now`), then the
-smallest id. Idle replicas therefore take cache misses in turn instead of the first one taking all, while a real
-difference (a cache hit, a backlog, a faster replica) still decides.
+candidate within `tie_epsilon_s + tie_rel_epsilon * best` of the best cost is tied, and the tie goes to the
+longest cached prefix (a short prompt's hit can tie an idle replica's miss, which no fleet cost separates), then
+to fewer requests in flight, then the least recently chosen (`last_selected`, which the driver sets to `now`),
+then the smallest id. Idle replicas therefore take cache misses in turn instead of the first one taking all, while
+a real difference (a cache hit, a backlog, a faster replica) still decides.
 
 Branch: ONLY_REPLICA for a single replica, OVERLOADED as above, else CACHE_HIT / SPILL / CACHE_MISS as in
 `decisions.cache_branch`, with SPILL made SPILL_QUEUE when a replica with the longest match would have been tied
@@ -116,6 +121,10 @@ class EstimatedTTFTConfig(PolicyConfigModel):
     the Mooncake trace prefill needs ~57% of the fleet). On simulated Mooncake runs, 1 to 2 keep the hit ratio
     within 10% of the ceiling at both loads; 0 is the greedy per-request TTFT."""
 
+    charges_idle_replicas: bool = False
+    """Charge the fleet cost on replicas with nothing in flight too. Off: recomputing a prefix on an idle replica
+    delays no request there, and it is how a hot prefix gets a second copy."""
+
     kv_pressure_s: float = Field(default=1.0, ge=0.0)
     """Seconds added when the KV cache is full (kv_usage 1.0). A request then waits for running sequences to
     finish and free blocks, or causes a preemption; 1 s is of the order of a sequence's remaining decode time,
@@ -148,7 +157,8 @@ def own_prefill_s(cached: int, uncached: int, rate: float, attention_s_per_token
 
 
 class EstimatedTTFT:
-    """Minimise estimated TTFT plus fleet prefill cost; break near-ties towards idle, least recently used replicas."""
+    """Minimise estimated TTFT plus fleet prefill cost; break near-ties towards the longest cached prefix, then idle,
+    least recently used replicas."""
 
     name = "estimated_ttft"
 
@@ -184,7 +194,8 @@ class EstimatedTTFT:
         floor_s = min(own)
         weight = self.config.fleet_cost_weight
         ttfts = [self.estimate_s(request, r, rate) for r, rate in zip(replicas, rates, strict=True)]
-        return [(t, t + weight * (o - floor_s)) for t, o in zip(ttfts, own, strict=True)]
+        charged = [self.config.charges_idle_replicas or r.queue_depth > 0 for r in replicas]
+        return [(t, t + weight * (o - floor_s) if c else t) for t, o, c in zip(ttfts, own, charged, strict=True)]
 
     def select(self, request: RouteRequest, replicas: Sequence[ReplicaState], *, now: float) -> Decision:
         if len(replicas) == 1:
@@ -224,7 +235,13 @@ class EstimatedTTFT:
         floor_s = min(owns)
         weight = cfg.fleet_cost_weight
         ttfts = ttfts_s(terms.rows, rates, owns, uncached, inv_step_tokens)
-        costs = [ttft + weight * (own - floor_s) for ttft, own in zip(ttfts, owns, strict=True)]
+        if cfg.charges_idle_replicas:
+            costs = [ttft + weight * (own - floor_s) for ttft, own in zip(ttfts, owns, strict=True)]
+        else:
+            costs = [
+                ttft + weight * (own - floor_s) if busy else ttft
+                for ttft, own, busy in zip(ttfts, owns, terms.is_busy, strict=True)
+            ]
         if 0 < terms.num_under_cap < n:  # skip the replicas at the cap
             candidates = list(compress(range(n), terms.is_under_cap))
             best_s = min([costs[i] for i in candidates])
@@ -234,7 +251,11 @@ class EstimatedTTFT:
             best_s = min(costs)
             tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
             tied = list(compress(range(n), map(le, costs, repeat(tied_below_s))))
-        best = tied[0] if len(tied) == 1 else min(tied, key=terms.tie_keys.__getitem__)
+        if len(tied) == 1:
+            best = tied[0]
+        else:  # the longest cached prefix first: an idle replica's miss can tie a hit where no fleet cost is charged
+            tie_keys = terms.tie_keys
+            best = min(tied, key=lambda i: (-matched.get(tie_keys[i][2], 0), tie_keys[i]))
         chosen_id = replicas[best].id
         is_overloaded = not terms.num_under_cap
         branch = Branch.OVERLOADED if is_overloaded else branch_for_blocks(best_blocks, matched.get(chosen_id, 0))

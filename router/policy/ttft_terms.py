@@ -114,6 +114,8 @@ class FleetTerms:
         self.is_under_cap: list[bool] = []
         """Queue depth under `max_queue_per_replica`."""
         self.num_under_cap = 0
+        self.is_busy: list[bool] = []
+        """Queue depth above 0: requests in flight there, which recomputed prefill would delay."""
         self.tie_keys: list[tuple[int, float, str]] = []
         """(in flight, last selected, id): the near-tie order."""
         self.positions: dict[str, int] = {}
@@ -137,12 +139,14 @@ class FleetTerms:
             self.rows = [(0, 0.0, 0.0, 0.0, 0.0, 0.0)] * n
             self.rates = [math.nan] * n
             self.is_under_cap = [False] * n
+            self.is_busy = [False] * n
             self.tie_keys = [(0, 0.0, "")] * n
             self.positions = {}
         self.states = list(replicas)
         self.versions = versions
         cfg = self.config
         rows, rates, is_under_cap, tie_keys = self.rows, self.rates, self.is_under_cap, self.tie_keys
+        is_busy = self.is_busy
         cap = cfg.max_queue_per_replica
         for i in changed:
             r = replicas[i]
@@ -151,7 +155,9 @@ class FleetTerms:
             if rate != rates[i]:
                 rates[i] = rate
                 self.pooled = None
-            is_under_cap[i] = r.queue_depth < cap
+            depth = r.queue_depth
+            is_under_cap[i] = depth < cap
+            is_busy[i] = depth > 0
             if tie_keys[i][2] != r.id:
                 self.positions = {}
             tie_keys[i] = (r.in_flight, r.last_selected, r.id)

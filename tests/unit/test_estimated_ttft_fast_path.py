@@ -69,17 +69,30 @@ def reference_costs(
         owns.append(own)
         ttfts.append(ttft)
     floor = min(owns)
-    return [(t, t + cfg.fleet_cost_weight * (own - floor)) for t, own in zip(ttfts, owns, strict=True)]
+    charged = [cfg.charges_idle_replicas or r.queue_depth > 0 for r in replicas]
+    return [
+        (t, t + cfg.fleet_cost_weight * (own - floor) if c else t)
+        for t, own, c in zip(ttfts, owns, charged, strict=True)
+    ]
 
 
 def reference_select(cfg: EstimatedTTFTConfig, request: RouteRequest, replicas: Sequence[ReplicaState]) -> Decision:
-    """The choice among two or more replicas: cap, near-tie band, then fewer in flight, least recent, smallest id."""
+    """The choice among two or more replicas: cap, near-tie band, then the longest match, fewer in flight, least
+    recent, smallest id."""
     costs = reference_costs(cfg, request, replicas)
     under_cap = [i for i, r in enumerate(replicas) if r.queue_depth < cfg.max_queue_per_replica]
     candidates = under_cap if under_cap else list(range(len(replicas)))
     best_s = min(costs[i][1] for i in candidates)
     tied = [i for i in candidates if costs[i][1] <= best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s]
-    chosen = min(tied, key=lambda i: (replicas[i].in_flight, replicas[i].last_selected, replicas[i].id))
+    chosen = min(
+        tied,
+        key=lambda i: (
+            -request.matched_blocks.get(replicas[i].id, 0),
+            replicas[i].in_flight,
+            replicas[i].last_selected,
+            replicas[i].id,
+        ),
+    )
     rid = replicas[chosen].id
     longest = max(request.matched_blocks.get(r.id, 0) for r in replicas)
     blocks = request.matched_blocks.get(rid, 0)
@@ -128,6 +141,7 @@ configs = st.builds(
     tie_rel_epsilon=st.sampled_from([0.0, 0.02]),
     max_queue_per_replica=st.sampled_from([2, 8, 256]),
     fleet_cost_weight=st.sampled_from([0.0, 1.5]),
+    charges_idle_replicas=st.booleans(),
     rate_noise_cv=st.sampled_from([0.0, 0.25, 10.0]),
     kv_pressure_threshold=st.sampled_from([0.0, 0.8]),
 )

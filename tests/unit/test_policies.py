@@ -202,14 +202,28 @@ def holder_and_idle(backlog_tokens: int, backlog_requests: int) -> list[ReplicaS
 
 def test_estimated_ttft_fleet_cost_keeps_a_prefix_behind_a_moderate_queue() -> None:
     # At 10k tokens/s: `a` costs 3.0 s of backlog + 0.3 s of its attention + 0.14 s of own prefill = 3.45 s;
-    # `b` answers sooner (1.92 s) but recomputes 15,360 tokens the fleet already holds: 1.78 s, x 1.5 = 2.68 s.
+    # `b`, busy decoding one stream, answers sooner (1.92 s) but recomputes 15,360 tokens the fleet already holds:
+    # 1.78 s, x 1.5 = 2.68 s.
     replicas = holder_and_idle(30_000, 3)
+    other = by_id(replicas)["b"]
+    other.in_flight = other.streaming = 1
     d = route(ttft(), request(16_384, {"a": 960}), replicas)
     assert (d.replica, d.branch) == ("a", Branch.CACHE_HIT)
     assert d.predicted_ttft_s == pytest.approx(3.45, abs=0.01)  # the TTFT, not the cost
-    # The greedy per-request estimate (no fleet cost) spills to the idle replica.
+    # The greedy per-request estimate (no fleet cost) spills to the other replica.
     d = route(ttft(fleet_cost_weight=0.0), request(16_384, {"a": 960}), replicas)
     assert (d.replica, d.branch) == ("b", Branch.SPILL)
+
+
+def test_estimated_ttft_charges_no_fleet_cost_on_an_idle_replica() -> None:
+    # As above with `b` idle: no request there waits behind the recomputation, so the request takes the sooner
+    # first token (1.92 s against 3.45 s) and the prefix gets a second copy; charged, it would stay on `a`.
+    replicas = holder_and_idle(30_000, 3)
+    d = route(ttft(), request(16_384, {"a": 960}), replicas)
+    assert (d.replica, d.branch) == ("b", Branch.SPILL)
+    assert d.predicted_ttft_s == pytest.approx(1.92, abs=0.01)
+    d = route(ttft(charges_idle_replicas=True), request(16_384, {"a": 960}), replicas)
+    assert (d.replica, d.branch) == ("a", Branch.CACHE_HIT)
 
 
 def test_estimated_ttft_fleet_cost_does_not_hold_a_prefix_behind_a_long_queue() -> None:
