@@ -43,9 +43,8 @@ r.waiting requests) and `c(r)` = cached_tokens(r) (predicted prefix match, from 
   weight. Without it, near saturation requests leave the replica holding their prefix for a slightly shorter
   queue, the hit ratio falls, and the saturated fleet pays for the recomputation in queueing. A replica with
   nothing in flight is not charged: no request there waits behind the recomputation (later ones see it as
-  backlog), and a copy made there is how a prefix hotter than its holders can serve spreads (a hot prefix over
-  8 replicas, `simulations/matrices/engines_x_traces.yaml`: charged, its holders queued 32 running and 20 waiting
-  while two replicas took no request). `charges_idle_replicas` charges them too.
+  backlog), and a copy made there is how a prefix hotter than its holders can serve spreads: charged, the
+  holders of a hot prefix queue while other replicas take no request. `charges_idle_replicas` charges them too.
 
 Choice. A replica whose queue depth is at or past `max_queue_per_replica` is skipped while another is under
 the cap; when every replica is at it, the smallest cost over all wins and the branch is OVERLOADED. Every
