@@ -6,7 +6,8 @@ previous turn holds that history in its KV cache, so a pin is a cheap, index-fre
 reads the key from `session_header`). A pin that never yields has a failure mode: a policy that places the first
 requests of many sessions on one replica (a cache-aware policy does, for a shared system prompt) keeps every later
 turn there too, and the imbalance compounds while other replicas idle (in simulation, agent episodes on 8 replicas
-reached a TTFT p99 of 46 s under sglang_cache_aware: scenario 11 at seed 1, docs/simulation-results.md). So a pin holds only while its replica's requests in flight stay within
+reached a TTFT p99 of 46 s under sglang_cache_aware: scenario 11 at seed 1, docs/simulation-results.md). So a pin
+holds only while its replica's requests in flight stay within
 `max_in_flight_ratio` x the eligible replicas' mean + `max_in_flight_excess`; beyond that the request goes to the
 policy, which still sees the session's cached prefix through the prefix index. The mean, not the minimum: one idle
 replica (just added, say) must not release every pin, and a policy that spreads sessions evenly should keep them
