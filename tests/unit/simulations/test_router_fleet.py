@@ -25,11 +25,11 @@ PREFIX = (1, 32 * BLOCK)
 """A 32-block shared prefix (segment 1)."""
 
 
-def fleet(count: int, **config: Any) -> RouterFleet:
+def fleet(count: int, policy: dict[str, Any] | None = None, **config: Any) -> RouterFleet:
     routers = []
     for i in range(count):
         router = SimRouter(
-            build_policy(parse_policy_config({"kind": "estimated_ttft"}), seed=i),
+            build_policy(parse_policy_config({"kind": "estimated_ttft", **(policy or {})}), seed=i),
             PrefixIndex(PrefixIndexConfig()),
             PrefillRateEstimator(),
             block_size=BLOCK,
@@ -72,7 +72,9 @@ def test_a_prefix_routed_by_one_router_is_a_hit_at_another_only_with_sharing(sha
 
 
 def test_the_lag_delays_a_peers_decision() -> None:
-    routers = fleet(2, sharing=True, lag_s=1.0)
+    # Nothing finishes here, so request 0 is still queued at its replica when request 3 comes, and the idle third
+    # replica would answer sooner; charging it the fleet cost keeps the hit, and the test about the lag.
+    routers = fleet(2, {"charges_idle_replicas": True}, sharing=True, lag_s=1.0)
     tickets: dict[int, FleetTicket] = {}
     route_at(routers, 0.0, 0, tickets)  # router 0
     route_at(routers, 0.999, 1, tickets)  # router 1, before router 0's decision reached it
