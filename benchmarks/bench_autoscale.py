@@ -73,7 +73,7 @@ import platform
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -107,6 +107,8 @@ class Row:
     goodput: float = math.nan
     """Share of requests within both the TTFT and the TPOT SLO (rejected ones count as missed)."""
     where_missed: str = ""
+    arrivals: list[tuple[float, bool]] = field(default_factory=list)
+    """(arrival, missed the TTFT SLO) of each served request, for `misses_per_window`."""
 
 
 def merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -252,6 +254,7 @@ def run(
         request_mean_s=sum(result.recorder.e2e_s) / len(result.recorder.e2e_s) if result.recorder.e2e_s else 0.0,
         goodput=summary["slo_attainment"],
         where_missed=where_missed(simulation, scn.slo.ttft_s),
+        arrivals=[(a, t > scn.slo.ttft_s) for a, t in zip(result.recorder.arrival_s, ttft, strict=True)],
     )
 
 
@@ -287,20 +290,17 @@ def where_missed(simulation: Simulation, slo_s: float) -> str:
         counts[key][1] += ttft > slo_s
     parts = [f"{k} {m}/{n} ({100 * m / n if n else 0.0:.2f}%)" for k, (n, m) in counts.items()]
     num_started = sum(1 for c, _ in starts if c > 0)
-    by_window = ""
-    if MISSES_WINDOW_S is not None:
-        windows: dict[int, list[int]] = {}
-        for arrival, ttft in zip(recorder.arrival_s, recorder.ttft_s, strict=True):
-            window = windows.setdefault(int(arrival // MISSES_WINDOW_S), [0, 0])
-            window[0] += 1
-            window[1] += ttft > slo_s
-        cells = [f"{m}/{n}" for _, (n, m) in sorted(windows.items())]
-        by_window = f"; per {MISSES_WINDOW_S:g} s of arrivals {' '.join(cells)}"
-    return f"missed/requests {'; '.join(parts)}; {num_started} replicas started, {len(removals)} removed{by_window}"
+    return f"missed/requests {'; '.join(parts)}; {num_started} replicas started, {len(removals)} removed"
 
 
-MISSES_WINDOW_S: float | None = None
-"""`--where-missed-per`: also count misses per window of this many seconds of arrivals."""
+def misses_per_window(row: Row, window_s: float) -> str:
+    """Missed/served requests of `row` per window of `window_s` seconds of arrivals, in time order."""
+    windows: dict[int, list[int]] = {}
+    for arrival, is_missed in row.arrivals:
+        window = windows.setdefault(int(arrival // window_s), [0, 0])
+        window[0] += 1
+        window[1] += is_missed
+    return f"per {window_s:g} s of arrivals " + " ".join(f"{m}/{n}" for _, (n, m) in sorted(windows.items()))
 
 
 IDLE_SETTLE_S = 10.0
@@ -544,7 +544,15 @@ def static_peak(scenario: Scenario, workload: Workload, goal: float) -> Row:
     return best
 
 
-def table(title: str, rows: list[Row], static: Row, goal: float, *, is_where_missed: bool = False) -> None:
+def table(
+    title: str,
+    rows: list[Row],
+    static: Row,
+    goal: float,
+    *,
+    is_where_missed: bool = False,
+    misses_window_s: float | None = None,
+) -> None:
     print(f"\n{title}")
     print("| policy | replica-s | % of static peak | TTFT SLO attainment | TTFT p50 s | p99 s | max replicas | mean |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -566,7 +574,8 @@ def table(title: str, rows: list[Row], static: Row, goal: float, *, is_where_mis
     for row in rows:
         print(f"  {row.policy}: {row.cpu_s:.1f} s CPU; reasons {row.reasons}")
         if is_where_missed:
-            print(f"    {row.where_missed}")
+            by_window = "" if misses_window_s is None else f"; {misses_per_window(row, misses_window_s)}"
+            print(f"    {row.where_missed}{by_window}")
 
 
 def main() -> None:
@@ -666,8 +675,6 @@ def main() -> None:
     parser.add_argument("--servegen-compress", type=float, help="time compression (scenario 09: 48)")
     parser.add_argument("--servegen-peak-rate", type=float, help="req/s at the curve's peak (scenario 09: 40)")
     args = parser.parse_args()
-    global MISSES_WINDOW_S
-    MISSES_WINDOW_S = args.where_missed_per
     print(f"command: python benchmarks/bench_autoscale.py {' '.join(sys.argv[1:])}")
     print(f"date: {datetime.date.today()}; machine: {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs")
     policies = [p for p in args.policies.split(",") if p]
@@ -821,6 +828,7 @@ def main() -> None:
             static,
             args.attainment,
             is_where_missed=args.where_missed,
+            misses_window_s=args.where_missed_per,
         )
         if args.clairvoyant:
             print(idle_gaps(workload, startup_quantile_s(scenario.autoscale.startup_s), static))

@@ -79,7 +79,15 @@ from typing import Literal
 from pydantic import Field
 
 from router.policy.decisions import branch_for_blocks, decision
-from router.policy.ttft_terms import QUEUE, FleetTerms, floored_rate, rate_pooling, replica_row, ttfts_s
+from router.policy.ttft_terms import (
+    QUEUE,
+    FleetTerms,
+    floored_rate,
+    is_fleet_charged,
+    rate_pooling,
+    replica_row,
+    ttfts_s,
+)
 from router.policy.types import Branch, Decision, PolicyConfigModel, ReplicaState, RouteRequest
 
 
@@ -193,7 +201,7 @@ class EstimatedTTFT:
         floor_s = min(own)
         weight = self.config.fleet_cost_weight
         ttfts = [self.estimate_s(request, r, rate) for r, rate in zip(replicas, rates, strict=True)]
-        charged = [self.config.charges_idle_replicas or r.queue_depth > 0 for r in replicas]
+        charged = [is_fleet_charged(r, self.config) for r in replicas]
         return [(t, t + weight * (o - floor_s) if c else t) for t, o, c in zip(ttfts, own, charged, strict=True)]
 
     def select(self, request: RouteRequest, replicas: Sequence[ReplicaState], *, now: float) -> Decision:
@@ -234,13 +242,10 @@ class EstimatedTTFT:
         floor_s = min(owns)
         weight = cfg.fleet_cost_weight
         ttfts = ttfts_s(terms.rows, rates, owns, uncached, inv_step_tokens)
-        if cfg.charges_idle_replicas:
-            costs = [ttft + weight * (own - floor_s) for ttft, own in zip(ttfts, owns, strict=True)]
-        else:
-            costs = [
-                ttft + weight * (own - floor_s) if busy else ttft
-                for ttft, own, busy in zip(ttfts, owns, terms.is_busy, strict=True)
-            ]
+        costs = [
+            ttft + weight * (own - floor_s) if charged else ttft
+            for ttft, own, charged in zip(ttfts, owns, terms.is_charged, strict=True)
+        ]
         if 0 < terms.num_under_cap < n:  # skip the replicas at the cap
             candidates = list(compress(range(n), terms.is_under_cap))
             best_s = min([costs[i] for i in candidates])

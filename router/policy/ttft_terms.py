@@ -90,6 +90,12 @@ def ttfts_s(
     ]
 
 
+def is_fleet_charged(r: ReplicaState, config: EstimatedTTFTConfig) -> bool:
+    """Whether recomputing a prefix on `r` pays the fleet cost: requests are in flight there to wait behind it, or
+    `charges_idle_replicas` charges every replica."""
+    return config.charges_idle_replicas or r.queue_depth > 0
+
+
 def floored_rate(r: ReplicaState) -> float:
     rate = r.prefill_tokens_per_s
     return MIN_PREFILL_TOKENS_PER_S if rate < MIN_PREFILL_TOKENS_PER_S else rate
@@ -114,8 +120,8 @@ class FleetTerms:
         self.is_under_cap: list[bool] = []
         """Queue depth under `max_queue_per_replica`."""
         self.num_under_cap = 0
-        self.is_busy: list[bool] = []
-        """Queue depth above 0: requests in flight there, which recomputed prefill would delay."""
+        self.is_charged: list[bool] = []
+        """The fleet cost applies here (`is_fleet_charged`)."""
         self.tie_keys: list[tuple[int, float, str]] = []
         """(in flight, last selected, id): the near-tie order."""
         self.positions: dict[str, int] = {}
@@ -139,14 +145,14 @@ class FleetTerms:
             self.rows = [(0, 0.0, 0.0, 0.0, 0.0, 0.0)] * n
             self.rates = [math.nan] * n
             self.is_under_cap = [False] * n
-            self.is_busy = [False] * n
+            self.is_charged = [False] * n
             self.tie_keys = [(0, 0.0, "")] * n
             self.positions = {}
         self.states = list(replicas)
         self.versions = versions
         cfg = self.config
         rows, rates, is_under_cap, tie_keys = self.rows, self.rates, self.is_under_cap, self.tie_keys
-        is_busy = self.is_busy
+        is_charged = self.is_charged
         cap = cfg.max_queue_per_replica
         for i in changed:
             r = replicas[i]
@@ -155,9 +161,8 @@ class FleetTerms:
             if rate != rates[i]:
                 rates[i] = rate
                 self.pooled = None
-            depth = r.queue_depth
-            is_under_cap[i] = depth < cap
-            is_busy[i] = depth > 0
+            is_under_cap[i] = r.queue_depth < cap
+            is_charged[i] = is_fleet_charged(r, cfg)
             if tie_keys[i][2] != r.id:
                 self.positions = {}
             tie_keys[i] = (r.in_flight, r.last_selected, r.id)
