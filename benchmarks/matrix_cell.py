@@ -4,9 +4,10 @@ learnt, to say why a policy misses the cell's best.
     SHOAL_TRACES_DIR=DIR .venv/bin/python benchmarks/matrix_cell.py simulations/matrices/engines_x_traces.yaml \
         preset hot_prefix_burst --policies estimated_ttft,dynamo_kv [--seed 1] [--set KEY=VALUE ...]
 
-Per policy: TTFT mean and p99, requests per replica, the most sequences running and waiting on each replica as
-seen at arrivals, what the router learnt of each replica by the end (prefill rate, slot time, batch slots, fixed
-time; `service_time`), and (estimated_ttft) its mean predicted TTFT beside the measured one.
+Per policy: TTFT mean and p99, requests per replica, the most sequences running and waiting and the highest KV
+cache usage on each replica as seen at arrivals, its preemptions, what the router learnt of each replica by the end
+(prefill rate, slot time, batch slots, fixed time; `service_time`), and (estimated_ttft) its mean predicted TTFT
+beside the measured one.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def look(scenario: Scenario, entry: PolicyEntry, workload: Workload) -> None:
     """Run one policy on the cell and print what it did."""
     counts: Counter[str] = Counter()
     peaks: dict[str, tuple[int, int]] = {}
+    kv_peaks: Counter[str] = Counter()
     predicted: list[float] = []
 
     def routed(request: Request, decision: Decision) -> None:
@@ -60,13 +62,17 @@ def look(scenario: Scenario, entry: PolicyEntry, workload: Workload) -> None:
             r = member.replica
             running, waiting = peaks.get(r.id, (0, 0))
             peaks[r.id] = (max(running, r.num_running), max(waiting, r.num_waiting))
+            kv_peaks[r.id] = max(kv_peaks[r.id], r.cache.usage)
 
     simulation = Simulation(scenario, entry, workload, on_routed=routed)
     summary = simulation.run().summary
     print(f"{entry.label}: TTFT mean {summary['ttft_mean_s']:.2f} s, p99 {summary['ttft_p99_s']:.2f} s")
     if predicted:
         print(f"  predicted TTFT, mean of the chosen replicas': {sum(predicted) / len(predicted):.2f} s")
-    print("  replica: requests, most running / waiting at an arrival; learnt: prefill tokens/s, slot s, slots, fixed s")
+    print(
+        "  replica: requests, most running / waiting and KV usage at an arrival, preemptions;"
+        " learnt: prefill tokens/s, slot s, slots, fixed s"
+    )
     for member in simulation.members:
         state = simulation.router.state(member.replica.id)
         running, waiting = peaks.get(state.id, (0, 0))
@@ -74,7 +80,8 @@ def look(scenario: Scenario, entry: PolicyEntry, workload: Workload) -> None:
         slot = f"{state.slot_s:.1f}" if state.slot_s is not None else "-"
         slots = state.batch_slots
         print(
-            f"  {state.id}: {counts[state.id]}, {running} / {waiting}, {rate}, {slot}, "
+            f"  {state.id}: {counts[state.id]}, {running} / {waiting}, {kv_peaks[state.id]:.2f},"
+            f" {member.replica.num_preemptions}; {rate}, {slot}, "
             f"{'-' if slots is None else f'{slots:.1f}'}, {state.fixed_s:.3f}"
         )
 

@@ -11,7 +11,7 @@ r.waiting requests) and `c(r)` = cached_tokens(r) (predicted prefix match, from 
     prefill(r)  = W / rate + attn * W**2 / (2 * k) + own(r)
     decode(r)   = decode_s_per_seq_step * max(r.streaming, r.num_running or 0) * (1 + (W + u) / prefill_tokens_per_step)
     pressure(r) = kv_pressure_s * x**2,   x = max(0, kv_usage - kv_pressure_threshold) / (1 - kv_pressure_threshold)
-    queue(r)    = (n - B + 1) * slot_s / B  if n >= B else 0        # n = r.queue_depth, B = r.batch_slots
+    queue(r)    = (n - B + 1) * slot_s / B  if n >= B else 0        # n = r.queue_depth, B = r.batch_slots or assumed
     ttft(r)     = prefill(r) + decode(r) + pressure(r) + queue(r) + r.fixed_s
     fleet(r)    = fleet_cost_weight * (own(r) - min_r' own(r'))  if r.queue_depth > 0, else 0
     cost(r)     = ttft(r) + fleet(r)
@@ -34,7 +34,7 @@ r.waiting requests) and `c(r)` = cached_tokens(r) (predicted prefix match, from 
 - queue: an engine runs at most B sequences at once (`max_num_seqs`); past them a request waits for a slot
   whatever its cache, n - B + 1 completions at B / slot_s per second. B and slot_s (seconds a request holds a
   slot) and the fixed per-request time `fixed_s` are learned per replica (`service_time`), B from the engine's
-  gauges when they say it. This is what spills a hot prefix whose replica's queue costs more than a cold prefill
+  gauges when they say it, else `assumed_batch_slots` (vLLM's default limit). This is what spills a hot prefix whose replica's queue costs more than a cold prefill
   elsewhere, whether prefill, decode or a fixed cost makes that queue; the term is 0 until learned.
 - fleet: TTFT alone is a greedy, per-request view. Recomputing a prefix that another replica holds spends fleet
   capacity, and every request that queues behind that work pays for it: in a queue at utilisation rho, work x
@@ -151,10 +151,18 @@ class EstimatedTTFTConfig(PolicyConfigModel):
     margin used to absorb, is pooled away (`rate_noise_cv`), and a relative margin would hand a long prompt to a
     replica with up to that fraction more backlog (2% of an 8 s prefill: 160 ms) for a smaller in-flight count."""
 
-    max_queue_per_replica: int = Field(default=256, ge=1)
+    assumed_batch_slots: int | None = Field(default=256, ge=1)
+    """Batch slots B of a replica whose engine does not export its limit and has none learned (vLLM exports
+    none): vLLM's long-standing default `max_num_seqs`. Past it a request waits for a slot, which the queue term
+    prices with the replica's learned slot time: an engine at its limit whose sequences hold slots for a minute
+    turns one over every quarter second, far less than recomputing a long cached context elsewhere. It only
+    prices what the former hard cap at 256 forbade outright, so an engine with more slots is never treated worse
+    than under that cap. None: no slot wait where the limit is not known or learned."""
+
+    max_queue_per_replica: int = Field(default=1024, ge=1)
     """Hard cap on a replica's queue depth (requests): a replica at or past it is skipped while another is
-    under it. vLLM's long-standing default max_num_seqs: past it new requests queue in the engine whatever
-    their cache, so affinity has stopped paying."""
+    under it. A backstop for queues the slot wait does not price (its slot time not learned yet): four times
+    `assumed_batch_slots`, a queue that waits for its slots three times over."""
 
 
 def own_prefill_s(cached: int, uncached: int, rate: float, attention_s_per_token_pair: float) -> float:

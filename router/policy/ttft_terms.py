@@ -44,11 +44,13 @@ QUEUE = 4
 """Position of the slot wait in a `Row`."""
 
 
-def slot_wait_s(r: ReplicaState) -> float:
+def slot_wait_s(r: ReplicaState, assumed_slots: int | None = None) -> float:
     """Seconds a new request waits for a batch slot on `r` (`service_time`): with n requests there and B slots
-    held slot_s each, it waits for n - B + 1 completions at B / slot_s per second; 0 while a slot is free or
-    either figure is unknown."""
+    (`r.batch_slots`, else `assumed_slots`) held slot_s each, it waits for n - B + 1 completions at B / slot_s per
+    second; 0 while a slot is free or either figure is unknown."""
     slots = r.batch_slots
+    if slots is None:
+        slots = assumed_slots
     slot_s = r.slot_s
     n = r.queue_depth
     if slots is None or slot_s is None or slots <= 0 or n < slots:
@@ -70,7 +72,7 @@ def replica_row(r: ReplicaState, config: EstimatedTTFTConfig) -> Row:
     kv = r.kv_usage
     excess = ((kv if kv < 1.0 else 1.0) - threshold) if kv is not None and kv > threshold else 0.0
     pressure_s = config.kv_pressure_s / ((1.0 - threshold) ** 2) * excess * excess
-    return (backlog, decode_s, attention_s, pressure_s, slot_wait_s(r), r.fixed_s)
+    return (backlog, decode_s, attention_s, pressure_s, slot_wait_s(r, config.assumed_batch_slots), r.fixed_s)
 
 
 def ttfts_s(

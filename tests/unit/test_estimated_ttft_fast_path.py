@@ -23,9 +23,12 @@ from router.policy.estimated_ttft import EstimatedTTFT
 from router.policy.types import Branch, Decision, ReplicaState, RouteRequest
 
 
-def reference_queue_s(r: ReplicaState) -> float:
-    """Seconds of wait for a batch slot: n - B + 1 completions at B / slot_s per second once n >= B."""
+def reference_queue_s(cfg: EstimatedTTFTConfig, r: ReplicaState) -> float:
+    """Seconds of wait for a batch slot: n - B + 1 completions at B / slot_s per second once n >= B, B the
+    engine's limit, else the learned one, else the assumed one."""
     slots = r.max_num_seqs if r.max_num_seqs is not None else r.learned_slots
+    if slots is None:
+        slots = cfg.assumed_batch_slots
     # The router's own requests now and those the engine counted beyond its own at the last scrape.
     n = r.in_flight + max(0, (r.num_running or 0) + (r.num_waiting or 0) - r.in_flight_at_scrape)
     if slots is None or r.slot_s is None or n < slots:
@@ -64,7 +67,7 @@ def reference_costs(
         if r.kv_usage is not None and r.kv_usage > threshold:
             excess = min(r.kv_usage, 1.0) - threshold
             ttft += cfg.kv_pressure_s / (1.0 - threshold) ** 2 * excess * excess
-        ttft += reference_queue_s(r)
+        ttft += reference_queue_s(cfg, r)
         ttft += r.fixed_s
         owns.append(own)
         ttfts.append(ttft)
@@ -105,7 +108,7 @@ def reference_select(cfg: EstimatedTTFTConfig, request: RouteRequest, replicas: 
     if branch is Branch.SPILL:
         band = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
         for i, r in enumerate(replicas):
-            queue_s = reference_queue_s(r)
+            queue_s = reference_queue_s(cfg, r)
             if request.matched_blocks.get(r.id, 0) >= longest and queue_s > 0 and costs[i][1] - queue_s <= band:
                 branch = Branch.SPILL_QUEUE
     return Decision(rid, branch, blocks, request.cached_tokens(rid), costs[chosen][0])
@@ -140,6 +143,7 @@ configs = st.builds(
     tie_epsilon_s=st.sampled_from([0.0, 0.005, 0.2]),
     tie_rel_epsilon=st.sampled_from([0.0, 0.02]),
     max_queue_per_replica=st.sampled_from([2, 8, 256]),
+    assumed_batch_slots=st.sampled_from([None, 4, 256]),
     fleet_cost_weight=st.sampled_from([0.0, 1.5]),
     charges_idle_replicas=st.booleans(),
     rate_noise_cv=st.sampled_from([0.0, 0.25, 10.0]),

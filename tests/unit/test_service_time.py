@@ -159,3 +159,37 @@ def test_short_streams_teach_the_fixed_time_and_the_prefill_rate_is_learned_net_
     core.first_byte(ticket, t + 0.1 + 4000 / 20_000, is_stream=True)
     assert core.prefill_rate(rid).tokens_per_s == pytest.approx(20_000, rel=0.02)
     assert states[0].fixed_s == pytest.approx(0.1, rel=0.02)
+
+
+LONG = RouteRequest(
+    hashes=list(range(1_700)), prompt_tokens=27_500, tokens_per_block=16.0, matched_blocks={"a": 1_700}
+)
+"""An agent step whose 27,200-token context replica `a` holds: 2.7 s to recompute at 10k tokens/s."""
+
+
+def unexported_limit_fleet(hot_in_flight: int) -> list[ReplicaState]:
+    """Engines that export no batch limit (vLLM), each sequence holding its slot for a minute; `a` has
+    `hot_in_flight` requests, the others 100."""
+    replicas = [
+        ReplicaState(rid, prefill_tokens_per_s=10_000.0, slot_s=60.0, in_flight=100, streaming=100)
+        for rid in ("a", "b", "c")
+    ]
+    replicas[0].in_flight = replicas[0].streaming = hot_in_flight
+    return replicas
+
+
+def test_past_the_assumed_limit_a_long_cached_context_waits_for_a_slot_that_turns_over_fast() -> None:
+    # 257 in flight on 256 assumed slots: 2 completions, at 256 / 60 s per second, 0.47 s; a recompute is 2.7 s.
+    replicas = unexported_limit_fleet(257)
+    d = EstimatedTTFT(EstimatedTTFTConfig()).select(LONG, replicas, now=0.0)
+    assert (d.replica, d.branch) == ("a", Branch.CACHE_HIT)
+    assert d.predicted_ttft_s is not None and d.predicted_ttft_s >= 2 * 60.0 / 256
+    # A hard cap at the limit, as before `assumed_batch_slots`, sends it to recompute elsewhere.
+    capped = EstimatedTTFTConfig(assumed_batch_slots=None, max_queue_per_replica=256)
+    assert EstimatedTTFT(capped).select(LONG, replicas, now=0.0).replica != "a"
+
+
+def test_past_the_assumed_limit_a_long_slot_queue_spills_and_says_so() -> None:
+    # 300 in flight: 45 completions, 10.5 s, more than recomputing 27k tokens on a replica with free slots.
+    d = EstimatedTTFT(EstimatedTTFTConfig()).select(LONG, unexported_limit_fleet(300), now=0.0)
+    assert d.replica != "a" and d.branch is Branch.SPILL_QUEUE
