@@ -34,8 +34,9 @@ r.waiting requests) and `c(r)` = cached_tokens(r) (predicted prefix match, from 
 - queue: an engine runs at most B sequences at once (`max_num_seqs`); past them a request waits for a slot
   whatever its cache, n - B + 1 completions at B / slot_s per second. B and slot_s (seconds a request holds a
   slot) and the fixed per-request time `fixed_s` are learned per replica (`service_time`), B from the engine's
-  gauges when they say it, else `assumed_batch_slots` (vLLM's default limit). This is what spills a hot prefix whose replica's queue costs more than a cold prefill
-  elsewhere, whether prefill, decode or a fixed cost makes that queue; the term is 0 until learned.
+  gauges when they say it, else `assumed_batch_slots` (vLLM's default limit). This is what spills a hot prefix
+  whose replica's queue costs more than a cold prefill elsewhere, whether prefill, decode or a fixed cost makes
+  that queue; the term is 0 until learned.
 - fleet: TTFT alone is a greedy, per-request view. Recomputing a prefix that another replica holds spends fleet
   capacity, and every request that queues behind that work pays for it: in a queue at utilisation rho, work x
   delays the requests after it by about x * rho / (1 - rho) in total. So a placement is charged its prefill time

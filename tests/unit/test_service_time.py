@@ -161,9 +161,7 @@ def test_short_streams_teach_the_fixed_time_and_the_prefill_rate_is_learned_net_
     assert states[0].fixed_s == pytest.approx(0.1, rel=0.02)
 
 
-LONG = RouteRequest(
-    hashes=list(range(1_700)), prompt_tokens=27_500, tokens_per_block=16.0, matched_blocks={"a": 1_700}
-)
+LONG = RouteRequest(hashes=list(range(1_700)), prompt_tokens=27_500, tokens_per_block=16.0, matched_blocks={"a": 1_700})
 """An agent step whose 27,200-token context replica `a` holds: 2.7 s to recompute at 10k tokens/s."""
 
 
