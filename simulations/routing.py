@@ -139,8 +139,8 @@ class SimRouter:
     ) -> None:
         """The gauges a scrape of the replica's /metrics returned now; `max_num_seqs` when the engine exports its
         batch limit."""
-        self.core.state(replica_id).set_gauges(
-            num_running, num_waiting, kv_usage, max_num_seqs, infer_max_num_seqs=self.infer_max_num_seqs
+        self.core.set_gauges(
+            replica_id, num_running, num_waiting, kv_usage, max_num_seqs, infer_max_num_seqs=self.infer_max_num_seqs
         )
 
     def apply_kv_events(self, replica_id: str, events: Sequence[KVEvent], now: float) -> None:

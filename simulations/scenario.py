@@ -208,10 +208,12 @@ class RouterConfig(_Model):
     prompt sent twice, the second time a cache hit."""
     service_time: ServiceTimeEstimator = Field(default_factory=ServiceTimeEstimator)
     """How the router learns each replica's batch slots and fixed per-request time from latencies
-    (`router.policy.service_time`: `learn_slots`, `learn_fixed`, both off by default as in the live router)."""
+    (`router.policy.service_time`: `learn_slots`, `learn_fixed`, both off by default; the live router's
+    `service_time`)."""
     infer_max_num_seqs: bool = False
     """Take a replica's batch limit from a scrape that sees requests queued beside running ones
-    (`ReplicaState.set_gauges`). Off by default, as in the live router: a full KV cache queues requests too."""
+    (`ReplicaState.set_gauges`). Off by default, as the live router's `scrape.infer_max_num_seqs`: a full KV cache
+    queues requests too."""
     session: SessionAffinityConfig = Field(default_factory=SessionAffinityConfig)
     """When a pin yields to the policy (its replica overloaded) and how many sessions are remembered: the live
     router's `session_affinity` settings."""

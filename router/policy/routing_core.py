@@ -167,6 +167,8 @@ class RoutingCore:
         self._replicas[state.id] = _Tracked(state, rate, service)
         state.set_prefill_rate(rate.tokens_per_s)
         state.set_service(service.slot_s, service.slots, service.fixed_s)
+        if state.max_num_seqs is None:
+            state.set_peer_max_num_seqs(self._peer_batch_limit())
         self.index.add_replica(state.id, state.kv_capacity_blocks)
 
     def remove_replica(self, replica_id: str) -> None:
@@ -198,6 +200,38 @@ class RoutingCore:
 
     def state(self, replica_id: str) -> ReplicaState:
         return self._replicas[replica_id].state
+
+    def set_gauges(
+        self,
+        replica_id: str,
+        num_running: int | None,
+        num_waiting: int | None,
+        kv_usage: float | None,
+        max_num_seqs: int | None = None,
+        *,
+        infer_max_num_seqs: bool = False,
+    ) -> None:
+        """A scrape of the replica's engine gauges (`ReplicaState.set_gauges`). When a replica's batch limit becomes
+        known or changes, the replicas with none of their own take the mean of the known ones: as with prefill
+        rates, a pool's replicas are usually one deployment, and a limit each replica would otherwise infer only
+        from a queue of its own is a queue on each."""
+        tracked = self._replicas.get(replica_id)
+        if tracked is None:
+            return
+        before = tracked.state.max_num_seqs
+        tracked.state.set_gauges(num_running, num_waiting, kv_usage, max_num_seqs, infer_max_num_seqs)
+        if tracked.state.max_num_seqs != before:
+            self._share_batch_limits()
+
+    def _share_batch_limits(self) -> None:
+        peer = self._peer_batch_limit()
+        for other in self._replicas.values():
+            if other.state.max_num_seqs is None and other.state.peer_max_num_seqs != peer:
+                other.state.set_peer_max_num_seqs(peer)
+
+    def _peer_batch_limit(self) -> float | None:
+        limits = [t.state.max_num_seqs for t in self._replicas.values() if t.state.max_num_seqs is not None]
+        return sum(limits) / len(limits) if limits else None
 
     def prefill_rate(self, replica_id: str) -> PrefillRate:
         """The replica's learned prefill rate (`prefill_rate.PrefillRate`)."""

@@ -77,8 +77,13 @@ class ReplicaState:
     """`now` of the last time a policy chose this replica (least-recently-chosen tie break)."""
     max_num_seqs: int | None = None
     """The engine's batch slots (sequences it runs at once), when known: scraped (SGLang's
-    sglang:max_running_requests, Shoal's shoal_replica_max_num_seqs), or the largest running count of a scrape that
-    saw requests queued in the engine. None: unknown."""
+    sglang:max_running_requests, Shoal's shoal_replica_max_num_seqs), or (`infer_max_num_seqs`) the largest running
+    count seen once a scrape saw requests queued in the engine. None: unknown."""
+    most_running: int = 0
+    """The largest scraped `num_running`: the engine has at least this many batch slots."""
+    peer_max_num_seqs: float | None = None
+    """For a replica with no `max_num_seqs` of its own: the mean of the other replicas' (`RoutingCore.set_gauges`),
+    so that a limit inferred on one replica of a pool prices the slot wait on its peers before each has queued."""
     slot_s: float | None = None
     """Learned mean seconds a request holds a batch slot here (`service_time`); None until one finished."""
     learned_slots: float | None = None
@@ -136,16 +141,19 @@ class ReplicaState:
         infer_max_num_seqs: bool = False,
     ) -> None:
         """The engine's gauges, as a scrape of its metrics read them; `max_num_seqs` when the engine exports its
-        batch limit. With `infer_max_num_seqs`, a scrape that sees requests queued beside running ones takes the
-        running count as the limit; off by default, since an engine whose KV cache is full queues too."""
+        batch limit. With `infer_max_num_seqs`, once a scrape sees requests queued beside running ones, the largest
+        running count seen is the limit (a request that arrived between two steps queues briefly, so the count of
+        that scrape can be far below it); off by default, since an engine whose KV cache is full queues too."""
         self.num_running = num_running
         self.num_waiting = num_waiting
         self.kv_usage = kv_usage
         self.in_flight_at_scrape = self.in_flight
+        if num_running is not None and num_running > self.most_running:
+            self.most_running = num_running
         if max_num_seqs is not None and max_num_seqs > 0:
             self.max_num_seqs = max_num_seqs
-        elif infer_max_num_seqs and num_running and num_waiting and num_running > (self.max_num_seqs or 0):
-            self.max_num_seqs = num_running  # the largest such count: a request between two steps queues briefly
+        elif infer_max_num_seqs and self.most_running and (num_waiting or self.max_num_seqs is not None):
+            self.max_num_seqs = self.most_running
         self.version += 1
 
     def set_kv_capacity_blocks(self, blocks: int) -> None:
@@ -162,8 +170,18 @@ class ReplicaState:
 
     @property
     def batch_slots(self) -> float | None:
-        """Batch slots the policy assumes: the engine's known limit, else the learned one, else None."""
-        return float(self.max_num_seqs) if self.max_num_seqs is not None else self.learned_slots
+        """Batch slots the policy assumes: the engine's known limit, else the learned one, else the peers' (either
+        at least the most the engine was seen running), else None."""
+        if self.max_num_seqs is not None:
+            return float(self.max_num_seqs)
+        slots = self.learned_slots if self.learned_slots is not None else self.peer_max_num_seqs
+        if slots is None:
+            return None
+        return max(slots, float(self.most_running))
+
+    def set_peer_max_num_seqs(self, slots: float | None) -> None:
+        self.peer_max_num_seqs = slots
+        self.version += 1
 
     def set_prefill_rate(self, tokens_per_s: float) -> None:
         self.prefill_tokens_per_s = tokens_per_s

@@ -94,21 +94,27 @@ class _ProbeError(Exception):
     pass
 
 
+Gauges = Callable[[Replica, int | None, int | None, float | None, int | None], object]
+"""`on_gauges(replica, num_running, num_waiting, kv_usage, max_num_seqs)`: one scrape's engine gauges."""
+
+
 class MetricsScraper:
-    """Reads engine gauges (queue, KV usage and, where the engine exports it, its batch limit) into each replica's
-    `ReplicaState` every `interval_s`, and the engine's KV cache size into `on_kv_capacity(replica, tokens)`
-    unless the admin API set the replica's capacity."""
+    """Reads engine gauges (queue, KV usage and, where the engine exports it, its batch limit) every `interval_s`
+    into `on_gauges` (the routing core's `set_gauges`), and the engine's KV cache size into
+    `on_kv_capacity(replica, tokens)` unless the admin API set the replica's capacity."""
 
     def __init__(
         self,
         settings: ScrapeSettings,
         pool: ReplicaPool,
         session: aiohttp.ClientSession,
+        on_gauges: Gauges,
         on_kv_capacity: Callable[[Replica, float], object] = lambda replica, tokens: None,
     ) -> None:
         self.settings = settings
         self.pool = pool
         self.session = session
+        self.on_gauges = on_gauges
         self.on_kv_capacity = on_kv_capacity
 
     async def run(self) -> None:
@@ -130,7 +136,8 @@ class MetricsScraper:
             return
         running, waiting, kv = gauges.get("num_running"), gauges.get("num_waiting"), gauges.get("kv_usage")
         limit = gauges.get("max_num_seqs")
-        replica.state.set_gauges(
+        self.on_gauges(
+            replica,
             int(running) if running is not None else None,
             int(waiting) if waiting is not None else None,
             kv,

@@ -40,6 +40,7 @@ def routing_config(settings: RouterSettings) -> RoutingConfig:
         max_in_flight_per_replica=settings.hold.max_in_flight_per_replica,
         session=settings.session_affinity,
         prefill_rate=settings.prefill_rate,
+        service_time=settings.service_time,
     )
 
 

@@ -19,6 +19,7 @@ from router.policy.config import EstimatedTTFTConfig, PolicyConfig
 from router.policy.hashing import DEFAULT_TEXT_BLOCK_SIZE, DEFAULT_TOKEN_BLOCK_SIZE
 from router.policy.prefill_rate import PrefillRateEstimator
 from router.policy.prefix_index import PrefixIndexConfig
+from router.policy.service_time import ServiceTimeEstimator
 from router.policy.session import SessionAffinityConfig
 from router.service.pool import split_url
 from router.service.redis_url import parse_redis_url
@@ -73,6 +74,10 @@ class ScrapeSettings(_Section):
     """Seconds between scrapes; the gauges lag by at most this much, router-local counts never lag."""
     timeout_s: float = Field(2.0, gt=0)
     path: str = "/metrics"
+    infer_max_num_seqs: bool = False
+    """For an engine that exports no batch limit (vLLM), take the most sequences it was seen running as its limit
+    once a scrape sees requests queued beside running ones (`ReplicaState.set_gauges`), so that estimated_ttft
+    prices the wait for a slot. Off by default: a full KV cache queues requests too."""
 
 
 class RetrySettings(_Section):
@@ -300,6 +305,9 @@ class RouterSettings(BaseSettings):
     index: PrefixIndexConfig = Field(default_factory=PrefixIndexConfig)
     prefill_rate: PrefillRateEstimator = Field(default_factory=PrefillRateEstimator)
     """How each replica's prefill rate is learned from streamed times to first token (estimated_ttft uses it)."""
+    service_time: ServiceTimeEstimator = Field(default_factory=ServiceTimeEstimator)
+    """How each replica's slot time, and (opt-in: `learn_slots`, `learn_fixed`) its batch slots and fixed
+    per-request time, are learned from request durations (router/policy/service_time.py)."""
     hashing: HashingSettings = Field(default_factory=HashingSettings)
     health: HealthSettings = Field(default_factory=HealthSettings)
     breaker: BreakerSettings = Field(default_factory=BreakerSettings)

@@ -4,7 +4,9 @@ Four fake replicas serve 4 requests at once each, with a fixed per-request time 
 latency is set by the queue for slots, not by prefill tokens: every request is a cheap cache hit by prefill
 arithmetic. 32 clients send one hot prefix (bounded in count and time): a warm-up round the measure leaves out, so
 that the router has seen requests finish and scraped a queue once, then the measured round. The busiest replica's
-share must stay at most 60% and the TTFT p99 at most 2x round robin's on the same kind of fakes.
+share must stay at most 60% and the TTFT p99 at most 2x round robin's on the same kind of fakes: fakes that export
+their limit (as SGLang and Shoal's replica do), and vLLM-like fakes that do not, in front of a router that infers it
+from scrapes (`scrape.infer_max_num_seqs`).
 
 Router, fakes and clients share this process's event loop, so a pause of the whole process lands on dozens of
 requests at once, and the p99 of one round is the second-slowest of 192. A full collection of a heap as large as
@@ -27,6 +29,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.policy.config import EstimatedTTFTConfig, RoundRobinConfig
+from router.service.settings import ScrapeSettings
 from tests.fakes import FakeReplica
 from tests.integration.conftest import LONG_PREFIX_BYTES, StartFakes, StartRouter, unique_text
 
@@ -86,11 +89,17 @@ async def hot_prefix_round(client: openai.AsyncOpenAI, system: str, num_requests
     return ttfts
 
 
-async def run_policy(start_fakes: StartFakes, start_router: StartRouter, policy: Any) -> tuple[float, float, float]:
+async def run_policy(
+    start_fakes: StartFakes,
+    start_router: StartRouter,
+    policy: Any,
+    fake_config: dict[str, Any] = SLOT_BOUND,
+    **router_settings: Any,
+) -> tuple[float, float, float]:
     """(busiest replica's share, TTFT p99 s) of the measured round under `policy`, and the requests of both rounds
     that left the cached replica for its slot queue (branch spill_queue)."""
-    fakes: list[FakeReplica] = await start_fakes(4, **SLOT_BOUND)
-    router = await start_router(fakes, policy=policy)
+    fakes: list[FakeReplica] = await start_fakes(4, **fake_config)
+    router = await start_router(fakes, policy=policy, **router_settings)
     system = unique_text(LONG_PREFIX_BYTES, "hot prefix")
     async with openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="sk-test", max_retries=0, timeout=10) as client:
         await hot_prefix_round(client, system, WARMUP_REQUESTS, "warm-up")
@@ -118,3 +127,19 @@ async def test_a_hot_prefix_spreads_over_batch_slot_bound_replicas(
     assert share <= 0.60
     assert p99 <= 2.0 * rr_p99
     assert spills >= 1  # the hot prefix left its first replica because of its queue, and says so
+
+
+async def test_a_batch_limit_inferred_from_scrapes_spreads_a_hot_prefix_over_engines_that_export_none(
+    frozen_heap: None, start_fakes: StartFakes, start_router: StartRouter
+) -> None:
+    vllm_like = {**SLOT_BOUND, "exports_batch_limit": False}
+    inferring = ScrapeSettings(interval_s=0.2, timeout_s=1.0, infer_max_num_seqs=True)
+    rr_share, rr_p99, _ = await run_policy(start_fakes, start_router, RoundRobinConfig(), vllm_like)
+    blind_share, blind_p99, _ = await run_policy(start_fakes, start_router, EstimatedTTFTConfig(), vllm_like)
+    share, p99, spills = await run_policy(start_fakes, start_router, EstimatedTTFTConfig(), vllm_like, scrape=inferring)
+    print(f"round_robin: busiest share {rr_share:.2f}, TTFT p99 {rr_p99:.3f} s")
+    print(f"estimated_ttft, limit unknown: busiest share {blind_share:.2f}, TTFT p99 {blind_p99:.3f} s")
+    print(f"estimated_ttft, limit inferred: busiest share {share:.2f}, TTFT p99 {p99:.3f} s, spill_queue {spills:.0f}")
+    assert share <= 0.60
+    assert p99 <= 2.0 * rr_p99
+    assert spills >= 1

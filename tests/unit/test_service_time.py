@@ -8,6 +8,7 @@ from router.policy.estimated_ttft import EstimatedTTFT, EstimatedTTFTConfig
 from router.policy.prefix_index import PrefixIndex, PrefixIndexConfig
 from router.policy.routing_core import RoutingConfig, RoutingCore
 from router.policy.service_time import ServiceTime, ServiceTimeEstimator
+from router.policy.ttft_terms import slot_wait_s
 from router.policy.types import Branch, ReplicaState, RouteRequest
 
 HOT = RouteRequest(hashes=list(range(32)), prompt_tokens=520, tokens_per_block=16.0, matched_blocks={"a": 32})
@@ -49,7 +50,7 @@ def test_a_prefill_backlog_spill_is_still_a_plain_spill() -> None:
     assert d.replica != "a" and d.branch is Branch.SPILL
 
 
-def test_a_scrape_that_sees_a_queue_takes_the_largest_running_count_as_the_batch_limit() -> None:
+def test_a_scrape_that_sees_a_queue_infers_a_batch_limit_that_later_running_counts_raise() -> None:
     r = ReplicaState("a")
     r.set_gauges(4, 6, None)
     assert r.max_num_seqs is None  # inferring is opt-in: a full KV cache queues requests too
@@ -59,8 +60,21 @@ def test_a_scrape_that_sees_a_queue_takes_the_largest_running_count_as_the_batch
     r.set_gauges(4, 6, None, infer_max_num_seqs=True)
     r.set_gauges(3, 1, None, infer_max_num_seqs=True)
     assert r.max_num_seqs == 4
+    r.set_gauges(9, 0, None, infer_max_num_seqs=True)  # more running than the inferred limit: it was too low
+    assert r.max_num_seqs == 9
     r.set_gauges(1, 0, None, max_num_seqs=16)  # the engine's own figure wins
     assert r.batch_slots == 16.0
+
+
+def test_learned_slots_are_never_fewer_than_the_engine_was_seen_running() -> None:
+    # Durations that vary with output length read as queueing and teach about one slot; the engine ran 9 at once.
+    r = ReplicaState("a", slot_s=2.4, learned_slots=1.1)
+    r.set_gauges(9, 0, None)
+    r.set_gauges(0, 0, None)  # later drained
+    assert r.batch_slots == 9.0
+    for _ in range(8):
+        r.begin(100, now=0.0)
+    assert slot_wait_s(r) == 0.0  # 8 there, 9 slots: no wait (1.1 slots would make it 17 s)
 
 
 def test_the_queue_is_the_routers_own_requests_now_plus_what_the_engine_counted_beyond_them() -> None:
@@ -112,6 +126,22 @@ def make_core(*, learn_slots: bool = False, learn_fixed: bool = False) -> tuple[
     for state in states:
         core.add_replica(state)
     return core, states
+
+
+def test_a_limit_inferred_on_one_replica_prices_the_slot_wait_on_its_peers_until_they_show_their_own() -> None:
+    core, (a, b, c) = make_core()
+    core.set_gauges("a", 4, 2, None, infer_max_num_seqs=True)
+    assert a.max_num_seqs == 4
+    assert (b.batch_slots, c.batch_slots) == (4.0, 4.0)  # neither has queued yet
+    core.set_gauges("b", 6, 0, None, infer_max_num_seqs=True)
+    assert b.batch_slots == 6.0  # it ran 6: at least that many
+    late = ReplicaState("d")
+    core.add_replica(late)
+    assert late.batch_slots == 4.0
+    core.set_gauges("c", 8, 3, None, infer_max_num_seqs=True)  # c's own, and the peers' mean moves
+    assert (c.batch_slots, late.batch_slots) == (8.0, 6.0)
+    core.set_gauges("b", 1, 0, None)  # inferring off: nothing inferred
+    assert b.max_num_seqs is None
 
 
 def test_whole_answers_behind_a_two_slot_engine_teach_its_slots_and_then_the_hot_prefix_spills() -> None:
