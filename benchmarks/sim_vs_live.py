@@ -21,14 +21,21 @@ the demo model) and through `shoal simulate`'s engine with a step model fitted t
      `overhead_s_per_prompt_token`;
    - waking an idle stack: the 16-token one-token requests again, each 0.5 s after the previous answer; their TTFT
      p50 beyond the back-to-back one is the engine's `wake_s`, added to a step that starts an idle engine (a
-     profile of back-to-back steps never sees it, and at a low load most first tokens come from such a step).
-   Both simulations are shown, without those terms and with them.
+     profile of back-to-back steps never sees it, and at a low load most first tokens come from such a step);
+   - jitter: 32 one-token requests of 256 fresh tokens, one at a time; each TTFT over their median is a factor
+     the simulated engine draws for a step (`step_jitter`): the same work takes 0.9-1.4x its median on the live
+     stack, and the profile's median of repeats is the low end of a tail the replays' p90 and p99 sit in.
+   Both simulations are shown, without those terms and with them. The terms are measured before each seed, on a
+   stack of their own started just before the replay's: a VM's speed drifts by more than the tolerance within
+   minutes (the serving loop measured 0.05 and 3.17 ms a step on stacks 30 minutes apart), so terms measured once
+   for all seeds (`--terms-once`) judge the later replays against a machine that has changed.
 
 Each seed of `--seeds` is a workload replayed on a freshly started stack (cold caches, as the simulator starts),
 `--live-repeats` times: live is the median of those replays, and their spread (largest over smallest) is printed,
 since a VM's speed can drift between replays by more than the tolerance (benchmarks/results/sim_vs_live_amd.txt:
 up to 19% on TTFT p99 between two replays of one seed).
-Prints live and simulated side by side per seed, then every seed's relative differences, and exits 1 when TTFT
+Prints live and simulated side by side per seed with the first replay's requests grouped by what the stack was
+doing when each arrived (`by_request`), then every seed's relative differences, and exits 1 when TTFT
 p50, p90, p99, end-to-end p50 or the hit ratio of any seed differ by more than `--tolerance` (15%, the
 simulator's validation target). Not part of `make test`: it needs a quiet machine.
 
@@ -121,13 +128,16 @@ class LiveTerms:
     path_s: float = 0.0
     path_s_per_prompt_token: float = 0.0
     wake_s: float = 0.0
+    step_jitter: tuple[float, ...] = ()
 
 
-def simulate(workload: ListWorkload, profile: Path, seed: int, terms: LiveTerms) -> dict[str, float]:
+def simulate(workload: ListWorkload, profile: Path, seed: int, terms: LiveTerms) -> list[Answer]:
+    """The workload through the simulator; the answers in the workload's order."""
     engine = {
         "step_overhead_s": terms.step_overhead_s,
         "output_overhead_s": terms.output_overhead_s,
         "wake_s": terms.wake_s,
+        "step_jitter": list(terms.step_jitter),
     }
     scenario = Scenario.model_validate(
         {
@@ -139,9 +149,21 @@ def simulate(workload: ListWorkload, profile: Path, seed: int, terms: LiveTerms)
             "decode_steps_per_event": 1,
         }
     )
-    result = Simulation(scenario, scenario.policies[0], workload).run()
-    s = result.summary
-    return {k: s[k] for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "hit_ratio")}
+    routed: dict[int, str] = {}
+    simulation = Simulation(
+        scenario,
+        scenario.policies[0],
+        workload,
+        on_routed=lambda request, decision: routed.__setitem__(request.id, decision.replica),
+    )
+    rec = simulation.run().recorder
+    by_arrival = {
+        arrival: Answer(ttft, e2e, hit, prompt, None)
+        for arrival, ttft, e2e, hit, prompt in zip(
+            rec.arrival_s, rec.ttft_s, rec.e2e_s, rec.hit_tokens, rec.prompt_tokens, strict=True
+        )
+    }
+    return [dataclasses.replace(by_arrival[r.arrival_s], replica=routed[r.id]) for r in workload.requests()]
 
 
 # ---- live ---------------------------------------------------------------------------------------------------------
@@ -181,9 +203,21 @@ def stop_stack(proc: subprocess.Popen[str]) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+@dataclass(frozen=True)
+class Answer:
+    """One streamed completion as the client saw it."""
+
+    ttft_s: float
+    e2e_s: float
+    cached_tokens: int
+    prompt_tokens: int
+    replica: str | None
+    """The router's `x-shoal-replica` header (None straight to a replica)."""
+
+
 async def one(
     session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int, start: float, arrival_s: float
-) -> tuple[float, float, int, int]:
+) -> Answer:
     await asyncio.sleep(max(0.0, start + arrival_s - time.perf_counter()))
     sent = time.perf_counter()
     body = {
@@ -200,6 +234,7 @@ async def one(
     async with session.post(url, json=body) as response:
         if response.status != 200:
             raise RuntimeError(f"request failed: {response.status} {await response.text()}")
+        replica = response.headers.get("x-shoal-replica")
         async for raw in response.content:
             line = raw.strip()
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -213,23 +248,27 @@ async def one(
     assert first is not None, "no token streamed"
     details = usage.get("prompt_tokens_details") or {}
     cached = int(details.get("cached_tokens", 0)) if isinstance(details, dict) else 0
-    return first - sent, end - sent, cached, int(usage.get("prompt_tokens", len(prompt)))  # type: ignore[arg-type]
+    prompt_tokens = int(usage.get("prompt_tokens", len(prompt)))  # type: ignore[call-overload]
+    return Answer(first - sent, end - sent, cached, prompt_tokens, replica)
 
 
-async def overhead_probe(url: str, vocab_size: int, length: int, count: int = 24, gap_s: float = 0.0) -> list[float]:
-    """TTFTs of one-token requests, one at a time on an idle stack: with `length` 16, a fresh prompt (one engine step
-    each, plus everything else on the path); longer, a fresh prompt sent twice and the second TTFT kept (a cache
-    hit but for its last block, so the path's cost per prompt token shows beside a short step). Each request goes
-    `gap_s` after the previous one's answer (0: at once, the engine and the CPU still awake)."""
+async def overhead_probe(
+    url: str, vocab_size: int, length: int, count: int = 24, gap_s: float = 0.0, *, fresh: bool = False
+) -> list[float]:
+    """TTFTs of one-token requests, one at a time on an idle stack, sorted: with `length` 16 or `fresh`, a fresh
+    prompt (one engine step each, plus everything else on the path); longer, a fresh prompt sent twice and the
+    second TTFT kept (a cache hit but for its last block, so the path's cost per prompt token shows beside a short
+    step). Each request goes `gap_s` after the previous one's answer (0: at once, the engine and the CPU still
+    awake)."""
     rng = random.Random(12345 + length)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         ttfts = []
         for _ in range(count):
             await asyncio.sleep(gap_s)  # paces the probe's arrivals, as a workload's gaps would; no state awaited
             prompt = [rng.randrange(16, vocab_size) for _ in range(length)]
-            if length > BLOCK_SIZE:
+            if length > BLOCK_SIZE and not fresh:
                 await one(session, url, prompt, 1, time.perf_counter(), 0.0)
-            ttfts.append((await one(session, url, prompt, 1, time.perf_counter(), 0.0))[0])
+            ttfts.append((await one(session, url, prompt, 1, time.perf_counter(), 0.0)).ttft_s)
     return sorted(ttfts)
 
 
@@ -243,7 +282,7 @@ async def decode_probe(url: str, vocab_size: int, batch: int, tokens: int, round
             prompts = [[rng.randrange(16, vocab_size) for _ in range(16)] for _ in range(batch)]
             start = time.perf_counter()
             results = await asyncio.gather(*(one(session, url, p, tokens, start, 0.0) for p in prompts))
-            gaps += [(e2e - ttft) / (tokens - 1) for ttft, e2e, _, _ in results]
+            gaps += [(a.e2e_s - a.ttft_s) / (tokens - 1) for a in results]
     return percentile(sorted(gaps), 0.5)
 
 
@@ -286,28 +325,87 @@ def measure_terms(router_url: str, replica_url: str, vocab_size: int, preset: An
         f"waking: one-token TTFT p50 {rested_ttft * 1e3:.1f} ms {WAKE_GAP_S} s after the previous answer, against "
         f"{short_ttft * 1e3:.1f} ms at once: {wake_s * 1e3:.1f} ms to wake an idle stack"
     )
-    return LiveTerms(step_s, output_s, path_s, per_token_s, wake_s)
+    jitter_ttfts = asyncio.run(overhead_probe(router_url, vocab_size, JITTER_TOKENS, count=JITTER_REQUESTS, fresh=True))
+    median_s = percentile(jitter_ttfts, 0.5)
+    jitter = tuple(t / median_s for t in jitter_ttfts)
+    p10_s, p90_s = percentile(jitter_ttfts, 0.1), percentile(jitter_ttfts, 0.9)
+    print(
+        f"jitter: {JITTER_REQUESTS} one-token requests of {JITTER_TOKENS} fresh tokens, TTFT p10 / p50 / p90 "
+        f"{p10_s * 1e3:.1f} / {median_s * 1e3:.1f} / {p90_s * 1e3:.1f} ms: a step takes {p10_s / median_s:.2f}-"
+        f"{p90_s / median_s:.2f}x its median (p10-p90)"
+    )
+    return LiveTerms(step_s, output_s, path_s, per_token_s, wake_s, jitter)
 
 
-async def replay(url: str, workload: ListWorkload, prompts: list[list[int]], timeout_s: float) -> dict[str, float]:
+JITTER_TOKENS = 256
+"""Prompt tokens of the jitter probe's requests: one step of the size most of a replay's cache misses take."""
+JITTER_REQUESTS = 32
+
+
+async def replay(url: str, workload: ListWorkload, prompts: list[list[int]], timeout_s: float) -> list[Answer]:
+    """Each request sent at its arrival time; the answers in the workload's order."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         start = time.perf_counter()
-        results = await asyncio.gather(
+        return await asyncio.gather(
             *(
                 one(session, url, p, r.output_tokens, start, r.arrival_s)
                 for r, p in zip(workload.requests(), prompts, strict=True)
             )
         )
-    ttft = sorted(r[0] for r in results)
-    e2e = sorted(r[1] for r in results)
+
+
+def summarize(answers: list[Answer]) -> dict[str, float]:
+    ttft = sorted(a.ttft_s for a in answers)
+    e2e = sorted(a.e2e_s for a in answers)
     return {
         "ttft_p50_s": percentile(ttft, 0.5),
         "ttft_p90_s": percentile(ttft, 0.9),
         "ttft_p99_s": percentile(ttft, 0.99),
         "e2e_p50_s": percentile(e2e, 0.5),
-        "hit_ratio": sum(r[2] for r in results) / sum(r[3] for r in results),
+        "hit_ratio": sum(a.cached_tokens for a in answers) / sum(a.prompt_tokens for a in answers),
     }
+
+
+COLD_TOKENS = 512
+"""Uncached prompt tokens from which a request counts as a cold prefill in `by_request` (one full step's budget on
+the demo replica)."""
+
+
+def by_request(workload: ListWorkload, live: list[Answer], sim: list[Answer]) -> list[str]:
+    """Lines of a table: the requests of one replay grouped by what the live stack was doing when each arrived
+    (from the answers' own times and replicas), with live and simulated TTFT and time per output token, so that a
+    gap shows where it comes from: cold prefills, requests alone on the stack, requests behind others on their
+    replica, or beside requests on the other replica only."""
+    requests = list(workload.requests())
+    spans = [(r.arrival_s, r.arrival_s + a.e2e_s, a.replica) for r, a in zip(requests, live, strict=True)]
+    groups: dict[str, list[int]] = {}
+    for i, (r, a) in enumerate(zip(requests, live, strict=True)):
+        busy = {rep for j, (t0, t1, rep) in enumerate(spans) if j != i and t0 < r.arrival_s < t1}
+        if r.prompt_tokens - a.cached_tokens >= COLD_TOKENS:
+            group = f"cold prefill (>= {COLD_TOKENS} uncached)"
+        elif not busy:
+            group = "alone on the stack"
+        elif a.replica in busy:
+            group = "behind others on its replica"
+        else:
+            group = "others on the other replica only"
+        groups.setdefault(group, []).append(i)
+
+    def tpot(a: Answer, r: Request) -> float:
+        return (a.e2e_s - a.ttft_s) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+
+    lines = [f"{'live, at arrival':<36} {'n':>4} {'TTFT live':>10} {'sim':>8} {'diff':>7} {'TPOT live':>10} {'sim':>6}"]
+    for group, idx in sorted(groups.items()):
+        lt = statistics.median(live[i].ttft_s for i in idx)
+        st = statistics.median(sim[i].ttft_s for i in idx)
+        lp = statistics.median(tpot(live[i], requests[i]) for i in idx)
+        sp = statistics.median(tpot(sim[i], requests[i]) for i in idx)
+        lines.append(
+            f"{group:<36} {len(idx):>4} {lt * 1e3:>8.1f}ms {st * 1e3:>6.1f}ms {st / lt - 1:>+7.1%} "
+            f"{lp * 1e3:>8.2f}ms {sp * 1e3:>4.2f}ms"
+        )
+    return lines
 
 
 WAKE_GAP_S = 0.5
@@ -344,6 +442,11 @@ def main() -> int:
         help="replays of each seed, each on a fresh stack; live is their median, and their spread is printed",
     )
     parser.add_argument("--probe-tokens", type=int, default=32, help="output tokens of the serving-loop probe")
+    parser.add_argument(
+        "--terms-once",
+        action="store_true",
+        help="measure the live terms once, before the first seed (default: before each seed, on a stack of its own)",
+    )
     parser.add_argument("--port", type=int, default=18300)
     parser.add_argument("--tolerance", type=float, default=0.15)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/out", help="folder for the JSON record")
@@ -366,11 +469,15 @@ def main() -> int:
     vocab_size = _demo_vocab_size()
     url = f"http://127.0.0.1:{args.port}/v1/completions"
     replica_url = f"http://127.0.0.1:{args.port + 1}/v1/completions"
-    proc = start_stack(args.port, args.port + 1)  # the probes' own stack: their prompts stay out of the replays'
-    try:
-        terms = measure_terms(url, replica_url, vocab_size, preset, args.probe_tokens)
-    finally:
-        stop_stack(proc)
+
+    def probe() -> LiveTerms:
+        proc = start_stack(args.port, args.port + 1)  # the probes' own stack: their prompts stay out of the replays'
+        try:
+            return measure_terms(url, replica_url, vocab_size, preset, args.probe_tokens)
+        finally:
+            stop_stack(proc)
+
+    terms = probe() if args.terms_once else None
     runs = []
     for seed in args.seeds:
         workload, prompts = make_workload(argparse.Namespace(**{**vars(args), "seed": seed}), vocab_size)
@@ -379,13 +486,15 @@ def main() -> int:
             f"\nseed {seed}: {len(prompts)} requests over {list(workload.requests())[-1].arrival_s:.0f} s, "
             f"{total_prompt / len(prompts):.0f} prompt tokens on average"
         )
-        replays = []
+        seed_terms = terms if terms is not None else probe()
+        answers = []
         for _ in range(args.live_repeats):
             proc = start_stack(args.port, args.port + 1)
             try:
-                replays.append(asyncio.run(replay(url, workload, prompts, 600.0)))
+                answers.append(asyncio.run(replay(url, workload, prompts, 600.0)))
             finally:
                 stop_stack(proc)
+        replays = [summarize(a) for a in answers]
         live = {k: statistics.median(r[k] for r in replays) for k in METRICS}
         if len(replays) > 1:
             spread = {k: max(r[k] for r in replays) / min(r[k] for r in replays) - 1 for k in METRICS}
@@ -393,8 +502,9 @@ def main() -> int:
                 f"live over {len(replays)} replays (the median below): "
                 + ", ".join(f"{k.removesuffix('_s')} spread {spread[k]:.1%}" for k in METRICS)
             )
-        bare = simulate(workload, profile, seed, LiveTerms())
-        sim = simulate(workload, profile, seed, terms)
+        bare = summarize(simulate(workload, profile, seed, LiveTerms()))
+        sim_answers = simulate(workload, profile, seed, seed_terms)
+        sim = summarize(sim_answers)
         print(f"{'metric':<15} {'live':>9} {'sim':>9} {'diff':>8} {'sim, live':>10} {'diff':>8}")
         for key in METRICS:
             scale, name = (1.0, key) if key == "hit_ratio" else (1e3, key.removesuffix("_s") + " (ms)")
@@ -402,6 +512,7 @@ def main() -> int:
                 f"{name:<15} {live[key] * scale:>9.3f} {bare[key] * scale:>9.3f} {bare[key] / live[key] - 1:>+8.1%} "
                 f"{sim[key] * scale:>10.3f} {sim[key] / live[key] - 1:>+8.1%}"
             )
+        print("\n".join(by_request(workload, answers[0], sim_answers)))
         runs.append(
             {
                 "seed": seed,
@@ -409,6 +520,11 @@ def main() -> int:
                 "live_replays": replays,
                 "simulated_without_live_terms": bare,
                 "simulated": sim,
+                "live_terms": dataclasses.asdict(seed_terms),
+                "requests": {
+                    "live": [[dataclasses.asdict(a) for a in replay_answers] for replay_answers in answers],
+                    "simulated": [dataclasses.asdict(a) for a in sim_answers],
+                },
             }
         )
 
@@ -423,7 +539,6 @@ def main() -> int:
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "step_model": preset.step_model.model_dump(),
         "fit": preset.description,
-        "live_terms": dataclasses.asdict(terms),
         "runs": runs,
     }
     path = args.out / f"sim_vs_live-{time.strftime('%Y%m%d-%H%M%S')}.json"

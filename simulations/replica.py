@@ -12,7 +12,7 @@ The scheduler follows vLLM V1's. Each step has a budget of `max_num_batched_toke
 The step lasts `StepModel.step_time_s(prefill tokens, decode sequences, KV tokens read, attention pairs)`, plus
 `EngineConfig.request_overhead_s` for each request admitted for the first time (not again after a preemption),
 plus the serving loop's `step_overhead_s` and `output_overhead_s` for each sequence that samples in the step, plus
-`wake_s` when the engine was idle before it.
+`wake_s` when the engine was idle before it, all times a factor drawn from `step_jitter` when it has any.
 When it ends, every scheduled sequence has its tokens computed; computed full blocks enter the prefix cache; a
 sequence whose tokens are all computed samples one token (the first one ends its prefill: time to first token),
 and one that has all its output finishes and releases its blocks. The next step starts at once while there is
@@ -154,6 +154,9 @@ class SimReplica:
                 self.speculation.num_speculative_tokens, self.speculation.mean_acceptance_length
             )
         self._seed = seed
+        self._jitter = engine.step_jitter
+        self._jitter_rng = random.Random(f"jitter:{seed}:{replica_id}")
+        self._jitter_mean = sum(self._jitter) / len(self._jitter) if self._jitter else 1.0
         self.spec_branches: Counter[str] = Counter()
         """Steps with decoding sequences, by what they did: `speculated`, or why not (`slower`, `no_budget`,
         `no_blocks`); empty without speculation."""
@@ -315,6 +318,8 @@ class SimReplica:
         if self._is_waking:
             self._is_waking = False
             duration_s += engine.wake_s
+        if self._jitter:
+            duration_s *= self._jitter_rng.choice(self._jitter)
         self.busy_s += duration_s
         self.num_steps += 1
         self._version += 1
@@ -396,8 +401,9 @@ class SimReplica:
         e = self.engine
         per_step_s = m.step_s + e.step_overhead_s + (m.decode_s_per_seq + e.output_overhead_s) * n
         # Step j (0-based) reads kv_tokens + j * n tokens of KV: the sum over the steps in closed form.
-        return num_steps * (per_step_s + m.kv_read_s_per_token * kv_tokens) + (
-            m.kv_read_s_per_token * n * num_steps * (num_steps - 1) / 2
+        return self._jitter_mean * (
+            num_steps * (per_step_s + m.kv_read_s_per_token * kv_tokens)
+            + m.kv_read_s_per_token * n * num_steps * (num_steps - 1) / 2
         )
 
     def _cut_run(self) -> None:

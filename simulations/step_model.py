@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, model_validator
 
 from simulations.startup import StartupTime
 
@@ -127,6 +127,11 @@ class EngineConfig(_Model):
     """Seconds added to the first step after the engine was idle: its threads and the CPU waking (a sleeping worker
     thread, cold caches, a clock that slowed down), which a profile of back-to-back steps never sees. At a low load
     most first tokens come from such a step. 0 (the default): not modelled, as in the presets."""
+    step_jitter: list[PositiveFloat] = Field(default_factory=list)
+    """Factors by which a step's duration varies on the live stack, the same work timed again and again (scheduling,
+    caches, the GIL between the engine's thread and its server): each step's time is multiplied by one of them,
+    drawn at random from the replica's own seeded generator; a run of decode steps (`max_decode_steps_per_event`)
+    by their mean. `benchmarks/sim_vs_live.py` measures them on the idle stack. Empty (the default): none."""
     startup_s: StartupTime = 0.0
     """Seconds from a replica's creation to its first request (image pull, weights load, CUDA graphs), or a
     distribution of them (`simulations.startup`); applies to replicas added while the simulation runs, not to

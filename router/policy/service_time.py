@@ -67,7 +67,8 @@ class ServiceTimeEstimator(BaseModel):
     does not export its limit. Off by default: on continuous-batching engines whose queue comes from the KV cache
     or the token budget rather than from slots, and whose durations vary with output length, the inferred limit
     is too small, and the wait for a slot it predicts moves requests off their cached replica for nothing (the
-    Mooncake scenario 01: SLO attainment 0.947 -> 0.836 with it on)."""
+    Mooncake scenario 01: SLO attainment 0.947 -> 0.836 with it on, until `ReplicaState.batch_slots` held a learned
+    limit at or above the most the engine was seen running; 0.945 on or off since)."""
 
     learn_fixed: bool = False
     """Learn a fixed per-request time from short streams' first bytes. Off by default: replicas alike learn

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from simulations.scenario import FleetVariant, Scenario, policy_entry
 from simulations.simulation import RunResult, Simulation
-from simulations.step_model import load_preset
+from simulations.step_model import EngineConfig, load_preset
 from simulations.workload import Request, ScaledOutputWorkload
 
 from .conftest import request, scenario, workload
@@ -79,6 +79,21 @@ def test_only_a_step_that_starts_an_idle_engine_pays_for_waking_it() -> None:
     )
     result = run(scn, *requests)
     assert result.recorder.ttft_s == pytest.approx([0.13, 0.13 + 0.112 - 0.05, 0.13])
+
+
+@pytest.mark.parametrize("steps_per_event", [1, 64])
+def test_step_jitter_scales_each_step_by_a_seeded_draw_and_a_decode_run_by_the_mean(steps_per_event: int) -> None:
+    fleet = {"engine": {"step_jitter": [0.5, 1.0, 2.0]}}
+    scn = scenario(fleet=fleet).model_copy(update={"decode_steps_per_event": steps_per_event})
+    requests = [request(i, 5.0 * i, ((i + 1, 100),), output_tokens=4) for i in range(12)]
+    first, again = run(scn, *requests), run(scn, *requests)
+    assert first.recorder.ttft_s == again.recorder.ttft_s  # the seed names the draws
+    assert {round(t / ALONE_TTFT_S, 6) for t in first.recorder.ttft_s} == {0.5, 1.0, 2.0}
+    if steps_per_event == 64:  # the three decode steps as one run: at the factors' mean, 7 / 6
+        decode_s = [e - t for t, e in zip(first.recorder.ttft_s, first.recorder.e2e_s, strict=True)]
+        assert decode_s == pytest.approx([3 * 0.012 * 7 / 6] * 12)
+    with pytest.raises(ValidationError):
+        EngineConfig(num_kv_blocks=1, step_jitter=[1.0, 0.0])
 
 
 def test_a_small_batch_limit_makes_a_request_wait_for_a_slot() -> None:
