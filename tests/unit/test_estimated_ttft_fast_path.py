@@ -25,8 +25,13 @@ from router.policy.types import Branch, Decision, ReplicaState, RouteRequest
 
 def reference_queue_s(cfg: EstimatedTTFTConfig, r: ReplicaState) -> float:
     """Seconds of wait for a batch slot: n - B + 1 completions at B / slot_s per second once n >= B, B the
-    engine's limit, else the learned one, else the assumed one."""
-    slots = r.max_num_seqs if r.max_num_seqs is not None else r.learned_slots
+    engine's limit, else the learned one, else the peers', either at least the most seen running, else the
+    assumed one."""
+    slots: float | None = r.max_num_seqs
+    if slots is None:
+        slots = r.learned_slots if r.learned_slots is not None else r.peer_max_num_seqs
+        if slots is not None:
+            slots = max(slots, r.most_running)
     if slots is None:
         slots = cfg.assumed_batch_slots
     # The router's own requests now and those the engine counted beyond its own at the last scrape.
@@ -135,6 +140,8 @@ replica_rows = st.fixed_dictionaries(
         "max_num_seqs": st.none() | st.integers(1, 8),
         "slot_s": st.none() | st.floats(0.0, 2.0),
         "learned_slots": st.none() | st.floats(1.0, 8.0),
+        "most_running": st.integers(0, 10),
+        "peer_max_num_seqs": st.none() | st.floats(1.0, 8.0),
         "fixed_s": st.sampled_from([0.0, 0.05]),
     }
 )
@@ -161,6 +168,7 @@ changes = st.lists(
                 "scrape",
                 "rate",
                 "service",
+                "peers",
                 "uniform_rates",
                 "subset",
                 "swap",
@@ -215,6 +223,8 @@ def apply(change: tuple[str, int, dict[str, object]], replicas: list[ReplicaStat
             r.set_prefill_rate(float(row["prefill_tokens_per_s"]))  # type: ignore[arg-type]
         case "service":
             r.set_service(row["slot_s"], row["learned_slots"], row["fixed_s"])  # type: ignore[arg-type]
+        case "peers":
+            r.set_peer_max_num_seqs(row["peer_max_num_seqs"])  # type: ignore[arg-type]
         case "uniform_rates":
             for other in replicas:
                 other.set_prefill_rate(9_000.0 + k % 3)
@@ -345,6 +355,7 @@ def test_every_changing_method_moves_the_version() -> None:
         lambda: state.set_gauges(1, 0, 0.5),
         lambda: state.set_gauges(1, 0, 0.5),  # the same values: still a change to say
         lambda: state.set_prefill_rate(9_000.0),
+        lambda: state.set_peer_max_num_seqs(4.0),
         state.touch,
     ):
         change()
