@@ -24,7 +24,10 @@ the demo model) and through `shoal simulate`'s engine with a step model fitted t
      profile of back-to-back steps never sees it, and at a low load most first tokens come from such a step);
    - jitter: 32 one-token requests of 256 fresh tokens, one at a time; each TTFT over their median is a factor
      the simulated engine draws for a step (`step_jitter`): the same work takes 0.9-1.4x its median on the live
-     stack, and the profile's median of repeats is the low end of a tail the replays' p90 and p99 sit in.
+     stack, and the profile's median of repeats is the low end of a tail the replays' p90 and p99 sit in;
+   - a busy peer: the jitter probe's requests again while the other replica streams back to back; the TTFT
+     they gain, over the engine's part of it, is how much longer a step lasts beside a busy replica
+     (`busy_peer_slowdown`): two replicas, the router and the client share the machine's cores.
    Both simulations are shown, without those terms and with them. The terms are measured before each seed, on a
    stack of their own started just before the replay's: a VM's speed drifts by more than the tolerance within
    minutes (the serving loop measured 0.05 and 3.17 ms a step on stacks 30 minutes apart), so terms measured once
@@ -129,6 +132,7 @@ class LiveTerms:
     path_s_per_prompt_token: float = 0.0
     wake_s: float = 0.0
     step_jitter: tuple[float, ...] = ()
+    busy_peer_slowdown: float = 0.0
 
 
 def simulate(workload: ListWorkload, profile: Path, seed: int, terms: LiveTerms) -> list[Answer]:
@@ -138,6 +142,7 @@ def simulate(workload: ListWorkload, profile: Path, seed: int, terms: LiveTerms)
         "output_overhead_s": terms.output_overhead_s,
         "wake_s": terms.wake_s,
         "step_jitter": list(terms.step_jitter),
+        "busy_peer_slowdown": terms.busy_peer_slowdown,
     }
     scenario = Scenario.model_validate(
         {
@@ -272,6 +277,39 @@ async def overhead_probe(
     return sorted(ttfts)
 
 
+async def busy_peer_probe(
+    router_url: str, busy_url: str, vocab_size: int, length: int, count: int
+) -> tuple[list[float], int]:
+    """TTFTs (sorted) of one-token requests of `length` fresh tokens sent one at a time through the router while
+    streams of 64 tokens run back to back on the other replica (`busy_url`, sent to it directly), and how many the
+    router sent to the busy replica (left out: the probe is of a request beside a busy peer, not behind it)."""
+    rng = random.Random(777 + length)
+    busy_port = busy_url.split("/v1/")[0].rsplit(":", 1)[1]
+    stop = asyncio.Event()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+
+        async def keep_busy() -> None:
+            while not stop.is_set():
+                prompt = [rng.randrange(16, vocab_size) for _ in range(BLOCK_SIZE)]
+                await one(session, busy_url, prompt, 64, time.perf_counter(), 0.0)
+
+        background = asyncio.create_task(keep_busy())
+        ttfts, behind = [], 0
+        try:
+            await one(session, router_url, [rng.randrange(16, vocab_size) for _ in range(length)], 1, 0.0, 0.0)
+            for _ in range(count):
+                prompt = [rng.randrange(16, vocab_size) for _ in range(length)]
+                answer = await one(session, router_url, prompt, 1, time.perf_counter(), 0.0)
+                if answer.replica is not None and answer.replica.endswith(f":{busy_port}"):
+                    behind += 1
+                else:
+                    ttfts.append(answer.ttft_s)
+        finally:
+            stop.set()
+            await background
+    return sorted(ttfts), behind
+
+
 async def decode_probe(url: str, vocab_size: int, batch: int, tokens: int, rounds: int = 3) -> float:
     """Median seconds between streamed tokens of `batch` requests of `tokens` output tokens sent at once, with fresh
     16-token prompts, to one idle replica."""
@@ -334,7 +372,20 @@ def measure_terms(router_url: str, replica_url: str, vocab_size: int, preset: An
         f"{p10_s * 1e3:.1f} / {median_s * 1e3:.1f} / {p90_s * 1e3:.1f} ms: a step takes {p10_s / median_s:.2f}-"
         f"{p90_s / median_s:.2f}x its median (p10-p90)"
     )
-    return LiveTerms(step_s, output_s, path_s, per_token_s, wake_s, jitter)
+    busy_url = replica_url.replace(f":{replica_port(replica_url)}/", f":{replica_port(replica_url) + 1}/")
+    busy_ttfts, behind = asyncio.run(busy_peer_probe(router_url, busy_url, vocab_size, JITTER_TOKENS, JITTER_REQUESTS))
+    busy_s = percentile(busy_ttfts, 0.5) if busy_ttfts else median_s
+    slowdown = max(0.0, (busy_s - median_s) / max(median_s - path_s, 1e-6))
+    print(
+        f"busy peer: the same requests while the other replica streams, TTFT p50 {busy_s * 1e3:.1f} ms against "
+        f"{median_s * 1e3:.1f} ms ({len(busy_ttfts)} kept, {behind} sent to the busy replica left out): a step lasts "
+        f"{slowdown:.0%} longer beside a busy peer"
+    )
+    return LiveTerms(step_s, output_s, path_s, per_token_s, wake_s, jitter, slowdown)
+
+
+def replica_port(url: str) -> int:
+    return int(url.split("/v1/")[0].rsplit(":", 1)[1])
 
 
 JITTER_TOKENS = 256

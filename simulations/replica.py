@@ -12,7 +12,8 @@ The scheduler follows vLLM V1's. Each step has a budget of `max_num_batched_toke
 The step lasts `StepModel.step_time_s(prefill tokens, decode sequences, KV tokens read, attention pairs)`, plus
 `EngineConfig.request_overhead_s` for each request admitted for the first time (not again after a preemption),
 plus the serving loop's `step_overhead_s` and `output_overhead_s` for each sequence that samples in the step, plus
-`wake_s` when the engine was idle before it, all times a factor drawn from `step_jitter` when it has any.
+`wake_s` when the engine was idle before it, all times a factor drawn from `step_jitter` when it has any and
+1 + `busy_peer_slowdown` for each other replica mid-step as it starts.
 When it ends, every scheduled sequence has its tokens computed; computed full blocks enter the prefix cache; a
 sequence whose tokens are all computed samples one token (the first one ends its prefill: time to first token),
 and one that has all its output finishes and releases its blocks. The next step starts at once while there is
@@ -121,7 +122,9 @@ class SimReplica:
         max_decode_steps_per_event: int = 64,
         speculation: SpeculationConfig | None = None,
         seed: int = 0,
+        busy_peers: Callable[[], int] = lambda: 0,
     ) -> None:
+        """`busy_peers()`: how many other replicas of the fleet are mid-step now (`EngineConfig.busy_peer_slowdown`)."""
         self.id = replica_id
         self.engine = engine
         self.step_model = step_model
@@ -157,6 +160,9 @@ class SimReplica:
         self._jitter = engine.step_jitter
         self._jitter_rng = random.Random(f"jitter:{seed}:{replica_id}")
         self._jitter_mean = sum(self._jitter) / len(self._jitter) if self._jitter else 1.0
+        self._busy_peers = busy_peers
+        self._share = 1.0
+        """Factor on the steps starting now: `busy_peer_slowdown` times the peers mid-step, plus one."""
         self.spec_branches: Counter[str] = Counter()
         """Steps with decoding sequences, by what they did: `speculated`, or why not (`slower`, `no_budget`,
         `no_blocks`); empty without speculation."""
@@ -320,6 +326,8 @@ class SimReplica:
             duration_s += engine.wake_s
         if self._jitter:
             duration_s *= self._jitter_rng.choice(self._jitter)
+        if engine.busy_peer_slowdown:
+            duration_s *= 1.0 + engine.busy_peer_slowdown * self._busy_peers()
         self.busy_s += duration_s
         self.num_steps += 1
         self._version += 1
@@ -385,6 +393,8 @@ class SimReplica:
         for seq, need in zip(running, needs, strict=True):
             if need > 0:
                 seq.num_private += need
+        slowdown = self.engine.busy_peer_slowdown
+        self._share = 1.0 + slowdown * self._busy_peers() if slowdown else 1.0
         duration_s = self._run_s(num_steps, n, kv_tokens)
         now = self.sim.now
         self._run = (now, num_steps, n, kv_tokens)
@@ -401,7 +411,7 @@ class SimReplica:
         e = self.engine
         per_step_s = m.step_s + e.step_overhead_s + (m.decode_s_per_seq + e.output_overhead_s) * n
         # Step j (0-based) reads kv_tokens + j * n tokens of KV: the sum over the steps in closed form.
-        return self._jitter_mean * (
+        return (self._jitter_mean * self._share) * (
             num_steps * (per_step_s + m.kv_read_s_per_token * kv_tokens)
             + m.kv_read_s_per_token * n * num_steps * (num_steps - 1) / 2
         )

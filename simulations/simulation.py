@@ -153,6 +153,7 @@ class Simulation:
             max_decode_steps_per_event=self.scenario.decode_steps_per_event,
             speculation=self.speculation,
             seed=self.scenario.seed,
+            busy_peers=lambda: sum(m.replica.is_busy for m in self._members.values()) - replica.is_busy,
         )
         now = self.sim.now
         member = Member(replica, created_s=now, ready_s=now + startup_s)

@@ -132,6 +132,11 @@ class EngineConfig(_Model):
     caches, the GIL between the engine's thread and its server): each step's time is multiplied by one of them,
     drawn at random from the replica's own seeded generator; a run of decode steps (`max_decode_steps_per_event`)
     by their mean. `benchmarks/sim_vs_live.py` measures them on the idle stack. Empty (the default): none."""
+    busy_peer_slowdown: float = Field(default=0.0, ge=0.0)
+    """How much longer a step lasts, as a fraction, for each other replica of the fleet that is mid-step when it
+    starts: replicas that share one machine's CPUs with each other and with the router (`shoal up` on a small
+    host), where the serving path of one replica's requests waits for cores the other replica's work holds.
+    `benchmarks/sim_vs_live.py` measures it. 0 (the default): replicas on machines of their own."""
     startup_s: StartupTime = 0.0
     """Seconds from a replica's creation to its first request (image pull, weights load, CUDA graphs), or a
     distribution of them (`simulations.startup`); applies to replicas added while the simulation runs, not to

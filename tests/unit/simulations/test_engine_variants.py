@@ -96,6 +96,15 @@ def test_step_jitter_scales_each_step_by_a_seeded_draw_and_a_decode_run_by_the_m
         EngineConfig(num_kv_blocks=1, step_jitter=[1.0, 0.0])
 
 
+def test_a_step_beside_a_busy_peer_lasts_longer_by_the_slowdown() -> None:
+    scn = scenario(fleet={"num_replicas": 2, "engine": {"busy_peer_slowdown": 0.5}})
+    # Round robin: the first starts on an idle fleet; the second, on the other replica, beside the first's step.
+    # The third comes at 5 s, when both are idle again.
+    requests = [request(0, 0.0, ((1, 100),), output_tokens=1), request(1, 0.0, ((2, 100),), output_tokens=1)]
+    result = run(scn, *requests, request(2, 5.0, ((3, 100),), output_tokens=1))
+    assert sorted(result.recorder.ttft_s) == pytest.approx([ALONE_TTFT_S, ALONE_TTFT_S, 1.5 * ALONE_TTFT_S])
+
+
 def test_a_small_batch_limit_makes_a_request_wait_for_a_slot() -> None:
     requests = (request(0, 0.0, ((1, 100),), output_tokens=3), request(1, 0.0, ((2, 100),), output_tokens=3))
     both = run(scenario(fleet={"engine": {"max_num_seqs": 2}}), *requests)
