@@ -23,17 +23,18 @@ the demo model) and through `shoal simulate`'s engine with a step model fitted t
      p50 beyond the back-to-back one is the engine's `wake_s`, added to a step that starts an idle engine (a
      profile of back-to-back steps never sees it, and at a low load most first tokens come from such a step);
    - jitter: 32 one-token requests of 256 fresh tokens, one at a time; each TTFT over their median is a factor
-     the simulated engine draws for a step (`step_jitter`): the same work takes 0.9-1.4x its median on the live
-     stack, and the profile's median of repeats is the low end of a tail the replays' p90 and p99 sit in;
+     the simulated engine draws for a step (`step_jitter`): the same work takes 0.6-1.6x its median on the live
+     stack (p10-p90, benchmarks/results/sim_vs_live_fresh_seeds.txt), and the profile's median of repeats is the
+     low end of a tail the replays' p90 and p99 sit in;
    - a busy peer: the jitter probe's requests again while a stream of 64 tokens runs through the router back to
      back (those sent to the streaming replica left out); the TTFT they gain, over the engine's part of it, is
      how much longer a step lasts beside a busy replica (`busy_peer_slowdown`): the router, the client and the
      two replicas share the machine's cores (two replicas prefilling at once, each sent its requests straight,
-     do not slow each other: 18.1 against 18.4 ms).
+     slow each other by 0-10%: the same file).
    Both simulations are shown, without those terms and with them. The terms are measured before each seed, on a
    stack of their own started just before the replay's: a VM's speed drifts by more than the tolerance within
-   minutes (the serving loop measured 0.05 and 3.17 ms a step on stacks 25 minutes apart), so terms measured once
-   for all seeds (`--terms-once`) judge the later replays against a machine that has changed.
+   minutes (the serving loop measured 0.00 to 4.57 ms a step on stacks minutes apart, the same file), so terms
+   measured once for all seeds (`--terms-once`) judge the later replays against a machine that has changed.
 
 Each seed of `--seeds` is a workload replayed on a freshly started stack (cold caches, as the simulator starts),
 `--live-repeats` times: live is the median of those replays, and their spread (largest over smallest) is printed,
@@ -285,25 +286,27 @@ async def busy_peer_probe(router_url: str, vocab_size: int, length: int, count: 
     and how many the router sent to the streaming replica (left out: beside, not behind, is what is measured)."""
     rng = random.Random(777 + length)
     stop = asyncio.Event()
-    streaming: list[str | None] = [None]
+    streaming: str | None = None
+    """The replica the background stream is on now, from its `x-shoal-replica` header; None between two."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
 
         async def keep_busy() -> None:
+            nonlocal streaming
             while not stop.is_set():
                 prompt = [rng.randrange(16, vocab_size) for _ in range(BLOCK_SIZE)]
                 body = {"model": MODEL, "prompt": prompt, "max_tokens": 64, "ignore_eos": True, "stream": True}
                 async with session.post(router_url, json=body) as response:
-                    streaming[0] = response.headers.get("x-shoal-replica")
+                    streaming = response.headers.get("x-shoal-replica")
                     async for _ in response.content:
                         pass
-                streaming[0] = None
+                streaming = None
 
         background = asyncio.create_task(keep_busy())
         ttfts, behind = [], 0
         try:
             for _ in range(count):
                 prompt = [rng.randrange(16, vocab_size) for _ in range(length)]
-                busy = streaming[0]
+                busy = streaming
                 answer = await one(session, router_url, prompt, 1, time.perf_counter(), 0.0)
                 if busy is None or answer.replica == busy:
                     behind += 1

@@ -145,8 +145,9 @@ class SimReplica:
         self.max_decode_steps_per_event = max_decode_steps_per_event
         self._version = 0
         """Incremented whenever a scheduled step end is superseded (a decode run cut short)."""
-        self._run: tuple[float, int, int, int] | None = None
-        """The decode run in flight: (start_s, steps, sequences, KV tokens at its start); None for a single step."""
+        self._run: tuple[float, int, int, int, float] | None = None
+        """The decode run in flight: (start_s, steps, sequences, KV tokens at its start, the factor on its time:
+        `step_jitter`'s mean and the busy peers' slowdown as it started); None for a single step."""
         self.speculation = speculation if speculation is not None and speculation.is_enabled else None
         """Speculative decoding, None when off (or its acceptance length unknown)."""
         self._alpha = 0.0
@@ -161,8 +162,6 @@ class SimReplica:
         self._jitter_rng = random.Random(f"jitter:{seed}:{replica_id}")
         self._jitter_mean = sum(self._jitter) / len(self._jitter) if self._jitter else 1.0
         self._busy_peers = busy_peers
-        self._share = 1.0
-        """Factor on the steps starting now: `busy_peer_slowdown` times the peers mid-step, plus one."""
         self.spec_branches: Counter[str] = Counter()
         """Steps with decoding sequences, by what they did: `speculated`, or why not (`slower`, `no_budget`,
         `no_blocks`); empty without speculation."""
@@ -394,10 +393,10 @@ class SimReplica:
             if need > 0:
                 seq.num_private += need
         slowdown = self.engine.busy_peer_slowdown
-        self._share = 1.0 + slowdown * self._busy_peers() if slowdown else 1.0
-        duration_s = self._run_s(num_steps, n, kv_tokens)
+        factor = self._jitter_mean * (1.0 + slowdown * self._busy_peers() if slowdown else 1.0)
+        duration_s = self._run_s(num_steps, n, kv_tokens, factor)
         now = self.sim.now
-        self._run = (now, num_steps, n, kv_tokens)
+        self._run = (now, num_steps, n, kv_tokens, factor)
         self.is_busy = True
         self.busy_s += duration_s
         self.num_steps += num_steps
@@ -405,13 +404,14 @@ class SimReplica:
         self.sim.at(now + duration_s, self._step_ended, self._version)
         return True
 
-    def _run_s(self, num_steps: int, n: int, kv_tokens: int) -> float:
-        """Duration of the first `num_steps` decode steps of a run of `n` sequences holding `kv_tokens` of KV."""
+    def _run_s(self, num_steps: int, n: int, kv_tokens: int, factor: float) -> float:
+        """Duration of the first `num_steps` decode steps of a run of `n` sequences holding `kv_tokens` of KV, times
+        `factor`."""
         m = self.step_model
         e = self.engine
         per_step_s = m.step_s + e.step_overhead_s + (m.decode_s_per_seq + e.output_overhead_s) * n
         # Step j (0-based) reads kv_tokens + j * n tokens of KV: the sum over the steps in closed form.
-        return (self._jitter_mean * self._share) * (
+        return factor * (
             num_steps * (per_step_s + m.kv_read_s_per_token * kv_tokens)
             + m.kv_read_s_per_token * n * num_steps * (num_steps - 1) / 2
         )
@@ -419,21 +419,21 @@ class SimReplica:
     def _cut_run(self) -> None:
         """A request arrived during a decode run: end the run at the boundary of the step in progress."""
         assert self._run is not None
-        start_s, num_steps, n, kv_tokens = self._run
+        start_s, num_steps, n, kv_tokens, factor = self._run
         elapsed_s = self.sim.now - start_s
         end_s = 0.0
         done = num_steps
         for j in range(num_steps):
-            end_s = self._run_s(j + 1, n, kv_tokens)
+            end_s = self._run_s(j + 1, n, kv_tokens, factor)
             if end_s >= elapsed_s:
                 done = j + 1
                 break
         if done == num_steps:
             return
-        full_s = self._run_s(num_steps, n, kv_tokens)
+        full_s = self._run_s(num_steps, n, kv_tokens, factor)
         self.busy_s -= full_s - end_s
         self.num_steps -= num_steps - done
-        self._run = (start_s, done, n, kv_tokens)
+        self._run = (start_s, done, n, kv_tokens, factor)
         self._version += 1
         self.sim.at(max(self.sim.now, start_s + end_s), self._step_ended, self._version)
 

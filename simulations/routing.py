@@ -64,6 +64,7 @@ class SimRouter:
             session=session_affinity or SessionAffinityConfig(),
             prefill_rate=prefill_rate,
             service_time=service_time or ServiceTimeEstimator(),
+            infer_max_num_seqs=infer_max_num_seqs,
             use_index=use_index,
             records_predictions=mode != "exact",
         )
@@ -72,8 +73,6 @@ class SimRouter:
         self.mode = mode
         self.is_session_affinity = is_session_affinity
         """Read requests' session keys, as the live router does when `session_header` is set."""
-        self.infer_max_num_seqs = infer_max_num_seqs
-        """Take a batch limit from scrapes that see a queue beside running requests (`ReplicaState.set_gauges`)."""
         self._eligible: list[ReplicaState] = []
 
     @property
@@ -139,9 +138,7 @@ class SimRouter:
     ) -> None:
         """The gauges a scrape of the replica's /metrics returned now; `max_num_seqs` when the engine exports its
         batch limit."""
-        self.core.set_gauges(
-            replica_id, num_running, num_waiting, kv_usage, max_num_seqs, infer_max_num_seqs=self.infer_max_num_seqs
-        )
+        self.core.set_gauges(replica_id, num_running, num_waiting, kv_usage, max_num_seqs)
 
     def apply_kv_events(self, replica_id: str, events: Sequence[KVEvent], now: float) -> None:
         """Exact modes: the replica's KV events reached the router."""

@@ -78,6 +78,9 @@ class RoutingConfig:
     session: SessionAffinityConfig = field(default_factory=SessionAffinityConfig)
     prefill_rate: PrefillRateEstimator = field(default_factory=PrefillRateEstimator)
     service_time: ServiceTimeEstimator = field(default_factory=ServiceTimeEstimator)
+    infer_max_num_seqs: bool = False
+    """Take a replica's batch limit from scrapes that see requests queued beside running ones
+    (`ReplicaState.set_gauges`), and give replicas with none of their own the mean of the known ones."""
     use_index: bool = True
     """Match and record prompts in the prefix index. Off only for a policy that reads neither the match nor the
     backlog it feeds (the simulator's index-blind baselines), whose choices do not depend on it."""
@@ -167,7 +170,7 @@ class RoutingCore:
         self._replicas[state.id] = _Tracked(state, rate, service)
         state.set_prefill_rate(rate.tokens_per_s)
         state.set_service(service.slot_s, service.slots, service.fixed_s)
-        if state.max_num_seqs is None:
+        if self.config.infer_max_num_seqs and state.max_num_seqs is None:
             state.set_peer_max_num_seqs(self._peer_batch_limit())
         self.index.add_replica(state.id, state.kv_capacity_blocks)
 
@@ -208,19 +211,18 @@ class RoutingCore:
         num_waiting: int | None,
         kv_usage: float | None,
         max_num_seqs: int | None = None,
-        *,
-        infer_max_num_seqs: bool = False,
     ) -> None:
-        """A scrape of the replica's engine gauges (`ReplicaState.set_gauges`). When a replica's batch limit becomes
-        known or changes, the replicas with none of their own take the mean of the known ones: as with prefill
-        rates, a pool's replicas are usually one deployment, and a limit each replica would otherwise infer only
-        from a queue of its own is a queue on each."""
+        """A scrape of the replica's engine gauges (`ReplicaState.set_gauges`). With `infer_max_num_seqs`, when a
+        replica's batch limit becomes known or changes, the replicas with none of their own take the mean of the
+        known ones: as with prefill rates, a pool's replicas are usually one deployment, and a limit each replica
+        would otherwise infer only from a queue of its own is a queue on each."""
         tracked = self._replicas.get(replica_id)
         if tracked is None:
             return
+        infer = self.config.infer_max_num_seqs
         before = tracked.state.max_num_seqs
-        tracked.state.set_gauges(num_running, num_waiting, kv_usage, max_num_seqs, infer_max_num_seqs)
-        if tracked.state.max_num_seqs != before:
+        tracked.state.set_gauges(num_running, num_waiting, kv_usage, max_num_seqs, infer_max_num_seqs=infer)
+        if infer and tracked.state.max_num_seqs != before:
             self._share_batch_limits()
 
     def _share_batch_limits(self) -> None:

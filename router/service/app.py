@@ -188,7 +188,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
             app[POOL],
             probe_session,
             on_gauges=lambda replica, running, waiting, kv, limit: core.core.set_gauges(
-                replica.id, running, waiting, kv, limit, infer_max_num_seqs=settings.scrape.infer_max_num_seqs
+                replica.id, running, waiting, kv, limit
             ),
             on_kv_capacity=lambda replica, tokens: core.core.set_kv_capacity(replica.id, tokens),
         )

@@ -41,6 +41,7 @@ def routing_config(settings: RouterSettings) -> RoutingConfig:
         session=settings.session_affinity,
         prefill_rate=settings.prefill_rate,
         service_time=settings.service_time,
+        infer_max_num_seqs=settings.scrape.infer_max_num_seqs,
     )
 
 

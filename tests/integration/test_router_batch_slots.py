@@ -140,6 +140,7 @@ async def test_a_batch_limit_inferred_from_scrapes_spreads_a_hot_prefix_over_eng
     print(f"round_robin: busiest share {rr_share:.2f}, TTFT p99 {rr_p99:.3f} s")
     print(f"estimated_ttft, limit unknown: busiest share {blind_share:.2f}, TTFT p99 {blind_p99:.3f} s")
     print(f"estimated_ttft, limit inferred: busiest share {share:.2f}, TTFT p99 {p99:.3f} s, spill_queue {spills:.0f}")
+    assert blind_share > 0.60  # the same fakes, the limit unknown: it is the inference that spreads the prefix
     assert share <= 0.60
     assert p99 <= 2.0 * rr_p99
     assert spills >= 1

@@ -119,8 +119,13 @@ def test_nonsense_durations_teach_nothing() -> None:
     assert est.observe_finish(state, duration_s=1.0, num_ahead=-1, known_slots=4) is state
 
 
-def make_core(*, learn_slots: bool = False, learn_fixed: bool = False) -> tuple[RoutingCore, list[ReplicaState]]:
-    config = RoutingConfig(service_time=ServiceTimeEstimator(learn_slots=learn_slots, learn_fixed=learn_fixed))
+def make_core(
+    *, learn_slots: bool = False, learn_fixed: bool = False, infer_max_num_seqs: bool = False
+) -> tuple[RoutingCore, list[ReplicaState]]:
+    config = RoutingConfig(
+        service_time=ServiceTimeEstimator(learn_slots=learn_slots, learn_fixed=learn_fixed),
+        infer_max_num_seqs=infer_max_num_seqs,
+    )
     core = RoutingCore(config, PrefixIndex(PrefixIndexConfig()), EstimatedTTFT(EstimatedTTFTConfig()))
     states = [ReplicaState(rid) for rid in ("a", "b", "c")]
     for state in states:
@@ -129,19 +134,24 @@ def make_core(*, learn_slots: bool = False, learn_fixed: bool = False) -> tuple[
 
 
 def test_a_limit_inferred_on_one_replica_prices_the_slot_wait_on_its_peers_until_they_show_their_own() -> None:
-    core, (a, b, c) = make_core()
-    core.set_gauges("a", 4, 2, None, infer_max_num_seqs=True)
+    core, (a, b, c) = make_core(infer_max_num_seqs=True)
+    core.set_gauges("a", 4, 2, None)
     assert a.max_num_seqs == 4
     assert (b.batch_slots, c.batch_slots) == (4.0, 4.0)  # neither has queued yet
-    core.set_gauges("b", 6, 0, None, infer_max_num_seqs=True)
+    core.set_gauges("b", 6, 0, None)
     assert b.batch_slots == 6.0  # it ran 6: at least that many
     late = ReplicaState("d")
     core.add_replica(late)
     assert late.batch_slots == 4.0
-    core.set_gauges("c", 8, 3, None, infer_max_num_seqs=True)  # c's own, and the peers' mean moves
+    core.set_gauges("c", 8, 3, None)  # c's own, and the peers' mean moves
     assert (c.batch_slots, late.batch_slots) == (8.0, 6.0)
-    core.set_gauges("b", 1, 0, None)  # inferring off: nothing inferred
-    assert b.max_num_seqs is None
+
+
+def test_without_inferring_an_exported_limit_is_not_lent_to_replicas_that_export_none() -> None:
+    core, (a, b, _) = make_core()
+    core.set_gauges("a", 4, 2, None, max_num_seqs=16)  # SGLang beside vLLM replicas: its limit is its own
+    core.set_gauges("b", 4, 2, None)
+    assert (a.batch_slots, b.max_num_seqs, b.batch_slots) == (16.0, None, None)
 
 
 def test_whole_answers_behind_a_two_slot_engine_teach_its_slots_and_then_the_hot_prefix_spills() -> None:
