@@ -141,10 +141,8 @@ def redis_client(url: str, stack: contextlib.AsyncExitStack, *, timeout_s: float
             socket_connect_timeout=connect_timeout_s,
         )
     else:
-        timeouts = {"socket_timeout": timeout_s, "socket_connect_timeout": connect_timeout_s}
-        sentinel = Sentinel(  # type: ignore[no-untyped-call]
-            list(target.hosts), sentinel_kwargs={**timeouts, "ssl": target.is_tls}, **timeouts
-        )
+        timeouts: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": connect_timeout_s}
+        sentinel = Sentinel(list(target.hosts), sentinel_kwargs={**timeouts, "ssl": target.is_tls}, **timeouts)
         for sentinel_client in sentinel.sentinels:
             stack.push_async_callback(sentinel_client.aclose)
         client = sentinel.master_for(
