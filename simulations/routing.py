@@ -55,7 +55,7 @@ class SimRouter:
         session_affinity: SessionAffinityConfig | None = None,
         max_in_flight_per_replica: int = 0,
         service_time: ServiceTimeEstimator | None = None,
-        infer_max_num_seqs: bool = False,
+        infer_max_num_seqs: bool = True,
     ) -> None:
         config = RoutingConfig(
             token_block_size=block_size,

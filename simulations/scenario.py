@@ -210,10 +210,9 @@ class RouterConfig(_Model):
     """How the router learns each replica's batch slots and fixed per-request time from latencies
     (`router.policy.service_time`: `learn_slots`, `learn_fixed`, both off by default; the live router's
     `service_time`)."""
-    infer_max_num_seqs: bool = False
+    infer_max_num_seqs: bool = True
     """Take a replica's batch limit from a scrape that sees requests queued beside running ones
-    (`ReplicaState.set_gauges`). Off by default, as the live router's `scrape.infer_max_num_seqs`: a full KV cache
-    queues requests too."""
+    (`ReplicaState.set_gauges`). On by default, as the live router's `scrape.infer_max_num_seqs`."""
     session: SessionAffinityConfig = Field(default_factory=SessionAffinityConfig)
     """When a pin yields to the policy (its replica overloaded) and how many sessions are remembered: the live
     router's `session_affinity` settings."""

@@ -78,7 +78,7 @@ class RoutingConfig:
     session: SessionAffinityConfig = field(default_factory=SessionAffinityConfig)
     prefill_rate: PrefillRateEstimator = field(default_factory=PrefillRateEstimator)
     service_time: ServiceTimeEstimator = field(default_factory=ServiceTimeEstimator)
-    infer_max_num_seqs: bool = False
+    infer_max_num_seqs: bool = True
     """Take a replica's batch limit from scrapes that see requests queued beside running ones
     (`ReplicaState.set_gauges`), and give replicas with none of their own the mean of the known ones."""
     use_index: bool = True

@@ -74,10 +74,13 @@ class ScrapeSettings(_Section):
     """Seconds between scrapes; the gauges lag by at most this much, router-local counts never lag."""
     timeout_s: float = Field(2.0, gt=0)
     path: str = "/metrics"
-    infer_max_num_seqs: bool = False
+    infer_max_num_seqs: bool = True
     """For an engine that exports no batch limit (vLLM), take the most sequences it was seen running as its limit
     once a scrape sees requests queued beside running ones (`ReplicaState.set_gauges`), so that estimated_ttft
-    prices the wait for a slot. Off by default: a full KV cache queues requests too."""
+    prices the wait for a slot; replicas with no limit of their own take their peers' mean. On by default: without
+    it, in front of vLLM a hot prefix stays on the replicas holding it while their slots queue (the live check in
+    tests/integration/test_router_batch_slots.py). A full KV cache queues requests too, and then reads as a limit;
+    never below the most the engine was seen running, so it prices no wait the engine did not show."""
 
 
 class RetrySettings(_Section):
