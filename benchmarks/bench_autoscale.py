@@ -30,6 +30,13 @@ on the load needs for a given attainment when it knows the load in advance:
     .venv/bin/python benchmarks/bench_autoscale.py --workload azure --static-replicas 11 --policies '' \
         --clairvoyant 2:300 --clairvoyant 3:0 --clairvoyant 3:60 --clairvoyant 4:0
 
+`--clairvoyant-lead 0` makes those rows the reactive bound: a fleet that knows the load of each moment exactly (no
+noise, no lag, the queue a burst leaves included through HOLD_S) but nothing of what comes within a cold start, the
+most any policy that measures the load can know:
+
+    .venv/bin/python benchmarks/bench_autoscale.py --workload sinusoid --static-replicas 5 --policies '' \
+        --clairvoyant-lead 0 --clairvoyant 1:600 --clairvoyant 2:600 --clairvoyant 4:600
+
 With `--clairvoyant` the table is followed by the trace's idle gaps longer than a cold start (after 10 s for the
 requests in flight to finish), and what a fleet at static peak would save by dropping to one replica in each.
 `--initial-replicas N` starts the autoscaled rows (not static peak) with N ready replicas instead of the
@@ -204,10 +211,12 @@ def run(
     *,
     rate_oracle: tuple[float, float] | None = None,
     arrival_oracle: tuple[float, float, float] | None = None,
+    oracle_lead_s: float | None = None,
     **overrides: Any,
 ) -> Row:
     """One simulation of `policy`; `rate_oracle` (lead seconds, mean request seconds) runs `RateOracleFleet`,
-    `arrival_oracle` (factor, hold seconds, mean request seconds) `ArrivalOracleFleet`."""
+    `arrival_oracle` (factor, hold seconds, mean request seconds) `ArrivalOracleFleet`, looking `oracle_lead_s`
+    ahead (default: a cold start)."""
     assert scenario.autoscale is not None
     autoscale = AutoscaleConfig.model_validate(merged(scenario.autoscale.model_dump(), {"policy": policy, **overrides}))
     scn = scenario.model_copy(update={"autoscale": autoscale})
@@ -226,7 +235,7 @@ def run(
         simulation.scaling = ArrivalOracleFleet(
             arrivals,
             request_s=request_s,
-            lead_s=startup_quantile_s(autoscale.startup_s),
+            lead_s=startup_quantile_s(autoscale.startup_s) if oracle_lead_s is None else oracle_lead_s,
             target=autoscale.target_requests_per_replica,
             factor=factor,
             hold_s=hold_s,
@@ -614,6 +623,13 @@ def main() -> None:
         "repeatable",
     )
     parser.add_argument(
+        "--clairvoyant-lead",
+        type=float,
+        metavar="SECONDS",
+        help="how far ahead the --clairvoyant rows see the arrivals (default: a cold start); 0 is the reactive "
+        "bound, a fleet that knows the present load exactly and nothing of what comes",
+    )
+    parser.add_argument(
         "--initial-replicas",
         type=int,
         help="ready replicas the autoscaled rows start with (default: the scenario's fleet); static peak keeps its own",
@@ -816,8 +832,10 @@ def main() -> None:
                     print(f"  plot: {path}")
             continue
         for factor, hold_s in args.clairvoyant:
-            bound = run(scenario, workload, "shoal", arrival_oracle=(factor, hold_s, static.request_mean_s))
-            bound.policy = f"clairvoyant: {factor:g}x the future arrivals' in-flight requests, kept {hold_s:g} s"
+            sizing = (factor, hold_s, static.request_mean_s)
+            bound = run(scenario, workload, "shoal", arrival_oracle=sizing, oracle_lead_s=args.clairvoyant_lead)
+            ahead = "" if args.clairvoyant_lead is None else f" {args.clairvoyant_lead:g} s ahead"
+            bound.policy = f"clairvoyant: {factor:g}x the arrivals' in-flight requests{ahead}, kept {hold_s:g} s"
             rows.append(bound)
         slo = f"TTFT <= {scenario.slo.ttft_s:g} s"
         a = scenario.autoscale
