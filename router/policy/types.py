@@ -143,7 +143,8 @@ class ReplicaState:
         """The engine's gauges, as a scrape of its metrics read them; `max_num_seqs` when the engine exports its
         batch limit. With `infer_max_num_seqs`, once a scrape sees requests queued beside running ones, the largest
         running count seen is the limit (a request that arrived between two steps queues briefly, so the count of
-        that scrape can be far below it); off by default, since an engine whose KV cache is full queues too."""
+        that scrape can be far below it). The caller decides (`RoutingConfig.infer_max_num_seqs`); an engine whose
+        KV cache is full queues too, and then that concurrency reads as its limit."""
         self.num_running = num_running
         self.num_waiting = num_waiting
         self.kv_usage = kv_usage

@@ -135,7 +135,9 @@ async def test_a_batch_limit_inferred_from_scrapes_spreads_a_hot_prefix_over_eng
     vllm_like = {**SLOT_BOUND, "exports_batch_limit": False}
     blind = ScrapeSettings(interval_s=0.2, timeout_s=1.0, infer_max_num_seqs=False)
     rr_share, rr_p99, _ = await run_policy(start_fakes, start_router, RoundRobinConfig(), vllm_like)
-    blind_share, blind_p99, _ = await run_policy(start_fakes, start_router, EstimatedTTFTConfig(), vllm_like, scrape=blind)
+    blind_share, blind_p99, _ = await run_policy(
+        start_fakes, start_router, EstimatedTTFTConfig(), vllm_like, scrape=blind
+    )
     share, p99, spills = await run_policy(start_fakes, start_router, EstimatedTTFTConfig(), vllm_like)
     print(f"round_robin: busiest share {rr_share:.2f}, TTFT p99 {rr_p99:.3f} s")
     print(f"estimated_ttft, limit unknown: busiest share {blind_share:.2f}, TTFT p99 {blind_p99:.3f} s")
