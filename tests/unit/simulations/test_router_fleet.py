@@ -116,7 +116,8 @@ AGENTIC = {"kind": "agentic", "num_episodes": 30, "episode_rate_per_s": 1.5, "nu
 
 
 def small_scenarios(routers: dict[str, Any] | None = None) -> list[Scenario]:
-    """A Mooncake slice on 4 replicas, and short agent loops on 3 with session affinity and KV events."""
+    """A Mooncake slice on 4 replicas, and short agent loops on 3 with session affinity and KV events; the batch
+    limit is not inferred, as in the simulator that `BEFORE` was taken from."""
     extra = {"routers": routers} if routers else {}
     return [
         Scenario.model_validate(
@@ -124,6 +125,7 @@ def small_scenarios(routers: dict[str, Any] | None = None) -> list[Scenario]:
                 "trace": {"kind": "mooncake", "path": "mooncake/synthetic_trace.jsonl", "speed": 2.0, "limit": 200},
                 "fleet": {"preset": "llama70b_8xa100", "num_replicas": 4},
                 "policies": ["estimated_ttft"],
+                "router": {"infer_max_num_seqs": False},
                 "slo": {"ttft_s": 10.0, "tpot_s": 0.1},
                 **extra,
             }
@@ -132,7 +134,7 @@ def small_scenarios(routers: dict[str, Any] | None = None) -> list[Scenario]:
             {
                 "trace": AGENTIC,
                 "fleet": {"preset": "qwen3_30b_a3b_h100", "num_replicas": 3},
-                "router": {"session_affinity": True, "index_mode": "exact_predicted"},
+                "router": {"session_affinity": True, "index_mode": "exact_predicted", "infer_max_num_seqs": False},
                 "policies": ["estimated_ttft"],
                 **extra,
             }
