@@ -48,9 +48,13 @@ and it tells us.
 
 Exact mode. A `stored` event's blocks are re-hashed with the router's hash from the event's token ids, chained
 from the router hash of the event's parent, found through a per-replica map engine hash -> router hash; the
-engine hash is kept only to apply a later `removed`. An event whose parent is unknown (its `stored` was missed,
-or the block was removed since) is skipped and counted: chaining from the wrong parent would index the blocks
-under hashes no request carries.
+engine hash is kept only to apply a later `removed`. An engine block of a multiple of the router's block size
+(vLLM's 128-token blocks on CPUs, against the router's 16) is indexed as that many router blocks, which come and
+go together. An event whose parent is unknown (its `stored` was missed, or the block was removed since) is
+skipped and counted: chaining from the wrong parent would index the blocks under hashes no request carries.
+When events were lost and cannot be replayed, `demote` turns the replica's exact entries into approximate ones
+(they were true a moment ago; the TTL retires what the engine dropped since) and keeps their engine hashes for
+resolving parents, so the children the engine stores next are still indexed.
 
 What commutes. A `stored` and a `record` of the same blocks leave the same index, hence the same match at every
 later `now`, in either order: a record never downgrades an exact entry, and a `stored` upgrades whatever guess
@@ -185,8 +189,10 @@ class _Replica:
     __slots__ = (
         "bit",
         "capacity_blocks",
+        "demoted_blocks",
         "engine_blocks",
         "engine_churn",
+        "engine_spans",
         "extra_engine_refs",
         "guess_churn",
         "guesses",
@@ -203,8 +209,13 @@ class _Replica:
         """Block hash -> deadline in seconds of each approximate and predicted entry, oldest touch first."""
         self.guess_churn = _Churn(self.guesses)
         self.engine_blocks: dict[int, int] = {}
-        """Engine hash -> router hash of each exact entry (the values are exactly the replica's exact entries)."""
+        """Engine hash -> router hash of the last router block of each exact engine block."""
         self.engine_churn = _Churn(self.engine_blocks)
+        self.engine_spans: dict[int, tuple[int, ...]] = {}
+        """Engine hash -> router hashes of the router blocks before its last one, for engine blocks larger than
+        the router's: with `engine_blocks`' values, exactly the replica's exact entries."""
+        self.demoted_blocks: dict[int, int] = {}
+        """Engine hash -> router hash of engine blocks whose entries `demote` made approximate: parents only."""
         self.extra_engine_refs: dict[int, int] = {}
         """Exact blocks named by more than one engine hash (say, the same tokens under two cache salts): the
         number of engine hashes beyond the first, so that the entry leaves with the last of them."""
@@ -489,16 +500,17 @@ class PrefixIndex:
 
     # Exact mode -----------------------------------------------------------------------------------------------
 
-    def apply(self, replica: str, event: KVEvent, *, seed: bytes, now: float) -> bool:
+    def apply(self, replica: str, event: KVEvent, *, seed: bytes, now: float, block_size: int | None = None) -> bool:
         """Apply one of `replica`'s KV events; returns False when it was skipped (and counted as such).
 
-        `seed` is the namespace seed (`hashing.namespace_seed`) of the model the replica serves. Exact entries
+        `seed` is the namespace seed (`hashing.namespace_seed`) of the model the replica serves; `block_size` is
+        the router's block size in tokens (None: the event's own), which must divide the engine's. Exact entries
         do not expire, so `now` changes nothing today; it is taken so that every mutation has the same shape.
         Raises KeyError for a replica that is not indexed.
         """
         rep = self._replicas[replica]
         if isinstance(event, BlockStored):
-            is_applied = self._apply_stored(rep, event, seed)
+            is_applied = self._apply_stored(rep, event, seed, block_size or event.block_size)
         elif isinstance(event, BlockRemoved):
             for engine_hash in event.block_hashes:
                 self._remove_engine_block(rep, engine_hash)
@@ -513,43 +525,87 @@ class PrefixIndex:
         self._compact(rep)
         return is_applied
 
-    def _apply_stored(self, rep: _Replica, event: BlockStored, seed: bytes) -> bool:
+    def demote(self, replica: str, *, now: float) -> int:
+        """Events of `replica` were lost: its exact entries become approximate ones (deadline `ttl_s` after
+        `now`), and their engine hashes stay known as parents. Returns the number of entries demoted."""
+        rep = self._replicas[replica]
+        exact: list[int] = []  # parents before children, as the engine stored them
+        for engine_hash, block_hash in rep.engine_blocks.items():
+            exact.extend(rep.engine_spans.get(engine_hash, ()))
+            exact.append(block_hash)
+        exact = list(dict.fromkeys(exact))
+        was_closed = rep.is_prefix_closed
+        for block_hash in exact:
+            self._release(rep, block_hash)
+        if len(rep.demoted_blocks) + len(rep.engine_blocks) > rep.capacity_blocks:
+            rep.demoted_blocks = {}
+        rep.demoted_blocks.update(rep.engine_blocks)
+        rep.engine_blocks = {}
+        rep.engine_churn = _Churn(rep.engine_blocks)
+        rep.engine_spans = {}
+        rep.extra_engine_refs = {}
+        rep.num_exact = 0
+        self.record(replica, exact, now=now)
+        self._set_prefix_closed(rep, was_closed or not rep.guesses)
+        return len(exact)
+
+    def _apply_stored(self, rep: _Replica, event: BlockStored, seed: bytes, block_size: int) -> bool:
         engine_blocks = rep.engine_blocks
         parent_hash = None
         if event.parent_hash is not None:
             parent_hash = engine_blocks.get(event.parent_hash)
             if parent_hash is None:
-                return False
-        router_hashes = hashing.hash_tokens(event.token_ids, seed, event.block_size, parent_hash=parent_hash)
-        if len(router_hashes) != len(event.block_hashes):
+                parent_hash = rep.demoted_blocks.get(event.parent_hash)
+                if parent_hash is None:
+                    return False
+        span, rest = divmod(event.block_size, block_size)
+        if span < 1 or rest:
             return False
-        for engine_hash, block_hash in zip(event.block_hashes, router_hashes, strict=True):
+        router_hashes = hashing.hash_tokens(event.token_ids, seed, block_size, parent_hash=parent_hash)
+        if len(router_hashes) != span * len(event.block_hashes):
+            return False
+        for i, engine_hash in enumerate(event.block_hashes):
+            last = router_hashes[(i + 1) * span - 1]
             known = engine_blocks.get(engine_hash)
             if known is not None:
-                if known == block_hash:
+                if known == last:
                     continue  # the same event again
                 self._remove_engine_block(rep, engine_hash)  # the engine reused the hash for other tokens
-            shard = self._holders[block_hash & _SHARD_MASK]
-            held = shard.get(block_hash)
-            if held is None:
-                shard[block_hash] = rep.bit
-                rep.num_exact += 1
-            elif rep.guesses.pop(block_hash, None) is not None:
-                rep.num_exact += 1  # a guess confirmed
-                rep.guess_churn.num_deleted += 1
-            elif held & rep.bit:
-                rep.extra_engine_refs[block_hash] = rep.extra_engine_refs.get(block_hash, 0) + 1
-            else:
-                self._join(rep, block_hash, held, None)
-                rep.num_exact += 1
-            engine_blocks[engine_hash] = block_hash
+            if span > 1:
+                inner = tuple(router_hashes[i * span : (i + 1) * span - 1])
+                rep.engine_spans[engine_hash] = inner
+                for block_hash in inner:
+                    self._hold_exact(rep, block_hash)
+            self._hold_exact(rep, last)
+            engine_blocks[engine_hash] = last
         return True
+
+    def _hold_exact(self, rep: _Replica, block_hash: int) -> None:
+        shard = self._holders[block_hash & _SHARD_MASK]
+        held = shard.get(block_hash)
+        if held is None:
+            shard[block_hash] = rep.bit
+            rep.num_exact += 1
+        elif rep.guesses.pop(block_hash, None) is not None:
+            rep.num_exact += 1  # a guess confirmed
+            rep.guess_churn.num_deleted += 1
+        elif held & rep.bit:
+            rep.extra_engine_refs[block_hash] = rep.extra_engine_refs.get(block_hash, 0) + 1
+        else:
+            self._join(rep, block_hash, held, None)
+            rep.num_exact += 1
 
     def _remove_engine_block(self, rep: _Replica, engine_hash: int) -> None:
         block_hash = rep.engine_blocks.pop(engine_hash, None)
         if block_hash is None:
             return  # stored before we listened, or already gone
         rep.engine_churn.num_deleted += 1
+        for inner in rep.engine_spans.pop(engine_hash, ()):
+            self._drop_exact(rep, inner)
+        self._drop_exact(rep, block_hash)
+        self._set_prefix_closed(rep, not (rep.guesses or rep.num_exact))
+
+    def _drop_exact(self, rep: _Replica, block_hash: int) -> None:
         extra = rep.extra_engine_refs.get(block_hash, 0)
         if extra:
             if extra == 1:
@@ -559,7 +615,6 @@ class PrefixIndex:
             return
         rep.num_exact -= 1
         self._release(rep, block_hash)
-        self._set_prefix_closed(rep, not (rep.guesses or rep.num_exact))
 
     # Internals ------------------------------------------------------------------------------------------------
 
@@ -636,12 +691,14 @@ class PrefixIndex:
     def _clear(self, rep: _Replica) -> None:
         for block_hash in rep.guesses:
             self._release(rep, block_hash)
-        for block_hash in set(rep.engine_blocks.values()):
+        for block_hash in {*rep.engine_blocks.values(), *(h for span in rep.engine_spans.values() for h in span)}:
             self._release(rep, block_hash)
         rep.guesses = {}
         rep.guess_churn = _Churn(rep.guesses)
         rep.engine_blocks = {}
         rep.engine_churn = _Churn(rep.engine_blocks)
+        rep.engine_spans = {}
+        rep.demoted_blocks = {}
         rep.extra_engine_refs = {}
         rep.num_exact = 0
         self._set_prefix_closed(rep, True)

@@ -9,15 +9,16 @@ Sources (`kv_events.source`).
   - `sse`: Shoal's replica, `GET /v1/kv_events`. Each connection opens with a snapshot (`cleared`, then every
     cached block, parents first), so a (re)connection rebuilds the replica's entries from the truth. `seq` grows
     by one per message; a gap means missed events, and the cure is another connection, hence another snapshot.
-  - `zmq`: vLLM's ZMQ publisher on `tcp://<replica host>:<zmq_port>`, multipart [topic, seq (8 bytes, big
-    endian), msgpack `KVEventBatch`]. There is no snapshot: blocks cached before the router listened stay
-    unknown, and their children are skipped (prefix_index). A gap in `seq`, a restarted engine counting from 0
-    again, or a batch that cannot be decoded clears the replica's entries, since whatever removals went missing
-    would otherwise keep blocks indexed that the engine has dropped.
+  - `zmq`: vLLM's ZMQ publishers, found through the replica's `GET /kv_event_sources` (else the configured
+    port), multipart [topic, seq (8 bytes, big endian), msgpack `KVEventBatch`]. There is no snapshot: on
+    connecting and on a gap in `seq` the publisher's replay endpoint supplies the batches it still buffers
+    (`ZmqSubscriber`); where that cannot close the gap, the replica's exact entries are demoted to approximate
+    ones (`PrefixIndex.demote`), since whatever removals went missing would otherwise keep blocks indexed that
+    the engine has dropped. vLLM's 128-token CPU blocks are indexed as the router's smaller blocks.
 
-A stream is live once it is in sync: an SSE snapshot applied, a ZMQ batch decoded. While it is, the router records
-its routing decisions for token-id prompts as short-lived predictions (routing.py), which the engine's `stored`
-events confirm.
+A stream is live once it is in sync: an SSE snapshot applied, a ZMQ replay or batch applied. While it is, the
+router records its routing decisions for token-id prompts as short-lived predictions (routing.py), which the
+engine's `stored` events confirm.
 
 The events name no model, or only a LoRA adapter (vLLM's `lora_name`), while the router's hashes are namespaced
 by the request's model: a replica's base model is the one card of its `/v1/models` without a parent, known after
@@ -38,6 +39,7 @@ import contextlib
 import logging
 import random
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -227,9 +229,9 @@ class KVEventSubscriber(abc.ABC):
             if delay_s > 0 or num_since_yield >= _YIELD_EVERY_BLOCKS:
                 await asyncio.sleep(delay_s)
                 num_since_yield = 0
-            if isinstance(event, BlockStored) and event.block_size != self._token_block_size:
+            if isinstance(event, BlockStored) and event.block_size % self._token_block_size:
                 self._report_block_size(event.block_size)
-            if index.apply(rid, event, seed=seed, now=self._clock()):
+            if index.apply(rid, event, seed=seed, now=self._clock(), block_size=self._token_block_size):
                 applied.inc((_KIND[type(event)],))
             else:
                 self.metrics.kv_events_skipped.inc(("unknown_parent",))
@@ -238,7 +240,7 @@ class KVEventSubscriber(abc.ABC):
         if not self._is_block_size_reported:
             self._is_block_size_reported = True
             log.warning(
-                "KV events of %s name %d-token blocks, the router hashes %d-token blocks "
+                "KV events of %s name %d-token blocks, not a multiple of the router's %d-token blocks "
                 "(hashing.token_block_size): no request will match them",
                 self.replica.id,
                 block_size,
@@ -304,21 +306,120 @@ async def sse_data(content: aiohttp.StreamReader, max_bytes: int) -> AsyncIterat
             raise _StreamEnded("malformed", f"a message exceeds {max_bytes} bytes")
 
 
-class ZmqSubscriber(KVEventSubscriber):
-    """vLLM: a SUB socket on `tcp://<replica host>:<zmq_port>`, msgpack `KVEventBatch`es."""
+@dataclass(frozen=True, slots=True)
+class ZmqSource:
+    """One engine's publisher (vLLM runs one per data-parallel rank)."""
 
-    def __init__(self, *args: Any, context: zmq.asyncio.Context, **kwargs: Any) -> None:
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+
+
+async def discover_zmq_sources(
+    session: aiohttp.ClientSession, replica: Replica, settings: KVEventSettings, timeout_s: float
+) -> list[ZmqSource]:
+    """The replica's publishers from its `GET /kv_event_sources` (vLLM >= 0.11), `*` and wildcard hosts replaced by
+    the replica's host; where it answers none (an older vLLM, another engine), the configured port and topic."""
+    host = f"[{replica.host}]" if ":" in replica.host else replica.host
+    try:
+        url = replica.url + settings.zmq_sources_path
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            ranks = await resp.json(content_type=None) if resp.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        log.debug("KV events of %s: no /kv_event_sources (%s)", replica.id, exc)
+        ranks = None
+    sources = []
+    if isinstance(ranks, dict):
+        for rank in sorted(ranks, key=str):
+            config = ranks[rank]
+            if not isinstance(config, dict) or config.get("publisher") != "zmq":
+                continue
+            endpoint = _on_host(config.get("endpoint"), host)
+            if endpoint is None:
+                continue
+            topic = config.get("topic")
+            sources.append(
+                ZmqSource(
+                    endpoint,
+                    _on_host(config.get("replay_endpoint"), host),
+                    topic if isinstance(topic, str) else settings.zmq_topic,
+                )
+            )
+    if sources:
+        return sources
+    replay = None if settings.zmq_replay_port is None else f"tcp://{host}:{settings.zmq_replay_port}"
+    return [ZmqSource(f"tcp://{host}:{settings.zmq_port}", replay, settings.zmq_topic)]
+
+
+def _on_host(endpoint: Any, host: str) -> str | None:
+    """A TCP endpoint as the engine configured it, with a wildcard host (`*`, `0.0.0.0`, `::`) replaced by `host`;
+    None for anything else (ipc and inproc endpoints are not reachable from another host)."""
+    if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+        return None
+    address, sep, port = endpoint[len("tcp://") :].rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    if address in ("*", "0.0.0.0", "::", "[::]", "[*]", ""):
+        address = host
+    return f"tcp://{address}:{port}"
+
+
+_END_OF_REPLAY = -1
+
+
+class ZmqSubscriber(KVEventSubscriber):
+    """vLLM: a SUB socket on each of the replica's publishers, msgpack `KVEventBatch`es; missed batches asked of
+    the publisher's replay socket.
+
+    Per publisher, batches are applied in `seq` order. On connecting and on a gap, the replay endpoint (a ROUTER
+    socket: send [b"", first seq], receive [b"", topic, seq, payload] per buffered batch, then seq -1) supplies
+    what was missed, so a restarted router rebuilds the engine's cache from its buffer. Where no replay is
+    configured, or the buffer no longer reaches back to the gap, the replica's exact entries are demoted to
+    approximate ones (`PrefixIndex.demote`) rather than forgotten. A batch numbered below the last applied one
+    that is not a replayed duplicate means the engine restarted: its cache is new, so the entries are cleared.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        context: zmq.asyncio.Context,
+        session: aiohttp.ClientSession,
+        connect_timeout_s: float,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._context = context
-        self._last_seq: int | None = None
-        """Kept across connections: a gap spanning a reconnection is a gap too."""
+        self._session = session
+        self._connect_timeout_s = connect_timeout_s
+        self._last_seq: dict[str, int] = {}
+        """Endpoint -> seq of the last batch applied from it; kept across connections (a gap spanning a
+        reconnection is a gap too) and dropped when the replica's entries were (`resync`)."""
+        self._duplicates_from: dict[str, int] = {}
+        """Endpoint -> first seq of its latest replay: live batches from there up to the last applied are the
+        replayed ones again."""
 
-    @property
-    def endpoint(self) -> str:
-        host = self.replica.host
-        return f"tcp://[{host}]:{self.settings.zmq_port}" if ":" in host else f"tcp://{host}:{self.settings.zmq_port}"
+    def resync(self, reason: str) -> None:
+        self._last_seq.clear()
+        self._duplicates_from.clear()
+        super().resync(reason)
 
     async def _follow(self, seed: bytes) -> str:
+        sources = await discover_zmq_sources(self._session, self.replica, self.settings, self._connect_timeout_s)
+        if len(sources) == 1:
+            await self._follow_source(sources[0], seed)
+            return "closed"
+        tasks = [asyncio.ensure_future(self._follow_source(source, seed)) for source in sources]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()  # raises the first failure
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return "closed"
+
+    async def _follow_source(self, source: ZmqSource, seed: bytes) -> None:
         import zmq
 
         socket = self._context.socket(zmq.SUB)
@@ -326,45 +427,105 @@ class ZmqSubscriber(KVEventSubscriber):
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.RECONNECT_IVL, int(self.settings.reconnect_min_s * 1000))
             socket.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.settings.reconnect_max_s * 1000))
-            socket.setsockopt(zmq.SUBSCRIBE, self.settings.zmq_topic.encode())
-            socket.connect(self.endpoint)
+            socket.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
+            socket.connect(source.endpoint)
+            if source.replay_endpoint is not None:
+                last = self._last_seq.get(source.endpoint)
+                await self._catch_up(source, 0 if last is None else last + 1, seed)
+                self._set_live(True)
             while True:  # ZMQ reconnects by itself; this ends by cancellation or a socket error
                 frames = await socket.recv_multipart()
-                await self._on_batch(frames, seed)
+                await self._on_batch(source, frames, seed)
         except zmq.ZMQError as exc:
-            raise _StreamEnded("error", f"{self.endpoint}: {exc}") from exc
+            raise _StreamEnded("error", f"{source.endpoint}: {exc}") from exc
         finally:
             socket.close(linger=0)
 
-    async def _on_batch(self, frames: Sequence[bytes], seed: bytes) -> None:
+    async def _on_batch(self, source: ZmqSource, frames: Sequence[bytes], seed: bytes) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
             self.metrics.kv_events_skipped.inc(("malformed",))
-            self._lost(f"a message of {len(frames)} frames")
+            self._lost(source, f"a message of {len(frames)} frames")
             return
         seq = int.from_bytes(frames[1], "big")
-        if self._last_seq is not None and seq != self._last_seq + 1:
+        last = self._last_seq.get(source.endpoint)
+        if last is not None and seq <= last:
+            if seq >= self._duplicates_from.get(source.endpoint, last + 1):
+                return  # replayed already
+            log.info("KV events of %s: seq %d after %d, the engine restarted", self.replica.id, seq, last)
+            self._clear()
+            del self._last_seq[source.endpoint]
+        elif last is not None and seq != last + 1:
             self.metrics.kv_events_gaps.inc()
-            self._lost(f"seq {seq} after {self._last_seq}")
-        self._last_seq = seq
+            if source.replay_endpoint is None:
+                self._lost(source, f"seq {seq} after {last}, and no replay endpoint")
+            else:
+                await self._catch_up(source, last + 1, seed)
+                if seq <= self._last_seq.get(source.endpoint, -1):
+                    return  # the replay brought this batch too
+        await self._apply_batch(source, seq, frames[2], seed)
+        self._set_live(True)
+
+    async def _apply_batch(self, source: ZmqSource, seq: int, payload: bytes, seed: bytes) -> None:
+        self._last_seq[source.endpoint] = seq
         try:
-            batch = decode_vllm_batch(frames[2])
+            batch = decode_vllm_batch(payload)
         except KVEventError as exc:
             self.metrics.kv_events_skipped.inc(("malformed",))
-            self._lost(str(exc))
+            self._lost(source, str(exc))
             return
         if batch.num_unsupported:
             self.metrics.kv_events_skipped.inc(("unsupported",), batch.num_unsupported)
         await self._apply(
             [(e, seed if adapter is None else self._adapter_seed(adapter)) for e, adapter in batch.events]
         )
-        self._set_live(True)
 
-    def _lost(self, detail: str) -> None:
-        """Events went missing: clear the replica's entries, and record guesses again until the next good batch."""
-        if self.replica.has_live_kv_events or self._last_seq is not None:
-            log.info("KV events of %s: events lost (%s): clearing its index entries", self.replica.id, detail)
+    async def _catch_up(self, source: ZmqSource, first_seq: int, seed: bytes) -> None:
+        """Apply the batches from `first_seq` on that the publisher still buffers; demote the replica's entries
+        if the buffer starts past `first_seq` after batches were applied (some are lost for good)."""
+        import zmq
+
+        assert source.replay_endpoint is not None
+        dealer = self._context.socket(zmq.DEALER)
+        timeout_s = self.settings.replay_timeout_s
+        try:
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(source.replay_endpoint)
+            await dealer.send_multipart([b"", first_seq.to_bytes(8, "big")])
+            expected = first_seq
+            while True:
+                try:
+                    frames = await asyncio.wait_for(dealer.recv_multipart(), timeout_s)
+                except TimeoutError:
+                    raise _StreamEnded("error", f"{source.replay_endpoint}: no replay within {timeout_s} s") from None
+                if len(frames) != 4 or len(frames[2]) != 8:
+                    self.metrics.kv_events_skipped.inc(("malformed",))
+                    raise _StreamEnded("malformed", f"a replay message of {len(frames)} frames")
+                seq = int.from_bytes(frames[2], "big", signed=True)
+                if seq == _END_OF_REPLAY:
+                    break
+                if seq < expected:
+                    continue
+                if seq > expected and source.endpoint in self._last_seq:
+                    self._lost(source, f"the replay starts at seq {seq}, {seq - expected} batches late")
+                if expected == first_seq:
+                    self._duplicates_from[source.endpoint] = seq
+                await self._apply_batch(source, seq, frames[3], seed)
+                expected = seq + 1
+        finally:
+            dealer.close(linger=0)
+
+    def _lost(self, source: ZmqSource, detail: str) -> None:
+        """Events went missing for good: what the index holds of the replica becomes approximate, and the router
+        records its own decisions again until the next good batch."""
+        num_demoted = self.index.demote(self.replica.id, now=self._clock())
+        log.info(
+            "KV events of %s: events lost from %s (%s): %d entries kept as approximate",
+            self.replica.id,
+            source.endpoint,
+            detail,
+            num_demoted,
+        )
         self._set_live(False)
-        self._clear()
 
 
 class KVEventSubscribers:
@@ -393,11 +554,10 @@ class KVEventSubscribers:
 
     async def start(self) -> None:
         """Subscribe to every replica of the pool, and to those it gains later."""
-        if self.settings.kv_events.source == "sse":
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), skip_auto_headers=("User-Agent",)
-            )
-        else:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), skip_auto_headers=("User-Agent",)
+        )
+        if self.settings.kv_events.source == "zmq":
             import zmq.asyncio  # only routers reading vLLM's ZMQ stream load pyzmq
 
             self._context = zmq.asyncio.Context()
@@ -425,14 +585,22 @@ class KVEventSubscribers:
         }
         s = self.settings.kv_events
         subscriber: KVEventSubscriber
-        if self._session is not None:
-            timeout_s = self.settings.retry.connect_timeout_s
+        assert self._session is not None, "start() first"
+        timeout_s = self.settings.retry.connect_timeout_s
+        if self._context is None:
             subscriber = SseSubscriber(
                 replica, self.index, s, session=self._session, connect_timeout_s=timeout_s, **common
             )
         else:
-            assert self._context is not None
-            subscriber = ZmqSubscriber(replica, self.index, s, context=self._context, **common)
+            subscriber = ZmqSubscriber(
+                replica,
+                self.index,
+                s,
+                context=self._context,
+                session=self._session,
+                connect_timeout_s=timeout_s,
+                **common,
+            )
         self._forget(replica.id)
         self._subscribers[replica.id] = subscriber
         subscriber.start()

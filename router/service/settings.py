@@ -163,12 +163,23 @@ class KVEventSettings(_Section):
     engines publish nothing unless told to, and approximate mode works in front of any engine."""
     sse_path: str = "/v1/kv_events"
     """Path of the SSE stream on each replica's base URL; Shoal's replica serves it there."""
+    zmq_sources_path: str = "/kv_event_sources"
+    """Path on each replica's base URL where vLLM (>= 0.11) lists its publishers per data-parallel rank: endpoint,
+    replay endpoint and topic, `*` standing for the replica's host. Several vLLMs on one host each name their own
+    ports there. Where it answers nothing usable, `zmq_port`, `zmq_replay_port` and `zmq_topic` apply."""
     zmq_port: int = Field(5557, ge=1, le=65535)
-    """Port of each replica's ZMQ PUB socket, on the replica's own host. 5557: the port of vLLM's examples and of
-    the chart's vLLM flags (`"endpoint": "tcp://*:5557"`)."""
+    """Port of each replica's ZMQ PUB socket on the replica's own host, for engines without `zmq_sources_path`.
+    5557: the port of vLLM's examples and of the chart's vLLM flags (`"endpoint": "tcp://*:5557"`)."""
+    zmq_replay_port: int | None = Field(None, ge=1, le=65535)
+    """Port of each replica's replay (ROUTER) socket, for engines without `zmq_sources_path`; None: no replay,
+    so events lost to a gap or to a router restart demote the replica's entries to approximate ones."""
     zmq_topic: str = "kv-events"
-    """Topic the router subscribes to (ZMQ matches it as a prefix); must be the engine's `topic`. `kv-events`, as
-    the chart configures vLLM. vLLM's own default topic is empty: set "" for engines started without one."""
+    """Topic the router subscribes to (ZMQ matches it as a prefix) for engines without `zmq_sources_path`; must be
+    the engine's `topic`. `kv-events`, as the chart configures vLLM. vLLM's own default topic is empty: set "" for
+    engines started without one."""
+    replay_timeout_s: float = Field(5.0, gt=0)
+    """Seconds to wait for each message of a replay before the stream is restarted. A replay answers from the
+    engine's memory; 5 s covers a busy engine's publisher thread."""
     reconnect_min_s: float = Field(0.2, gt=0)
     """Seconds before the first reconnection after a stream is lost; doubled (with jitter) per failed attempt. A
     replica that comes back into rotation is reconnected at once, so this only paces streams that fail while

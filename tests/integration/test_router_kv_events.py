@@ -307,7 +307,7 @@ async def vllm_publisher() -> AsyncIterator[tuple[VllmPublisher, int]]:
         context.term()
 
 
-async def test_zmq_vllm_events_are_applied_and_a_gap_clears(
+async def test_zmq_vllm_events_are_applied_and_a_gap_demotes(
     start_fakes: StartFakes, start_router: StartRouter, vllm_publisher: tuple[VllmPublisher, int]
 ) -> None:
     publisher, port = vllm_publisher
@@ -346,26 +346,43 @@ async def test_zmq_vllm_events_are_applied_and_a_gap_clears(
     await publisher.send(3, ["AllBlocksCleared"])
     await eventually(lambda: exact_depth(router, replica_id, tokens) == 0, what="the clear")
 
-    # Stored again, then a gap (seq 5 never arrives): the router no longer knows what was removed meanwhile, so
-    # it clears the replica's entries before applying the batch after the gap.
+    # Stored again, then a gap (seq 5 never arrives) and no replay endpoint: the router no longer knows what was
+    # removed meanwhile, so the replica's entries become approximate ones (they expire after the index's TTL)
+    # before the batch after the gap is applied; a child of a block stored before the gap is still indexed.
     other = prompt(rng, 1)
     await publisher.send(4, ["BlockStored", [e1, e2], None, tokens[: 2 * BLOCK], BLOCK, None, "GPU"])
     await eventually(lambda: exact_depth(router, replica_id, tokens) == 2, what="stored again")
     await publisher.send(6, ["BlockStored", [7001], None, other, BLOCK, None, "GPU"])
     await eventually(lambda: exact_depth(router, replica_id, other) == 1, what="the batch after the gap")
     assert exact_depth(router, replica_id, tokens) == 0
+    index = router.app[CORE].index
+    now = asyncio.get_running_loop().time()
+    ttl_s = index.config.ttl_s
+    assert index.match(hash_tokens(tokens, SEED, BLOCK), now=now + ttl_s - 5.0) == {replica_id: 2}
+    await publisher.send(7, ["BlockStored", [e3], e2, tokens[2 * BLOCK :], BLOCK, None, "GPU"])
+    await eventually(
+        lambda: index.match(hash_tokens(tokens, SEED, BLOCK), now=now + 1.0).get(replica_id) == 3,
+        what="a child of a demoted block",
+    )
+    await publisher.send(8, ["BlockRemoved", [e3], "GPU"])
+    await eventually(
+        lambda: (
+            exact_depth(router, replica_id, tokens) == 0
+            and index.match(hash_tokens(tokens, SEED, BLOCK), now=now + 1.0).get(replica_id) == 2
+        ),
+        what="the child removed",
+    )
     assert await counter(router, "shoal_router_kv_events_gaps_total") == 1
     applied = {
         k: await counter(router, "shoal_router_kv_events_applied_total", {"kind": k})
         for k in ("stored", "removed", "cleared")
     }
-    assert applied == {"stored": 4, "removed": 1, "cleared": 1}  # events; the gap's clear is not one
+    assert applied == {"stored": 5, "removed": 2, "cleared": 1}  # events; the gap's demotion is not one
 
     # While the stream is live, a token prompt routed there is recorded as a short prediction only.
     sent = prompt(rng, 2)
     now = asyncio.get_running_loop().time()
     assert (await router.complete(sent, max_tokens=1)).status == 200
-    index = router.app[CORE].index
     assert index.match(hash_tokens(sent, SEED, BLOCK), now=now + 1.0) == {replica_id: 2}
     assert index.match(hash_tokens(sent, SEED, BLOCK), now=now + 5.0) == {}  # an approximate entry would last 600 s
 
@@ -374,3 +391,70 @@ async def test_zmq_vllm_events_are_applied_and_a_gap_clears(
     assert await asyncio.wait_for(publisher.xpub.recv(), timeout=10) == b"\x00kv-events"
     assert (await router.admin("POST", "/replicas", {"url": fakes[0].url})).status == 201
     assert await asyncio.wait_for(publisher.xpub.recv(), timeout=10) == b"\x01kv-events"
+
+
+class ReplayingPublisher(VllmPublisher):
+    """vLLM's publisher with its replay socket, as seen on the wire: a ROUTER that answers [b"", first seq] with
+    [b"", topic, seq, batch] for each buffered batch from there, then [b"", b"", seq -1, b""]."""
+
+    def __init__(self, xpub: zmq.asyncio.Socket, replay: zmq.asyncio.Socket, topic: bytes) -> None:
+        super().__init__(xpub, topic)
+        self.replay = replay
+        self.buffer: list[tuple[int, bytes]] = []
+        self.replay_requests: list[int] = []
+
+    async def send(self, seq: int, *events: Any, is_dropped: bool = False) -> None:
+        batch = msgpack.packb([1_700_000_000.0, list(events), 0])
+        self.buffer.append((seq, batch))
+        if not is_dropped:  # a batch the subscriber's socket never receives: only the replay has it
+            await self.xpub.send_multipart([self.topic, seq.to_bytes(8, "big"), batch])
+
+    async def serve_replays(self) -> None:
+        while True:
+            client, _, first = await self.replay.recv_multipart()
+            start = int.from_bytes(first, "big")
+            self.replay_requests.append(start)
+            for seq, batch in self.buffer:
+                if seq >= start:
+                    await self.replay.send_multipart([client, b"", self.topic, seq.to_bytes(8, "big"), batch])
+            await self.replay.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+
+async def test_zmq_replay_fills_a_gap_and_rebuilds_a_restarted_router(
+    start_fakes: StartFakes, start_router: StartRouter
+) -> None:
+    context = zmq.asyncio.Context()
+    xpub, replay = context.socket(zmq.XPUB), context.socket(zmq.ROUTER)
+    port, replay_port = free_port(), free_port()
+    for sock, p in ((xpub, port), (replay, replay_port)):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(f"tcp://127.0.0.1:{p}")
+    publisher = ReplayingPublisher(xpub, replay, b"")
+    server = asyncio.ensure_future(publisher.serve_replays())
+    try:
+        rng = random.Random(11)
+        tokens, later = prompt(rng, 3), prompt(rng, 2)
+        # Stored before any router listens: only the replay has it.
+        await publisher.send(0, ["BlockStored", [1, 2], None, tokens[: 2 * BLOCK], BLOCK, None, "GPU"])
+        fakes = await start_fakes(1)
+        settings = kv_settings("zmq", zmq_port=port, zmq_replay_port=replay_port, zmq_topic="")
+        router = await start_router(fakes, kv_events=settings)
+        replica_id = f"{fakes[0].host}:{fakes[0].port}"
+        await eventually(lambda: exact_depth(router, replica_id, tokens) == 2, what="the replay on connecting")
+        assert publisher.replay_requests == [0]
+        assert await asyncio.wait_for(xpub.recv(), timeout=10) == b"\x01"  # subscribed to every topic
+
+        # seq 1 never reaches the router's socket: seq 2 shows the gap, and the replay from 1 fills it.
+        await publisher.send(1, ["BlockStored", [3], 2, tokens[2 * BLOCK :], BLOCK, None, "GPU"], is_dropped=True)
+        await publisher.send(2, ["BlockStored", [4, 5], None, later, BLOCK, None, "GPU"])
+        await eventually(lambda: exact_depth(router, replica_id, later) == 2, what="the batch after the gap")
+        assert exact_depth(router, replica_id, tokens) == 3  # the missed batch, replayed; nothing demoted
+        assert publisher.replay_requests == [0, 1]
+        assert await counter(router, "shoal_router_kv_events_gaps_total") == 1
+        applied = await counter(router, "shoal_router_kv_events_applied_total", {"kind": "stored"})
+        assert applied == 3  # each batch once: the live seq 2 after its replay is a duplicate
+    finally:
+        server.cancel()
+        xpub.close(linger=0)
+        replay.close(linger=0)
+        context.term()

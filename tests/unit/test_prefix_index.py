@@ -241,6 +241,43 @@ def test_predictions_expire_on_a_replica_whose_engine_removed_blocks() -> None:
     assert index.match(router_hashes, now=12.0) == {"a": 2}
 
 
+def test_an_engine_block_of_several_router_blocks_is_indexed_as_them_and_leaves_with_them() -> None:
+    index = make_index("a", "b")
+    engine_block = 2 * BLOCK  # vLLM's 128-token CPU blocks against the router's 16, scaled down
+    two = BlockStored((1, 2), None, tuple(tokens(1, 2, 3, 4)), engine_block)
+    assert index.apply("a", two, seed=SEED, now=0.0, block_size=BLOCK)
+    index.apply("b", stored([7, 8, 9], None, tokens(1, 2, 3)), seed=SEED, now=0.0)
+    router_hashes = hash_tokens(tokens(1, 2, 3, 4, 5, 6), SEED, BLOCK)
+    assert index.match(router_hashes, now=0.0) == {"a": 4, "b": 3}
+    child = BlockStored((3,), 2, tuple(tokens(5, 6)), engine_block)  # chained from the last router block of 2
+    assert index.apply("a", child, seed=SEED, now=0.0, block_size=BLOCK)
+    assert index.match(router_hashes, now=0.0) == {"a": 6, "b": 3}
+    index.apply("a", BlockRemoved((2,)), seed=SEED, now=0.0)  # both router blocks of engine block 2 leave
+    assert index.match(router_hashes, now=0.0) == {"a": 2, "b": 3}
+    assert index.stats().blocks_per_replica == {"a": 4, "b": 3}
+    index.apply("a", AllCleared(), seed=SEED, now=0.0)
+    assert index.stats().blocks_per_replica == {"a": 0, "b": 3}
+    odd = BlockStored((4,), None, tuple(tokens(1)[:3]), 3)  # not a multiple of the router's block: skipped
+    assert not index.apply("a", odd, seed=SEED, now=0.0, block_size=BLOCK)
+
+
+def test_demote_turns_exact_entries_into_approximate_ones_and_keeps_their_parents() -> None:
+    index = make_index("a", "b", ttl_s=100.0)
+    index.apply("a", stored([1, 2], None, tokens(1, 2)), seed=SEED, now=0.0)
+    index.apply("b", stored([5], None, tokens(1)), seed=SEED, now=0.0)
+    router_hashes = hash_tokens(tokens(1, 2, 3), SEED, BLOCK)
+    assert index.demote("a", now=10.0) == 2
+    assert index.match(router_hashes, now=109.0) == {"a": 2, "b": 1}
+    assert index.match(router_hashes, now=111.0) == {"b": 1}  # the TTL retires what the engine may have dropped
+    index.apply("a", BlockRemoved((2,)), seed=SEED, now=20.0)  # a demoted block is no longer the engine's word
+    assert index.match(router_hashes, now=21.0) == {"a": 2, "b": 1}
+    assert index.apply("a", stored([3], 2, tokens(3)), seed=SEED, now=30.0)  # the parent is still known
+    assert index.match(router_hashes, now=31.0) == {"a": 3, "b": 1}
+    assert index.match(router_hashes, now=200.0) == {"b": 1}  # block 3 is exact, its demoted parents expired
+    assert index.expire(200.0) == 2
+    assert index.stats().blocks_per_replica["a"] == 1
+
+
 def test_a_record_never_downgrades_an_exact_entry() -> None:
     index = make_index("a", ttl_s=10.0, capacity_blocks=1)
     router_hashes = hash_tokens(tokens(1, 2, 3), SEED, BLOCK)
