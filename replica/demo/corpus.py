@@ -13,7 +13,8 @@ round(n * tool_fraction) use tools, the two assignments shuffled independently. 
 `random.Random(seed)`, whose sequences are stable across Python versions for int seeds, so a seed names a corpus.
 
 A chat request is a conversation cut after a user turn or a tool result, i.e. where the model answers next, with
-`TOOLS` attached when the conversation uses tools. `python -m replica.demo.corpus` rewrites the committed
+`TOOLS` attached when the conversation uses tools. `generate_annotated_conversations` also says what each exchange
+was drawn from (language, scenario, the ask's template, slots), which `answercheck` judges answers by. `python -m replica.demo.corpus` rewrites the committed
 calibration file; a unit test checks that the committed file is what this code generates.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import date, timedelta
 from pathlib import Path
 from typing import Any, Final
@@ -130,6 +132,24 @@ _EXCHANGE_COUNTS = (1, 1, 2, 2, 3)
 _CLOSING_PROBABILITY = 0.35
 """Chance that the last exchange of a multi-exchange conversation is a thank-you."""
 _CALL_ID_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+CLOSING: Final = "closing"
+"""The scenario name of a closing exchange (a user's thanks, the assistant's welcome)."""
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """What the generator drew for one exchange of a conversation: enough to judge any answer to its ask."""
+
+    user_index: int
+    """Index of the exchange's user message in the conversation."""
+    language: str
+    scenario: str
+    """A `Scenario` name of the phrasebook of `language`, or `CLOSING`."""
+    ask: str
+    """The ask's template (its `{slot}` names are the values the user gave)."""
+    slots: dict[str, Any]
+    is_tool_call: bool
+    """The corpus answers this ask with a tool call (else with a plain reply)."""
 
 
 def generate_conversations(
@@ -137,6 +157,13 @@ def generate_conversations(
 ) -> list[list[Message]]:
     """`num_conversations` conversations; the same arguments always give the same list."""
     return _generate(random.Random(seed), num_conversations, japanese_fraction, tool_fraction)
+
+
+def generate_annotated_conversations(
+    num_conversations: int, *, seed: int, japanese_fraction: float = 0.5, tool_fraction: float = 1 / 3
+) -> list[tuple[list[Message], list[Exchange]]]:
+    """`generate_conversations`' conversations (the same ones for the same arguments), each with its exchanges."""
+    return _generate_annotated(random.Random(seed), num_conversations, japanese_fraction, tool_fraction)
 
 
 def uses_tools(conversation: Sequence[Message]) -> bool:
@@ -186,6 +213,12 @@ def write_calibration_file(path: str | Path = CALIBRATION_PATH) -> None:
 def _generate(
     rng: random.Random, num_conversations: int, japanese_fraction: float, tool_fraction: float
 ) -> list[list[Message]]:
+    return [messages for messages, _ in _generate_annotated(rng, num_conversations, japanese_fraction, tool_fraction)]
+
+
+def _generate_annotated(
+    rng: random.Random, num_conversations: int, japanese_fraction: float, tool_fraction: float
+) -> list[tuple[list[Message], list[Exchange]]]:
     if num_conversations < 0:
         raise ValueError(f"num_conversations must be >= 0, got {num_conversations}")
     for name, fraction in (("japanese_fraction", japanese_fraction), ("tool_fraction", tool_fraction)):
@@ -200,25 +233,34 @@ def _generate(
     return [_conversation(rng, book, with_tools) for book, with_tools in zip(books, has_tool_call, strict=True)]
 
 
-def _conversation(rng: random.Random, book: Phrasebook, has_tool_call: bool) -> list[Message]:
+def _conversation(rng: random.Random, book: Phrasebook, has_tool_call: bool) -> tuple[list[Message], list[Exchange]]:
     company = rng.choice(book.companies)
     person = rng.choice(book.people)
     messages: list[Message] = [{"role": "system", "content": rng.choice(book.system_prompts)}]
+    exchanges: list[Exchange] = []
     num_exchanges = rng.choice(_EXCHANGE_COUNTS)
     tool_exchange_index = rng.randrange(num_exchanges) if has_tool_call else None
     tool_scenarios = [scenario for scenario in book.scenarios if scenario.tool is not None]
     for index in range(num_exchanges):
+        user_index = len(messages)
         slots = _draw_slots(rng, book, company, person)
         if index == tool_exchange_index:
-            messages += _tool_exchange(rng, book, rng.choice(tool_scenarios), slots)
+            scenario = rng.choice(tool_scenarios)
+            ask, exchange = _tool_exchange(rng, book, scenario, slots)
         elif 0 < index == num_exchanges - 1 and rng.random() < _CLOSING_PROBABILITY:
+            thanks = rng.choice(book.thanks)
             messages += [
-                {"role": "user", "content": rng.choice(book.thanks)},
+                {"role": "user", "content": thanks},
                 {"role": "assistant", "content": rng.choice(book.welcomes)},
             ]
+            exchanges.append(Exchange(user_index, book.language, CLOSING, thanks, {}, is_tool_call=False))
+            continue
         else:
-            messages += _plain_exchange(rng, rng.choice(book.scenarios), slots)
-    return messages
+            scenario = rng.choice(book.scenarios)
+            ask, exchange = _plain_exchange(rng, scenario, slots)
+        messages += exchange
+        exchanges.append(Exchange(user_index, book.language, scenario.name, ask, slots, index == tool_exchange_index))
+    return messages, exchanges
 
 
 def _draw_slots(rng: random.Random, book: Phrasebook, company: str, person: str) -> dict[str, Any]:
@@ -264,17 +306,21 @@ def _draw_slots(rng: random.Random, book: Phrasebook, company: str, person: str)
     }
 
 
-def _plain_exchange(rng: random.Random, scenario: Scenario, slots: dict[str, Any]) -> list[Message]:
+def _plain_exchange(rng: random.Random, scenario: Scenario, slots: dict[str, Any]) -> tuple[str, list[Message]]:
+    """-> (the ask's template, the exchange's messages)."""
     ask = rng.choice(scenario.asks)
     if "{duration}" not in ask:
         slots["duration"] = _DEFAULT_DURATION_MIN
-    return [
+    return ask, [
         {"role": "user", "content": ask.format(**slots)},
         {"role": "assistant", "content": rng.choice(scenario.replies).format(**slots)},
     ]
 
 
-def _tool_exchange(rng: random.Random, book: Phrasebook, scenario: Scenario, slots: dict[str, Any]) -> list[Message]:
+def _tool_exchange(
+    rng: random.Random, book: Phrasebook, scenario: Scenario, slots: dict[str, Any]
+) -> tuple[str, list[Message]]:
+    """-> (the ask's template, the exchange's messages)."""
     assert scenario.tool is not None
     ask = rng.choice(scenario.asks)
     if "{duration}" not in ask:
@@ -292,7 +338,7 @@ def _tool_exchange(rng: random.Random, book: Phrasebook, scenario: Scenario, slo
         "type": "function",
         "function": {"name": scenario.tool, "arguments": json.dumps(arguments, ensure_ascii=False)},
     }
-    return [
+    return ask, [
         {"role": "user", "content": ask.format(**slots)},
         {"role": "assistant", "content": rng.choice(scenario.preambles).format(**slots), "tool_calls": [tool_call]},
         {"role": "tool", "tool_call_id": call_id, "content": json.dumps(result, ensure_ascii=False)},
