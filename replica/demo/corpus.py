@@ -14,8 +14,9 @@ round(n * tool_fraction) use tools, the two assignments shuffled independently. 
 
 A chat request is a conversation cut after a user turn or a tool result, i.e. where the model answers next, with
 `TOOLS` attached when the conversation uses tools. `generate_annotated_conversations` also says what each exchange
-was drawn from (language, scenario, the ask's template, slots), which `answercheck` judges answers by. `python -m replica.demo.corpus` rewrites the committed
-calibration file; a unit test checks that the committed file is what this code generates.
+was drawn from (language, scenario, the ask's template, slots), which `answercheck` judges answers by.
+`python -m replica.demo.corpus` rewrites the committed calibration file; a unit test checks that the committed file
+is what this code generates.
 """
 
 from __future__ import annotations
