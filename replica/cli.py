@@ -331,6 +331,15 @@ def add_up_command(subparsers: Any) -> None:
         "--min-replicas", type=int, default=1, help="with --autoscale: fewest replicas (default 1; 0: scale to zero)"
     )
     parser.add_argument("--max-replicas", type=int, default=4, help="with --autoscale: most replicas (default 4)")
+    parser.add_argument(
+        "--engine",
+        choices=["shoal", "vllm"],
+        default="shoal",
+        help="replicas: Shoal's own (default), or vLLM's CPU build from `make vllm`, the router in exact mode",
+    )
+    parser.add_argument(
+        "--vllm-python", default=None, help="with --engine vllm: vLLM's Python (default: .venv-vllm/bin/python)"
+    )
     parser.set_defaults(run=_run_up)
 
 
@@ -348,4 +357,6 @@ def _run_up(args: argparse.Namespace) -> int:
         autoscale=args.autoscale,
         min_replicas=args.min_replicas,
         max_replicas=args.max_replicas,
+        engine=args.engine,
+        vllm_python=args.vllm_python,
     )

@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -79,17 +80,25 @@ def run_up(
     autoscale: bool = False,
     min_replicas: int = 1,
     max_replicas: int = 4,
+    engine: str = "shoal",
+    vllm_python: str | None = None,
 ) -> int:
     if num_replicas < 1:
         print("shoal up: --replicas must be at least 1", file=sys.stderr)
+        return 2
+    if engine == "vllm" and (autoscale or quantization != "none"):
+        print(
+            "shoal up: --engine vllm starts a fixed fleet: --autoscale and --quantization are for Shoal's replica",
+            file=sys.stderr,
+        )
         return 2
     if autoscale and not (0 <= min_replicas <= max_replicas and max_replicas >= 1):
         print("shoal up: need 0 <= --min-replicas <= --max-replicas, and --max-replicas >= 1", file=sys.stderr)
         return 2
     step = _Steps()
-    if model == "demo":
-        from replica.demo.build import ensure_demo_model
+    from replica.demo.build import ensure_demo_model
 
+    if model == "demo":
         step(f"demo model: {ensure_demo_model(progress=step)}")
     served_name = "shoal-demo" if model == "demo" else Path(model).resolve().name
     shoal = _shoal_command()
@@ -129,6 +138,20 @@ def run_up(
                 max_replicas=max_replicas,
             )
             return _serve(procs, endpoint, served_name, demo_requests, exit_after_demo, [])
+        if engine == "vllm":
+            checkpoint = ensure_demo_model(progress=step) if model == "demo" else Path(model)
+            return _up_vllm(
+                procs,
+                step,
+                checkpoint,
+                served_name,
+                num_replicas,
+                port,
+                replica_base_port,
+                vllm_python,
+                demo_requests,
+                exit_after_demo,
+            )
         for i in range(num_replicas):
             replica_port = replica_base_port + i
             cmd = [*shoal, "replica", "--model", model, "--served-model-name", served_name]
@@ -160,6 +183,77 @@ def run_up(
         return 1
     finally:
         stop_all()
+
+
+def _up_vllm(
+    procs: list[subprocess.Popen[bytes]],
+    step: Callable[[str], None],
+    checkpoint: Path,
+    served_name: str,
+    num_replicas: int,
+    port: int,
+    replica_base_port: int,
+    vllm_python: str | None,
+    demo_requests: bool,
+    exit_after_demo: bool,
+) -> int:
+    """N vLLM servers of `checkpoint` (each on cores of its own where there are enough), and the router in exact
+    mode in front: KV events from each server's ZMQ publisher, chat routed on the model's token ids."""
+    from replica.vllm_engine import VllmServer, find_vllm_python, wait_ready
+
+    python = find_vllm_python(vllm_python)
+    if python is None:
+        raise RuntimeError("no vLLM to start: `make vllm` builds its CPU build into .venv-vllm (or pass --vllm-python)")
+    cores = sorted(os.sched_getaffinity(0))
+    per_server = len(cores) // num_replicas
+    servers = []
+    for i in range(num_replicas):
+        cpus = None
+        if per_server:
+            mine = cores[i * per_server : (i + 1) * per_server]
+            cpus = ",".join(map(str, mine))
+        servers.append(
+            VllmServer(
+                checkpoint,
+                served_name,
+                port=replica_base_port + i,
+                events_port=replica_base_port + 50 + 2 * i,
+                cpus=cpus,
+                # The demo's tool calls are Hermes-style (<tool_call>{...}</tool_call>); usage reports cached tokens.
+                extra_args=(
+                    "--enable-auto-tool-choice",
+                    "--tool-call-parser",
+                    "hermes",
+                    "--enable-prompt-tokens-details",
+                ),
+            )
+        )
+    log_dir = Path(tempfile.mkdtemp(prefix="shoal-up-vllm-"))
+    for server in servers:
+        step(
+            f"starting vLLM on port {server.port} (cores {server.cpus or 'all'}; log {log_dir}/vllm-{server.port}.log)"
+        )
+        procs.append(server.start(python, log_dir / f"vllm-{server.port}.log"))
+    step("waiting for vLLM to load the model (a minute or two on a CPU)")
+    for server, proc in zip(servers, procs, strict=True):
+        wait_ready(server, proc, timeout_s=600)
+        step(f"vLLM {server.url} ready")
+    env = {
+        **os.environ,
+        "SHOAL_ROUTER_KV_EVENTS__SOURCE": "zmq",
+        "SHOAL_ROUTER_TOKENIZER__MODELS": json.dumps({served_name: str(checkpoint.resolve())}),
+    }
+    router_cmd = [*_shoal_command(), "router", "--port", str(port), "--no-request-log"]
+    for server in servers:
+        router_cmd += ["--replica", server.url]
+    step(f"starting the router on port {port} (exact mode: vLLM's KV events)")
+    procs.append(start_child(router_cmd, env=env))
+    endpoint = f"http://127.0.0.1:{port}"
+    _wait_healthy(endpoint + "/ready", procs, timeout_s=60)
+    step("router ready")
+    urls = ", ".join(s.url for s in servers)
+    print(f"\nShoal is up: {endpoint}/v1 (OpenAI API), {num_replicas} vLLM replica(s): {urls}")
+    return _serve(procs, endpoint, served_name, demo_requests, exit_after_demo, [])
 
 
 def _serve(

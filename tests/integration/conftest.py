@@ -231,7 +231,7 @@ async def start_router(http: aiohttp.ClientSession) -> AsyncIterator[StartRouter
     async def start(
         fakes: Sequence[FakeReplica] = (), *, num_ready: int | None = None, **overrides: Any
     ) -> RouterHandle:
-        settings = router_settings([f.url for f in fakes], **overrides)
+        settings = router_settings(overrides.pop("replicas", [f.url for f in fakes]), **overrides)
         app = create_app(settings)
         server = RouterServer(app, settings)
         await server.start("127.0.0.1", 0)
@@ -261,3 +261,4 @@ from tests.integration.redis_server import (  # noqa: E402, F401 - fixtures
     redis_url,
 )
 from tests.integration.replica_support import start_replica, tiny_checkpoint  # noqa: E402, F401 - fixtures
+from tests.integration.vllm_support import vllm_servers  # noqa: E402, F401 - fixtures
