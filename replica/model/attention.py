@@ -8,8 +8,9 @@ with `index_select`, which on the CPU is several times faster than advanced inde
 
 Everything about a step's shape that every layer shares (the slots each sequence reads, the additive masks) is built
 once per step by `AttentionBatch.build`, so a layer only projects, writes its cache, gathers and attends. The query,
-key and value projections are one matmul (`qkv_proj`, rows q | k | v, loaded from Hugging Face's three weights), and
-queries and keys go through the per-head norm and RoPE together.
+key and value projections are one matmul (`qkv_proj`, rows q | k | v, loaded from Hugging Face's three weights and,
+where the architecture has them, biases), and queries and keys go through the per-head norm (Qwen3-MoE) and RoPE
+together.
 
 Sequences with few new tokens (a decode step's one, a speculative verification's k + 1: at most
 `MAX_BATCHED_QUERIES`) run as padded batches, one per run of sequences with the same count, each query masked to the
@@ -161,10 +162,11 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.eps = config.rms_norm_eps
         hidden = config.hidden_size
-        kw = {"bias": False, "dtype": dtype, "device": device}
         qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        self.qkv_proj = nn.Linear(hidden, qkv_rows, **kw)  # type: ignore[arg-type]
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, **kw)  # type: ignore[arg-type]
+        self.qkv_proj = nn.Linear(hidden, qkv_rows, bias=config.qkv_bias, dtype=dtype, device=device)
+        self.o_proj = nn.Linear(
+            self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias, dtype=dtype, device=device
+        )
         self.q_norm = RMSNorm(self.head_dim, self.eps, dtype=dtype, device=device) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, self.eps, dtype=dtype, device=device) if config.qk_norm else None
 

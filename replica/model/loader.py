@@ -1,12 +1,17 @@
-"""Checkpoints: Hugging Face Qwen3-MoE safetensors in, the same layout out.
+"""Checkpoints: Hugging Face Qwen3-MoE, Qwen2-MoE and Mixtral safetensors in, the same layouts out.
 
-A Shoal checkpoint folder is `config.json` + `*.safetensors` + `tokenizer.json`, with Hugging Face key names, so
-a Qwen3-MoE (or Qwen2-MoE / DeepSeek-style MoE) folder loads the same way. Loading builds the model on the `meta`
-device (no memory), materialises it empty on the target device, then copies each tensor once; per-expert keys
-(`mlp.experts.{e}.gate_proj.weight` ...) are written into the stacked expert tensors, and the projections that run
-as one matmul into their rows of it (`self_attn.q_proj`, `k_proj`, `v_proj` into `self_attn.qkv_proj`; the shared
-expert's `gate_proj`, `up_proj` into `gate_up_proj`); saving splits them back. Every parameter must be covered and
-every key used, else the error names them: a silent partial load serves garbage.
+A Shoal checkpoint folder is `config.json` + `*.safetensors` + `tokenizer.json` with Hugging Face key names, so a
+Qwen3-MoE, Qwen2-MoE or Mixtral folder from the hub or from transformers' `save_pretrained` loads the same way
+(`ModelConfig.from_hf` says which configs, and refuses DeepSeek-V2/V3: multi-head latent attention is not
+implemented). Loading builds the model on the `meta` device (no memory), materialises it empty on the target device,
+then copies each tensor once. Routed experts load from either per-expert keys (`mlp.experts.{e}.gate_proj.weight`
+..., Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2.weight`) or transformers' stacked ones
+(`mlp.experts.gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`) into the stacked expert tensors; the projections
+that run as one matmul load into their rows of it (`self_attn.q_proj`, `k_proj`, `v_proj`, weights and biases, into
+`self_attn.qkv_proj`; the shared expert's `gate_proj`, `up_proj` into `gate_up_proj`). Saving splits them back
+into the per-expert layout of the architecture the model is (`ModelConfig.hf_model_type`), as `save_pretrained`
+writes it. Every parameter must be covered and every key used, else the error names them: a silent partial load
+serves garbage.
 """
 
 from __future__ import annotations
@@ -23,11 +28,24 @@ from replica.model.moe import TopKRouter
 
 _EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _RENAMES = (
+    (re.compile(r"\.block_sparse_moe\."), ".mlp."),  # Mixtral names
+    (re.compile(r"(\.mlp\.experts\.\d+)\.w1\."), r"\1.gate_proj."),
+    (re.compile(r"(\.mlp\.experts\.\d+)\.w3\."), r"\1.up_proj."),
+    (re.compile(r"(\.mlp\.experts\.\d+)\.w2\."), r"\1.down_proj."),
+    (re.compile(r"\.mlp\.experts\.gate_up_proj$"), ".mlp.experts.gate_up"),  # transformers' stacked experts
+    (re.compile(r"\.mlp\.experts\.down_proj$"), ".mlp.experts.down"),
     (re.compile(r"\.mlp\.shared_experts\."), ".mlp.shared_expert."),  # DeepSeek names
     (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".mlp.gate.bias"),
 )
+_MIXTRAL_NAMES = (
+    (re.compile(r"\.mlp\."), ".block_sparse_moe."),
+    (re.compile(r"\.gate_proj\.weight$"), ".w1.weight"),
+    (re.compile(r"\.up_proj\.weight$"), ".w3.weight"),
+    (re.compile(r"\.down_proj\.weight$"), ".w2.weight"),
+)
+"""Qwen names -> Mixtral's on the hub (and in what vLLM and `save_pretrained` read and write)."""
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
-_FUSED_KEY = re.compile(r"^(.*\.(?:self_attn|shared_expert))\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$")
+_FUSED_KEY = re.compile(r"^(.*\.(?:self_attn|shared_expert))\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 
 
 def _fused_rows(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
@@ -50,13 +68,13 @@ class CheckpointError(ValueError):
 
 def _target(key: str) -> tuple[str, int | None, str | None]:
     """HF key -> (our parameter name, expert index, projection) for routed experts, else (renamed key, None, None)."""
+    for pattern, replacement in _RENAMES:
+        key = pattern.sub(replacement, key)
     m = _EXPERT_KEY.match(key)
     if m:
         prefix, expert, proj = m.groups()
         name = f"{prefix}.experts.{'down' if proj == 'down_proj' else 'gate_up'}"
         return name, int(expert), proj
-    for pattern, replacement in _RENAMES:
-        key = pattern.sub(replacement, key)
     return key, None, None
 
 
@@ -99,7 +117,7 @@ def load_model(
                     fused = _FUSED_KEY.match(name)
                     if fused:
                         fused_name, start, end = fused_rows[fused.group(2)]
-                        name, rows = f"{fused.group(1)}.{fused_name}.weight", slice(start, end)
+                        name, rows = f"{fused.group(1)}.{fused_name}.{fused.group(3)}", slice(start, end)
                     target = params.get(name)
                     if target is None:
                         unexpected.append(key)
@@ -133,16 +151,17 @@ def load_model(
 
 
 def state_dict_hf(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
-    """The model's weights under Hugging Face key names, routed experts split per expert."""
+    """The model's weights under Hugging Face's Qwen-MoE key names: fused projections split, routed experts per
+    expert (`save_checkpoint` renames them for a Mixtral)."""
     out: dict[str, torch.Tensor] = {}
     intermediate = model.config.moe_intermediate_size
     fused_rows = _fused_rows(model.config)
     for name, tensor in model.state_dict().items():
-        if name.endswith((".qkv_proj.weight", ".gate_up_proj.weight")):
-            prefix, fused_name, _ = name.rsplit(".", 2)
+        if name.endswith((".qkv_proj.weight", ".qkv_proj.bias", ".gate_up_proj.weight")):
+            prefix, fused_name, kind = name.rsplit(".", 2)
             for proj, (target, start, end) in fused_rows.items():
                 if target == fused_name:
-                    out[f"{prefix}.{proj}.weight"] = tensor[start:end].contiguous()
+                    out[f"{prefix}.{proj}.{kind}"] = tensor[start:end].contiguous()
         elif name.endswith(".experts.gate_up"):
             prefix = name.removesuffix(".gate_up")
             for e in range(tensor.shape[0]):
@@ -160,13 +179,18 @@ def state_dict_hf(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(model: MoEForCausalLM, path: str | Path, *, dtype: torch.dtype | None = None) -> None:
-    """Write `config.json` and `model.safetensors`, in `dtype` if given (the tokenizer is the caller's to add)."""
+    """Write `config.json` and `model.safetensors`, in `dtype` if given (the tokenizer is the caller's to add).
+    ConfigError, before anything is written, for a model no Hugging Face architecture describes."""
     from safetensors.torch import save_file
 
+    config = model.config.to_hf(dtype=str(dtype or model.dtype).removeprefix("torch."))
+    state = {k: v if dtype is None else v.to(dtype) for k, v in state_dict_hf(model).items()}
+    if config["model_type"] == "mixtral":
+        for pattern, replacement in _MIXTRAL_NAMES:
+            state = {pattern.sub(replacement, k): v for k, v in state.items()}
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n", encoding="utf-8")
-    state = {k: v if dtype is None else v.to(dtype) for k, v in state_dict_hf(model).items()}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 

@@ -1,9 +1,10 @@
 """The decoder: embeddings, N x (RMSNorm, attention, RMSNorm, MoE), final norm, LM head.
 
-Module names follow Hugging Face's Qwen3-MoE (`model.layers.{i}.self_attn.o_proj`, `mlp.gate`, ...) so checkpoint
-keys map one to one, except weights that run as one matmul, which `replica.model.loader` joins on load and splits on
-save: routed experts stacked per layer (`mlp.experts.gate_up [E, 2I, H]`), the attention's `self_attn.qkv_proj`
-(from `q_proj`, `k_proj`, `v_proj`) and the shared expert's `gate_up_proj` (from `gate_proj`, `up_proj`).
+Module names follow Hugging Face's Qwen3-MoE and Qwen2-MoE (`model.layers.{i}.self_attn.o_proj`, `mlp.gate`,
+`mlp.shared_expert_gate`, ...) so checkpoint keys map one to one, except Mixtral's names, which
+`replica.model.loader` renames, and weights that run as one matmul, which it joins on load and splits on save:
+routed experts stacked per layer (`mlp.experts.gate_up [E, 2I, H]`), the attention's `self_attn.qkv_proj` (from
+`q_proj`, `k_proj`, `v_proj`) and the shared expert's `gate_up_proj` (from `gate_proj`, `up_proj`).
 
 Serving runs on flattened tokens of many sequences ([T, H]) against the paged cache; `forward_train` runs padded
 batches ([B, S]) without a cache for `shoal replica build-demo`.
@@ -156,10 +157,7 @@ class MoEForCausalLM(nn.Module):
             h = h + dense_causal_attention(layer.self_attn, layer.input_layernorm(h), cos, sin)
             flat = layer.post_attention_layernorm(h).reshape(batch * seq, -1)  # [T, H]
             mlp: MoEBlock = layer.mlp
-            topk_ids, topk_weights, logits = mlp.gate(flat)
-            out = mlp.experts(flat, topk_ids, topk_weights)
-            if mlp.shared_expert is not None:
-                out = out + mlp.shared_expert(flat)
+            out, topk_ids, logits = mlp.forward_with_routing(flat)
             h = h + out.view(batch, seq, -1)
             num_experts = logits.shape[-1]
             fraction = torch.bincount(topk_ids.flatten(), minlength=num_experts).float() / topk_ids.numel()

@@ -243,7 +243,10 @@ class SharedExpert(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    """Router + routed experts (+ shared expert): the feed-forward of every decoder layer."""
+    """Router + routed experts (+ shared expert): the feed-forward of every decoder layer.
+
+    Qwen2-MoE scales the shared expert's output per token by sigmoid(x w) (`shared_expert_gate`, w [1, H]).
+    """
 
     def __init__(
         self, config: ModelConfig, *, layer: int, dtype: torch.dtype, device: torch.device | str | None = None
@@ -263,11 +266,23 @@ class MoEBlock(nn.Module):
             if config.shared_expert_intermediate_size
             else None
         )
+        self.shared_expert_gate = (
+            nn.Linear(config.hidden_size, 1, bias=False, dtype=dtype, device=device)
+            if config.shared_expert_gate
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        topk_ids, topk_weights, _ = self.gate(x)
-        out = self.experts(x, topk_ids, topk_weights)
+        return self.forward_with_routing(x)[0]
+
+    def forward_with_routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (out [T, H], topk_ids [T, A], router_logits [T, E]): the routing for a balancing loss."""
+        topk_ids, topk_weights, router_logits = self.gate(x)
+        out: torch.Tensor = self.experts(x, topk_ids, topk_weights)
         if self.shared_expert is not None:
-            out = out + self.shared_expert(x)
-        return out  # type: ignore[no-any-return]
+            shared = self.shared_expert(x)  # [T, H]
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared  # [T, 1] * [T, H]
+            out = out + shared
+        return out, topk_ids, router_logits

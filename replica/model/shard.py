@@ -6,7 +6,10 @@ expert's hidden size, Is = the shared expert's, E = routed experts.
 - Attention: `qkv_proj` is column-parallel by heads (rank r keeps query heads r*Hq/N.. and key-value heads
   r*Hkv/N.., so each query head keeps the key-value head of its group), `o_proj` row-parallel over the same heads;
   each rank's paged KV cache holds its Hkv/N heads only.
-- Shared expert: `gate_up_proj` column-parallel (gate rows and up rows split alike), `down_proj` row-parallel.
+- Attention biases: the q/k/v bias split with its rows; the output projection's bias kept by rank 0 alone, so that
+  the sum over ranks adds it once.
+- Shared expert: `gate_up_proj` column-parallel (gate rows and up rows split alike), `down_proj` row-parallel; its
+  sigmoid gate (Qwen2-MoE) replicated: one factor per token, the same on every rank, scales each rank's partial sum.
 - Routed experts: every expert's intermediate dimension I is split (gate and up rows, down columns): each rank
   holds a slice of every expert, so routing needs no exchange of tokens and the load stays even whatever the router
   picks. NVFP4 experts are sharded after quantization: rows of gate_up keep their own block scales, and down's
@@ -80,14 +83,17 @@ def _slice(weight: torch.Tensor, rank: int, world_size: int, dim: int) -> torch.
 def _shard_attention(attn: Attention, rank: int, world_size: int) -> None:
     d = attn.head_dim
     hq, hkv = attn.num_heads, attn.num_kv_heads
-    weight = attn.qkv_proj.weight.data  # [(Hq + 2 Hkv) D, H], rows q | k | v
-    q, k, v = torch.split(weight, [hq * d, hkv * d, hkv * d])
-    attn.qkv_proj.weight.data = torch.cat(
-        (_slice(q, rank, world_size, 0), _slice(k, rank, world_size, 0), _slice(v, rank, world_size, 0))
-    )
+    for param in (attn.qkv_proj.weight, attn.qkv_proj.bias):  # [(Hq + 2 Hkv) D, H] and [(Hq + 2 Hkv) D]: q | k | v
+        if param is not None:
+            q, k, v = torch.split(param.data, [hq * d, hkv * d, hkv * d])
+            param.data = torch.cat(
+                (_slice(q, rank, world_size, 0), _slice(k, rank, world_size, 0), _slice(v, rank, world_size, 0))
+            )
     attn.qkv_proj.out_features = attn.qkv_proj.weight.shape[0]
     attn.o_proj.weight.data = _slice(attn.o_proj.weight.data, rank, world_size, 1)  # [H, Hq/N D]
     attn.o_proj.in_features = attn.o_proj.weight.shape[1]
+    if rank != 0:  # the ranks' partial outputs are summed: the bias is added once, by rank 0
+        attn.o_proj.register_parameter("bias", None)
     attn.num_heads, attn.num_kv_heads = hq // world_size, hkv // world_size
 
 

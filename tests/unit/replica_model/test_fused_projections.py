@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from replica.model.attention import Attention
 from replica.model.config import ModelConfig
-from replica.model.loader import init_weights, load_model, save_checkpoint
+from replica.model.loader import init_weights, load_model, save_checkpoint, state_dict_hf
 from replica.model.model import MoEForCausalLM
 from replica.model.moe import SharedExpert
 
@@ -56,10 +56,9 @@ def _model() -> MoEForCausalLM:
     return model.eval()
 
 
-def test_fused_qkv_norm_and_rope_equal_the_separate_projections(tmp_path: Path) -> None:
+def test_fused_qkv_norm_and_rope_equal_the_separate_projections() -> None:
     model = _model()
-    save_checkpoint(model, tmp_path)
-    hf = load_file(str(tmp_path / "model.safetensors"))  # q_proj, k_proj, v_proj as separate weights
+    hf = state_dict_hf(model)  # q_proj, k_proj, v_proj as separate weights
     attn: Attention = model.decoder_layers[1].self_attn
     x = torch.randn(7, CONFIG.hidden_size, generator=torch.Generator().manual_seed(0))
     positions = torch.tensor([0, 1, 2, 3, 20, 21, 40])
@@ -78,10 +77,9 @@ def test_fused_qkv_norm_and_rope_equal_the_separate_projections(tmp_path: Path) 
     torch.testing.assert_close(v, v_want, rtol=0, atol=0)
 
 
-def test_fused_shared_expert_equals_separate_gate_and_up(tmp_path: Path) -> None:
+def test_fused_shared_expert_equals_separate_gate_and_up() -> None:
     model = _model()
-    save_checkpoint(model, tmp_path)
-    hf = load_file(str(tmp_path / "model.safetensors"))
+    hf = state_dict_hf(model)
     shared = model.decoder_layers[0].mlp.shared_expert
     assert isinstance(shared, SharedExpert)
     x = torch.randn(5, CONFIG.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -94,7 +92,9 @@ def test_fused_shared_expert_equals_separate_gate_and_up(tmp_path: Path) -> None
 
 
 def test_loader_joins_separate_weights_into_the_fused_rows(tmp_path: Path) -> None:
-    model = _model()
+    # A shared expert is written as Qwen2-MoE's, which has no q/k norm and gates the shared expert.
+    model = MoEForCausalLM(CONFIG.replace(qk_norm=False, shared_expert_gate=True))
+    init_weights(model, seed=1, std=0.3)
     save_checkpoint(model, tmp_path)
     hf = load_file(str(tmp_path / "model.safetensors"))
     assert not any("qkv_proj" in key or "gate_up_proj" in key for key in hf)
