@@ -171,7 +171,8 @@ class ModelConfig:
 
     def hf_model_type(self) -> str:
         """The Hugging Face architecture this model is, read from its structure: q/k norm without a shared expert is
-        Qwen3-MoE, a gated shared expert Qwen2-MoE, neither Mixtral. ConfigError naming why when it is none."""
+        Qwen3-MoE, a gated shared expert Qwen2-MoE, neither Mixtral. ConfigError naming why when it is none, or
+        when transformers and vLLM 0.32 would read its folder differently (their model files, compared)."""
         if self.router_kind != "softmax" or self.routed_scaling_factor != 1.0:
             raise ConfigError(
                 "a sigmoid router or a routed scaling factor is DeepSeek-V3's, and DeepSeek-V3's attention is "
@@ -183,8 +184,11 @@ class ModelConfig:
                     "q/k norm with a shared expert is no Hugging Face architecture: Qwen3-MoE (q/k norm) has no "
                     "shared expert, so transformers and vLLM would build this model without it"
                 )
-            if self.qkv_bias != self.o_proj_bias:
-                raise ConfigError("Qwen3-MoE's attention_bias biases the q, k, v and output projections together")
+            if self.qkv_bias or self.o_proj_bias:
+                raise ConfigError(
+                    "Qwen3-MoE's attention_bias is read two ways: transformers biases q, k, v and the output "
+                    "projection, vLLM q, k and v only (it drops o_proj.bias)"
+                )
             return "qwen3_moe"
         if self.o_proj_bias:
             raise ConfigError("an output projection bias is Qwen3-MoE's only, which normalises q and k (qk_norm)")
@@ -193,6 +197,13 @@ class ModelConfig:
                 raise ConfigError(
                     "a shared expert without q/k norm is Qwen2-MoE's, whose shared expert has a sigmoid gate "
                     "(shared_expert_gate); one without the gate is no Hugging Face architecture"
+                )
+            if not self.qkv_bias:
+                raise ConfigError("Qwen2-MoE without a q/k/v bias: vLLM's Qwen2-MoE always has one (qkv_bias)")
+            if self.head_dim * self.num_attention_heads != self.hidden_size:
+                raise ConfigError(
+                    f"Qwen2-MoE with head_dim={self.head_dim} != hidden_size / num_attention_heads: vLLM's "
+                    "Qwen2-MoE takes head_dim from them, not from the config"
                 )
             return "qwen2_moe"
         if self.qkv_bias or not self.norm_topk_prob:
@@ -242,10 +253,10 @@ class ModelConfig:
                 "use_sliding_window": False,
             }
             if model_type == "qwen3_moe":
-                out["attention_bias"] = self.qkv_bias
+                out["attention_bias"] = False
             else:
                 out["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
-                out["qkv_bias"] = self.qkv_bias
+                out["qkv_bias"] = True
         if dtype is not None:
             out |= {"dtype": dtype, "torch_dtype": dtype}  # transformers 5 reads `dtype`, older tools `torch_dtype`
         return out

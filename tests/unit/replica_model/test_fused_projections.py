@@ -92,8 +92,8 @@ def test_fused_shared_expert_equals_separate_gate_and_up() -> None:
 
 
 def test_loader_joins_separate_weights_into_the_fused_rows(tmp_path: Path) -> None:
-    # A shared expert is written as Qwen2-MoE's, which has no q/k norm and gates the shared expert.
-    model = MoEForCausalLM(CONFIG.replace(qk_norm=False, shared_expert_gate=True))
+    # A shared expert is written as Qwen2-MoE's: no q/k norm, a q/k/v bias, a gated shared expert.
+    model = MoEForCausalLM(CONFIG.replace(qk_norm=False, qkv_bias=True, shared_expert_gate=True))
     init_weights(model, seed=1, std=0.3)
     save_checkpoint(model, tmp_path)
     hf = load_file(str(tmp_path / "model.safetensors"))
@@ -103,6 +103,8 @@ def test_loader_joins_separate_weights_into_the_fused_rows(tmp_path: Path) -> No
     prefix = "model.layers.0.self_attn"
     want = torch.cat([hf[f"{prefix}.{p}_proj.weight"] for p in ("q", "k", "v")])
     assert torch.equal(fused, want)
+    bias = loaded.decoder_layers[0].self_attn.qkv_proj.bias
+    assert bias is not None and torch.equal(bias, torch.cat([hf[f"{prefix}.{p}_proj.bias"] for p in ("q", "k", "v")]))
     ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(2))
     model.use_serving_layout()  # as loaded: the same operand layouts, hence the same roundings
     with torch.no_grad():

@@ -3,7 +3,8 @@ without renormalised top-k weights and with attention bias, Qwen2-MoE, Mixtral),
 saved with `save_pretrained` (and as transformers holds it in memory, experts stacked) loads in Shoal with logits
 equal to transformers' over 457 positions, both without a cache (`forward_train`) and through the paged cache (a
 prefill chunk, a chunk after cached tokens and a decode step); and a checkpoint Shoal saves loads in transformers
-with every key used and the same logits. DeepSeek-V3 is refused by name.
+with every key used and the same logits (but a biased Qwen3-MoE, which Shoal does not write: vLLM reads its bias
+otherwise). DeepSeek-V3 is refused by name.
 
 Weights are drawn wider than transformers' initialisation (std 0.02 leaves logits near zero, where any model
 matches): norms and biases away from their neutral values, so that a norm or bias applied to the wrong rows, or
@@ -193,7 +194,8 @@ def test_transformers_checkpoint_loads_with_its_logits(arch: str, layout: str, t
     _assert_meaningful(want)
 
     model = load_model(path)
-    assert model.config.hf_model_type() == arch.split("-")[0]
+    if arch != "qwen3_moe-bias":  # which Shoal reads but does not write
+        assert model.config.hf_model_type() == arch.split("-")[0]
     dense = _dense_logits(model, seqs)
     paged = _paged_logits(model, seqs)
     assert _max_abs_diff(dense, want) <= MAX_ABS_DIFF
@@ -226,7 +228,7 @@ def _shoal_model(arch: str, seed: int = 0) -> MoEForCausalLM:
     return model.eval()
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "qwen3_moe-bias"])  # not written: vLLM drops o_proj.bias
 def test_shoal_checkpoint_loads_in_transformers_with_every_key(arch: str, tmp_path: Path) -> None:
     model = _shoal_model(arch)
     save_checkpoint(model, tmp_path)
