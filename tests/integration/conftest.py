@@ -260,5 +260,5 @@ from tests.integration.redis_server import (  # noqa: E402, F401 - fixtures
     redis_sentinel,
     redis_url,
 )
-from tests.integration.replica_support import start_replica, tiny_checkpoint  # noqa: E402, F401 - fixtures
+from tests.integration.replica_support import start_any_replica, start_replica, tiny_checkpoint  # noqa: E402, F401
 from tests.integration.vllm_support import vllm_servers  # noqa: E402, F401 - fixtures

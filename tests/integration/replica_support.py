@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,20 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 async def start_replica(tiny_checkpoint: Path) -> AsyncIterator[StartReplica]:
+    """Replicas of the tiny checkpoint unless a test names another `model`."""
+    async with _replicas(tiny_checkpoint) as start:
+        yield start
+
+
+@pytest.fixture
+async def start_any_replica() -> AsyncIterator[StartReplica]:
+    """Replicas of the checkpoint each test names (`model=...`), without building the tiny one."""
+    async with _replicas(None) as start:
+        yield start
+
+
+@contextlib.asynccontextmanager
+async def _replicas(default_model: Path | None) -> AsyncIterator[StartReplica]:
     from replica.server.app import create_app
     from replica.server.serve import load_drafter_for_serving, load_for_serving
     from replica.settings import ReplicaSettings
@@ -44,7 +59,7 @@ async def start_replica(tiny_checkpoint: Path) -> AsyncIterator[StartReplica]:
     handles: list[ReplicaHandle] = []
 
     async def start(**overrides: Any) -> ReplicaHandle:
-        values: dict[str, Any] = {"model": str(tiny_checkpoint), "served_model_name": "shoal-demo", "port": 0}
+        values: dict[str, Any] = {"model": str(default_model), "served_model_name": "shoal-demo", "port": 0}
         values.update(overrides)
         settings = ReplicaSettings(**values)
         model, tokenizer = load_for_serving(settings)
@@ -66,6 +81,8 @@ async def start_replica(tiny_checkpoint: Path) -> AsyncIterator[StartReplica]:
         handles.append(handle)
         return handle
 
-    yield start
-    for handle in handles:
-        await handle.runner.cleanup()
+    try:
+        yield start
+    finally:
+        for handle in handles:
+            await handle.runner.cleanup()

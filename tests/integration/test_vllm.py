@@ -132,11 +132,11 @@ def margin(top: dict[str, float]) -> float:
 @pytest.mark.parametrize("num_speculative_tokens", [0, None], ids=["speculation_off", "speculation_default"])
 async def test_vllm_and_shoal_replica_give_the_same_greedy_text(
     vllm_servers: list[RunningVllm],
-    start_replica: StartReplica,
+    start_any_replica: StartReplica,
     http: aiohttp.ClientSession,
     num_speculative_tokens: int | None,
 ) -> None:
-    replica = await start_replica(model=str(CHECKPOINT), num_speculative_tokens=num_speculative_tokens)
+    replica = await start_any_replica(model=str(CHECKPOINT), num_speculative_tokens=num_speculative_tokens)
     tokenizer = ChatTokenizer.from_dir(CHECKPOINT)
     chats = chat_requests(NUM_CHATS, seed=HELDOUT_SEED)
     same, parted = 0, []
@@ -145,7 +145,8 @@ async def test_vllm_and_shoal_replica_give_the_same_greedy_text(
         (vllm_text, vllm_top), (shoal_text, shoal_top) = await asyncio.gather(
             greedy(http, vllm_servers[0].url, ids), greedy(http, replica.url, ids)
         )
-        if vllm_text == shoal_text:
+        # At max_tokens an answer may end inside a character: vLLM holds its bytes back, Shoal's replica shows U+FFFD.
+        if vllm_text.rstrip("\ufffd") == shoal_text.rstrip("\ufffd"):
             same += 1
             continue
         # The first position where the two engines' chosen tokens differ: both must see a tie there.
