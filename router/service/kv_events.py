@@ -397,6 +397,8 @@ class ZmqSubscriber(KVEventSubscriber):
         self._duplicates_from: dict[str, int] = {}
         """Endpoint -> first seq of its latest replay: live batches from there up to the last applied are the
         replayed ones again."""
+        self._is_replay_silent: set[str] = set()
+        """Endpoints whose replay socket did not answer on this connection: their gaps are not asked again."""
 
     def resync(self, reason: str) -> None:
         self._last_seq.clear()
@@ -429,6 +431,7 @@ class ZmqSubscriber(KVEventSubscriber):
             socket.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.settings.reconnect_max_s * 1000))
             socket.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
             socket.connect(source.endpoint)
+            self._is_replay_silent.discard(source.endpoint)
             if source.replay_endpoint is not None:
                 last = self._last_seq.get(source.endpoint)
                 await self._catch_up(source, 0 if last is None else last + 1, seed)
@@ -456,8 +459,8 @@ class ZmqSubscriber(KVEventSubscriber):
             del self._last_seq[source.endpoint]
         elif last is not None and seq != last + 1:
             self.metrics.kv_events_gaps.inc()
-            if source.replay_endpoint is None:
-                self._lost(source, f"seq {seq} after {last}, and no replay endpoint")
+            if source.replay_endpoint is None or source.endpoint in self._is_replay_silent:
+                self._lost(source, f"seq {seq} after {last}, and no replay")
             else:
                 await self._catch_up(source, last + 1, seed)
                 if seq <= self._last_seq.get(source.endpoint, -1):
@@ -496,7 +499,11 @@ class ZmqSubscriber(KVEventSubscriber):
                 try:
                     frames = await asyncio.wait_for(dealer.recv_multipart(), timeout_s)
                 except TimeoutError:
-                    raise _StreamEnded("error", f"{source.replay_endpoint}: no replay within {timeout_s} s") from None
+                    # A replay socket that does not answer (an engine without one on that port) costs this wait
+                    # once per connection; what it would have filled is treated as lost.
+                    self._is_replay_silent.add(source.endpoint)
+                    self._lost(source, f"{source.replay_endpoint} sent no replay within {timeout_s} s")
+                    return
                 if len(frames) != 4 or len(frames[2]) != 8:
                     self.metrics.kv_events_skipped.inc(("malformed",))
                     raise _StreamEnded("malformed", f"a replay message of {len(frames)} frames")

@@ -482,9 +482,15 @@ def test_vllm_runs_with_prefix_caching_and_publishes_kv_events() -> None:
     assert {"name": "kv-events", "containerPort": port, "protocol": "TCP"} in vllm["ports"]
     service_ports = {p["name"]: p["port"] for p in find(manifests, "Service", "replica").body["spec"]["ports"]}
     assert service_ports["kv-events"] == port
-    # The routers follow those events: exact mode on the same port and topic.
+    replay_port = int(events["replay_endpoint"].rsplit(":", 1)[1])
+    assert events["endpoint"].startswith("tcp://*:") and events["replay_endpoint"].startswith("tcp://*:")  # bound
+    assert {"name": "kv-replay", "containerPort": replay_port, "protocol": "TCP"} in vllm["ports"]
+    assert service_ports["kv-replay"] == replay_port
+    # The routers follow those events: exact mode on the same ports and topic (vLLM's GET /kv_event_sources names
+    # them too; these are the fallback).
     assert settings.kv_events.source == "zmq"
     assert settings.kv_events.zmq_port == port and settings.kv_events.zmq_topic == events["topic"]
+    assert settings.kv_events.zmq_replay_port == replay_port
 
     quiet = render({"replicas": {"engine": "vllm", "kvEvents": {"enabled": False}}, "model": {"name": "m"}})
     quiet_vllm = container(find(quiet, "Deployment", "replica"))
@@ -777,7 +783,7 @@ def test_network_policy_lets_only_the_routers_reach_the_replicas() -> None:
     assert [name for name, labels in pods.items() if labels_match(peer["podSelector"]["matchLabels"], labels)] == [
         "router"
     ]
-    assert {p["port"] for p in from_router["ports"]} == {"http", "kv-events"}
+    assert {p["port"] for p in from_router["ports"]} == {"http", "kv-events", "kv-replay"}  # vLLM's replay too
     assert from_metrics["from"] == ci_values("network-policy")["networkPolicy"]["replicaMetricsFrom"]
     assert [p["port"] for p in from_metrics["ports"]] == ["http"]
 

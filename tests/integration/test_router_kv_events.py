@@ -458,3 +458,22 @@ async def test_zmq_replay_fills_a_gap_and_rebuilds_a_restarted_router(
         xpub.close(linger=0)
         replay.close(linger=0)
         context.term()
+
+
+async def test_a_replay_socket_that_never_answers_costs_one_wait_not_the_stream(
+    start_fakes: StartFakes, start_router: StartRouter, vllm_publisher: tuple[VllmPublisher, int]
+) -> None:
+    publisher, port = vllm_publisher
+    fakes = await start_fakes(1)
+    silent = free_port()  # nothing listens there: the replay request waits for its timeout
+    settings = kv_settings("zmq", zmq_port=port, zmq_replay_port=silent, zmq_topic="kv-events", replay_timeout_s=0.2)
+    router = await start_router(fakes, kv_events=settings)
+    replica_id = f"{fakes[0].host}:{fakes[0].port}"
+    await asyncio.wait_for(publisher.xpub.recv(), timeout=10)  # subscribed
+    tokens = prompt(random.Random(3), 2)
+    await eventually(lambda: num_live(router) == 1, what="the stream live after the silent replay")
+    await publisher.send(0, ["BlockStored", [1, 2], None, tokens, BLOCK, None, "GPU"])
+    await eventually(lambda: exact_depth(router, replica_id, tokens) == 2, what="live batches applied")
+    await publisher.send(2, ["BlockRemoved", [2], "GPU"])  # a gap: not asked of the silent socket again
+    await eventually(lambda: exact_depth(router, replica_id, tokens) == 0, what="the gap's demotion, then the removal")
+    assert await counter(router, "shoal_router_kv_events_gaps_total") == 1
