@@ -375,19 +375,37 @@ class RoutingCore:
         a first attempt would be held."""
         return free_slots(eligible, self.config.max_in_flight_per_replica)
 
-    def commit(self, prepared: Prepared, decision: Decision, now: float, *, has_live_kv_events: bool = False) -> None:
+    def commit(
+        self,
+        prepared: Prepared,
+        decision: Decision,
+        now: float,
+        *,
+        has_live_kv_events: bool = False,
+        engine_block_size: int | None = None,
+    ) -> None:
         """Record the prompt on the replica `decision` sent it to (module docstring), hashing what `prepare` left
         unhashed. Once per attempt, `now` as given to `choose`; `has_live_kv_events`: that replica's KV-event
-        stream is connected and in sync."""
+        stream is connected and in sync; `engine_block_size`: its KV block in tokens where known."""
         if not self.config.use_index:
             return
-        hashes = prepared.complete()
+        hashes = self.cacheable(prepared, engine_block_size)
         if not hashes:
             return
         is_predicted = prepared.is_tokens and has_live_kv_events
         if is_predicted and not self.config.records_predictions:
             return
         self.index.record(decision.replica, hashes, now=now, predicted=is_predicted)
+
+    def cacheable(self, prepared: Prepared, engine_block_size: int | None) -> list[int]:
+        """The prompt's block hashes an engine with `engine_block_size`-token blocks can hold: a token prompt's up
+        to its last whole engine block (vLLM's CPU blocks are 128 tokens, the router's 16), else all of them."""
+        hashes = prepared.complete()
+        block = self.config.token_block_size
+        if prepared.is_tokens and engine_block_size and engine_block_size > block and engine_block_size % block == 0:
+            span = engine_block_size // block
+            return hashes[: len(hashes) // span * span]
+        return hashes
 
     # --- load bookkeeping ----------------------------------------------------------------------------------------
 

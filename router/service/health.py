@@ -143,6 +143,9 @@ class MetricsScraper:
             kv,
             int(limit) if limit is not None else None,
         )
+        block_size = gauges.get("kv_block_size")
+        if block_size:
+            replica.kv_block_size = int(block_size)
         capacity = gauges.get("kv_capacity_tokens")
         if capacity is not None and not replica.is_kv_capacity_configured:
             self.on_kv_capacity(replica, capacity)

@@ -79,6 +79,8 @@ class Replica:
     probes_since_models: int = 0
     is_kv_capacity_configured: bool = False
     """The KV capacity came from the admin API: a scrape of the engine's cache size does not replace it."""
+    kv_block_size: int | None = None
+    """Tokens per KV block of the engine, from its scrapes (vLLM's `vllm:cache_config_info`); None until known."""
     has_live_kv_events: bool = False
     """True while the replica's KV-event stream is connected and in sync: its `stored` events will confirm what
     the router sends it, so the router records its own guesses as short-lived predictions only."""

@@ -126,11 +126,13 @@ class RoutingCore:
     def commit(self, prepared: Prepared, decision: Decision, now: float) -> None:
         """Record the prompt on the replica `decision` sent it to. Once per attempt, `now` as given to `choose`."""
         chosen = self.pool.get(decision.replica)
-        self.core.commit(prepared, decision, now, has_live_kv_events=chosen is not None and chosen.has_live_kv_events)
+        block_size = None if chosen is None else chosen.kv_block_size
+        live = chosen is not None and chosen.has_live_kv_events
+        self.core.commit(prepared, decision, now, has_live_kv_events=live, engine_block_size=block_size)
         publisher = self.publisher
         if publisher is not None:
             if self.core.config.use_index:
-                publisher.routed(decision.replica, prepared.complete(), prepared.is_tokens)
+                publisher.routed(decision.replica, self.core.cacheable(prepared, block_size), prepared.is_tokens)
             if prepared.session_key is not None:
                 publisher.pinned(prepared.session_key, decision.replica)
 

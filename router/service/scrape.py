@@ -4,7 +4,8 @@ One parser serves vLLM and Shoal's replica (which exports vLLM's names, and as `
 batch limit that vLLM does not export) and SGLang. Samples of one gauge with several label sets (one per model
 served) are summed, except KV usage, where the fullest cache counts. The KV
 cache's size in tokens comes from vLLM's `vllm:cache_config_info` (its labels `num_gpu_blocks` x `block_size`) or
-SGLang's `sglang:max_total_num_tokens`; with several label sets the smallest counts.
+SGLang's `sglang:max_total_num_tokens`; with several label sets the smallest counts. vLLM's KV block size (128 on
+CPUs, 16 on GPUs) comes from the same labels: only whole blocks enter its prefix cache.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ _GAUGES: dict[str, tuple[str, str]] = {
 
 
 def parse_engine_metrics(text: str) -> dict[str, float]:
-    """Return {num_running, num_waiting, kv_usage, max_num_seqs, kv_capacity_tokens} for the gauges present in
-    `text` (others are absent)."""
+    """Return {num_running, num_waiting, kv_usage, max_num_seqs, kv_capacity_tokens, kv_block_size} for the gauges
+    present in `text` (others are absent)."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sample.name == "vllm:cache_config_info" and sample.labels.get("block_size", "").isdigit():
+                out["kv_block_size"] = max(out.get("kv_block_size", 0.0), float(sample.labels["block_size"]))
             capacity = _kv_capacity_tokens(sample.name, sample.labels, sample.value)
             if capacity is not None:
                 out["kv_capacity_tokens"] = min(out.get("kv_capacity_tokens", capacity), capacity)

@@ -44,6 +44,18 @@ def test_a_routed_prompt_is_recorded_and_the_next_one_follows_it() -> None:
     assert follow.predicted_cached_tokens == 1024
 
 
+def test_a_prompt_is_recorded_up_to_the_engines_last_whole_block() -> None:
+    core, states = make_core()
+    prompt = core.prepare(RoutingKey(token_ids=tokens(300)), MODEL)  # 18 router blocks: 2 whole 128-token blocks
+    decision = core.choose(prompt, states, 0.0)
+    assert decision is not None
+    core.commit(prompt, decision, 0.0, engine_block_size=128)
+    hashes = hash_tokens(tokens(300), namespace_seed(MODEL), 16)
+    assert core.index.match(hashes, now=1.0) == {decision.replica: 16}  # vLLM caches only whole blocks
+    assert core.cacheable(prompt, None) == hashes and core.cacheable(prompt, 16) == hashes
+    assert core.cacheable(prompt, 24) == hashes  # not a multiple of the router's block: nothing to align to
+
+
 def test_only_a_stream_teaches_the_prefill_rate_and_its_first_observation_seeds_the_others() -> None:
     core, states = make_core()
     prior = PrefillRateEstimator().prior_tokens_per_s

@@ -18,12 +18,12 @@ vllm:cache_config_info{block_size="16",engine="1",model_name="m",num_gpu_blocks=
 
 def test_the_kv_cache_size_is_blocks_times_block_size_the_smallest_engine_counting() -> None:
     gauges = parse_engine_metrics(VLLM)
-    assert gauges == {"num_running": 3.0, "kv_capacity_tokens": 16 * 1024.0}
+    assert gauges == {"num_running": 3.0, "kv_capacity_tokens": 16 * 1024.0, "kv_block_size": 16.0}
 
 
 def test_a_cache_not_yet_profiled_has_no_size() -> None:
-    text = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n'
-    assert parse_engine_metrics(text) == {}
+    text = 'vllm:cache_config_info{block_size="128",num_gpu_blocks="None"} 1.0\n'
+    assert parse_engine_metrics(text) == {"kv_block_size": 128.0}  # the block size is known before the profile
 
 
 def test_sglang_reports_its_cache_in_tokens() -> None:
