@@ -685,14 +685,18 @@ async def test_request_headers_are_framed_by_the_pool(pool: UpstreamPool) -> Non
 
 async def test_close_pool_fails_in_flight_requests() -> None:
     pool = UpstreamPool()
+    received = asyncio.Event()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)
+        received.set()
         await wait_for_eof(reader)
 
     async with RawServer(serve) as server:
         task = asyncio.create_task(get(pool, server.port))
-        await poll(lambda: pool.stats()["open"] == 1)
+        # In flight means sent: with the connection merely open, the request may still be on its way into the pool,
+        # and a closed pool refuses it (UpstreamError) rather than cutting it off.
+        await asyncio.wait_for(received.wait(), timeout=5)
         await pool.close()
         with pytest.raises(UpstreamDisconnected):
             await task
