@@ -46,6 +46,8 @@ log = logging.getLogger("shoal.router")
 
 _MAX_HEAD_BYTES = 64 * 1024
 """Bytes a request head may take (431 beyond): far above what OpenAI clients send, far below memory trouble."""
+_LINGER_S = 2.0
+"""Seconds a refused connection is read and discarded after its answer, so that the answer is not reset away."""
 _HIGH_WATER_BYTES = 1024 * 1024
 """Bytes of following requests buffered while one is served, past which reading pauses."""
 _MAX_PIPELINED = 32
@@ -235,6 +237,11 @@ class _Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._body_bytes = 0
         self._head_bytes = 0
+        self._framing_bytes = 0
+        """Bytes read while in a message's body beyond the body itself: chunk sizes and, after the last chunk, the
+        trailer fields, which neither the head's nor the body's limit covers (llhttp's parser accumulates a field
+        by concatenation, so an unbounded trailer costs quadratic time)."""
+        self._num_completed = 0
         self._request: FrontRequest | None = None
         self._handler: Handler | None = None
         self._coding: str | None = None
@@ -252,6 +259,8 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.state == _CLOSED or self.is_reading_done:
             return
+        was_in_body, num_completed = self.state == _BODY, self._num_completed
+        body_bytes_before = self._body_bytes
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
@@ -268,8 +277,12 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._end_reading(_Refusal(400, f"malformed request: {exc}", "invalid_request"))
         else:
-            if self.state == _HEAD:
+            if self._num_completed != num_completed:
+                pass  # a message ended in `data`: the next head's bytes in it are not told apart; the next read counts
+            elif self.state == _HEAD:
                 self._check_partial_head(data)
+            elif was_in_body and self.state == _BODY:
+                self._check_framing(len(data) - (self._body_bytes - body_bytes_before))
         if self.task is None:
             self._serve_next()
         elif not self._is_reading_paused and (
@@ -310,6 +323,7 @@ class _Connection(asyncio.Protocol):
         self._body = []
         self._body_bytes = 0
         self._head_bytes = 0
+        self._framing_bytes = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -387,6 +401,7 @@ class _Connection(asyncio.Protocol):
                 body = _decode(body, self._coding, self.limits.max_body_bytes)
             except _Refusal as exc:
                 refusal = exc
+        self._num_completed += 1
         self.pending.append(_Pending(request, body, self._handler, refusal))
         self.pending_bytes += len(body)
         self.state = _IDLE
@@ -405,6 +420,15 @@ class _Connection(asyncio.Protocol):
             self._end_reading(_Refusal(431, f"request head larger than {_MAX_HEAD_BYTES} bytes", "head_too_large"))
         elif self._url and self.parser.get_http_version() == "0.0" and data.rfind(b"\n") > data.rfind(b" "):
             self._end_reading(_Refusal(400, "malformed request: HTTP/0.9 is not supported", "invalid_request"))
+
+    def _check_framing(self, num_bytes: int) -> None:
+        """Refuse a body whose chunk framing and trailers outgrow a head's limit plus the body itself (honest
+        clients send chunks of kilobytes, whose size lines are a few bytes each, and few trailers if any)."""
+        self._framing_bytes += num_bytes
+        if self._framing_bytes > _MAX_HEAD_BYTES + self._body_bytes:
+            self._end_reading(
+                _Refusal(431, f"chunk framing and trailers larger than {_MAX_HEAD_BYTES} bytes", "head_too_large")
+            )
 
     def _end_reading(self, refusal: _Refusal | None) -> None:
         """Parse nothing more; answer the requests already complete, then `refusal` if any, then close."""
@@ -522,7 +546,20 @@ class _Connection(asyncio.Protocol):
 
     def _close(self) -> None:
         self.state = _CLOSED
-        self.transport.close()  # type: ignore[union-attr]
+        transport = self.transport
+        assert transport is not None
+        if self.refusal is None or not transport.can_write_eof():
+            transport.close()
+            return
+        # A refused request may leave bytes the client is still sending: closing over unread bytes makes the kernel
+        # reset the connection, which can destroy the refusal before the client reads it. So, as nginx's lingering
+        # close: end the answer (FIN), read on and discard (data_received ignores a closed connection), and close
+        # when the client does or after _LINGER_S.
+        transport.write_eof()
+        if self._is_reading_paused:
+            self._is_reading_paused = False
+            transport.resume_reading()
+        self.loop.call_later(_LINGER_S, transport.close)
 
     def _abort(self) -> None:
         self.state = _CLOSED

@@ -170,3 +170,25 @@ async def test_malformed_requests_log_one_line_each(
     records = [r for r in caplog.records if r.name.startswith("shoal")]
     assert len(records) == len(CLOSE_AT_ONCE)
     assert all(r.exc_info is None and "\n" not in r.getMessage() for r in records)
+
+
+async def test_chunked_trailers_are_bounded_as_a_head_is(fake_and_router: tuple[FakeReplica, RouterHandle]) -> None:
+    fake, router = fake_and_router
+    body = json.dumps({"model": MODEL, "prompt": "x"}).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunked = b"%x\r\n%b\r\n0\r\n" % (len(body), body)
+    # One small trailer is legal and served; 8 MB of them is refused at the head's limit, long before its end.
+    got = await answers(router, head + chunked + b"X-Check: 1\r\n\r\n" + head + chunked + b"X-Pad: " + b"a" * (8 << 20))
+    assert [(s, h.get("connection")) for s, h, _ in got] == [(200, None), (431, "close")]
+    assert inference_count(fake) == 1
+
+
+async def test_a_request_after_a_large_body_in_the_same_read_is_no_431(
+    fake_and_router: tuple[FakeReplica, RouterHandle],
+) -> None:
+    fake, router = fake_and_router
+    big = post("/v1/completions", json.dumps({"model": MODEL, "prompt": "y" * 100_000}).encode())
+    small = post("/v1/completions", json.dumps({"model": MODEL, "prompt": "z"}).encode(), b"Connection: close\r\n")
+    got = await answers(router, big + small, timeout_s=10)
+    assert [s for s, _, _ in got] == [200, 200]
+    assert inference_count(fake) == 2
