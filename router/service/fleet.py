@@ -32,7 +32,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -55,6 +55,7 @@ from router.service.pool import Replica, ReplicaPool
 from router.service.redis_url import redis_client
 from router.service.routing import RoutingCore
 from router.service.settings import FleetSettings
+from router.service.supervise import supervise
 
 log = logging.getLogger("shoal.router.fleet")
 
@@ -123,6 +124,7 @@ class FleetSharing:
                 "unknown_replica",
                 "outages",
                 "resyncs",
+                "task_failures",
             ),
             0,
         )
@@ -153,9 +155,20 @@ class FleetSharing:
             self._down(exc)
         loop = asyncio.get_running_loop()
         self._tasks = [
-            loop.create_task(self._publish_loop(), name="fleet publish"),
-            loop.create_task(self._consume_loop(), name="fleet consume"),
+            loop.create_task(self._supervised("fleet publish", self._publish_loop), name="fleet publish"),
+            loop.create_task(self._supervised("fleet consume", self._consume_loop), name="fleet consume"),
         ]
+
+    async def _supervised(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
+        """`run` restarted after any failure it did not handle itself, which counts as an outage of sharing (the
+        health gauge says so) and as a task failure; the batch it was publishing is dropped, not retried for ever."""
+
+        def on_failure(exc: BaseException) -> None:
+            self.counts["task_failures"] += 1
+            self._pending = None
+            self._down(exc)
+
+        await supervise(name, run, on_failure=on_failure, clock=self._clock, max_backoff_s=self.settings.retry_s * 10)
 
     async def stop(self) -> None:
         """Cancel the tasks, then close the clients, each step within `command_timeout_s`: a shutdown does not wait

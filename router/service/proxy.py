@@ -151,6 +151,10 @@ class Proxy:
             )
         header = self.settings.session_header
         session_key = request.headers.get(header) if header else None
+        if session_key is not None and not session_key.isascii():
+            # Header values are read as UTF-8 with undecodable bytes kept as surrogates; a key is shared with the
+            # fleet as JSON, which takes no surrogates, so such bytes are written as \xNN: a stable key all the same.
+            session_key = session_key.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
         decide_start = time.perf_counter()
         prepared = self.core.prepare(key, model, session_key, max_tokens if isinstance(max_tokens, int) else None)

@@ -234,3 +234,37 @@ async def test_requests_never_wait_on_redis_stopped_paused_or_restarted(
     finally:
         await client.aclose()
     await shared_again("flushed")
+
+
+async def raw_post(router: RouterHandle, body: bytes, extra_head: bytes) -> tuple[int, str]:
+    """POST /v1/completions with header bytes no HTTP client library sends (say, non-UTF-8); (status, replica)."""
+    host, port = router.server.address
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n%b\r\n%b" % (len(body), extra_head, body)
+        )
+        head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)).decode("latin-1").lower()
+        status = int(head.split()[1])
+        replica = head.partition("x-shoal-replica: ")[2].partition("\r\n")[0]
+        return status, replica
+    finally:
+        writer.close()
+
+
+async def test_a_session_key_of_any_bytes_is_shared_and_publishing_goes_on(
+    start_fakes: StartFakes, start_router: StartRouter, redis_process: RedisProcess
+) -> None:
+    fakes = await start_fakes(3)
+    a = await fleet_router(start_router, fakes, redis_process.url, session_header="X-Session")
+    b = await fleet_router(start_router, fakes, redis_process.url, session_header="X-Session")
+    body = b'{"model": "%b", "prompt": "hello", "max_tokens": 1}' % MODEL.encode()
+    status, pinned = await raw_post(a, body, b"X-Session: \xff\xfe-not-utf8\r\n")
+    assert status == 200
+    # The pin reaches the other router under the same key, and a's publishing goes on (it died here once).
+    for _ in range(3):
+        assert await raw_post(b, body, b"X-Session: \xff\xfe-not-utf8\r\n") == (200, pinned)
+    await assert_shared_prefixes(a, b, "after", 2)
+    fleet = a.app[FLEET]
+    assert fleet.is_up and fleet.counts["task_failures"] == 0
