@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 from router.policy.hashing import pack_tokens
@@ -128,10 +129,19 @@ def _packed_token_list(value: Any) -> bytes | None:
     return None if _holds_a_bool(value, packed) else packed
 
 
+_MAX_FLAG_CANDIDATES = 256
+"""Ids of value 0 or 1 checked one by one for being JSON booleans; past this many, one pass over every id's type
+in C is cheaper (10 million zeros: 0.24 s, against 2.8 s one by one)."""
+
+
 def _holds_a_bool(ids: list[int], packed: bytes) -> bool:
     """Whether JSON `true` or `false` sits among the ids, which packing took for 1 and 0: a byte search of the
-    packed ids for the values 1 and 0 (one `find` over memory), then an identity check per id that has one."""
-    for flag, value in ((True, b"\x01\x00\x00\x00"), (False, b"\x00\x00\x00\x00")):
+    packed ids for the values 1 and 0 (one `find` over memory), then an identity check per id that has one; with
+    many such ids, the set of all the ids' types."""
+    one, zero = b"\x01\x00\x00\x00", b"\x00\x00\x00\x00"
+    if packed.count(one) + packed.count(zero) > _MAX_FLAG_CANDIDATES:
+        return bool in set(map(type, ids))
+    for flag, value in ((True, one), (False, zero)):
         at = packed.find(value)
         while at >= 0:
             if at % 4:  # the bytes straddle two ids
@@ -157,9 +167,15 @@ def completion_routing_key(body: dict[str, Any]) -> RoutingKey:
         first = prompt[0]
         if all(isinstance(p, str) for p in prompt):
             return RoutingKey(text=first.encode())
-        packed_prompts = [_packed_token_list(p) for p in prompt]
-        if None not in packed_prompts:
-            return RoutingKey(token_ids=first, packed=packed_prompts[0])
+        # A batch routes on its first prompt; the others are checked for ints only, in C (packing each of a million
+        # one-id prompts held the event loop for seconds).
+        packed_first = _packed_token_list(first)
+        if (
+            packed_first is not None
+            and all(type(p) is list and p for p in prompt)
+            and set(map(type, chain.from_iterable(prompt))) == {int}
+        ):
+            return RoutingKey(token_ids=first, packed=packed_first)
     raise RoutingInputError(
         "'prompt' must be a string, an array of strings, an array of token ids or an array of such arrays",
         "prompt",

@@ -90,8 +90,26 @@ def test_bad_chat_bodies(body: dict[str, object]) -> None:
 
 @pytest.mark.parametrize(
     "prompt",
-    [[5, True], [1, 1, 0, False], [3, 1.0], [3, "4"], [3, None], [[1, 2], [3, True]]],
-    ids=["true", "false-after-ones-and-zeros", "float", "string", "null", "batch with a bool"],
+    [
+        [5, True],
+        [1, 1, 0, False],
+        [3, 1.0],
+        [3, "4"],
+        [3, None],
+        [[1, 2], [3, True]],
+        [0] * 5000 + [False],
+        [[1, 2], *[[0]] * 1000, [3.0]],
+    ],
+    ids=[
+        "true",
+        "false-after-ones-and-zeros",
+        "float",
+        "string",
+        "null",
+        "batch with a bool",
+        "false-after-many-zeros",
+        "batch with a float after many prompts",
+    ],
 )
 def test_token_lists_with_anything_but_ints_are_refused(prompt: list[Any]) -> None:
     with pytest.raises(RoutingInputError, match="must be a string, an array of strings") as caught:
