@@ -1,6 +1,7 @@
 """A tiny Shoal checkpoint for tests: a BPE tokenizer trained on a slice of the demo corpus, the chat template's
-tokenizer_config.json, and a randomly initialised MoE (2 layers, 8 experts top-2, shared expert). Its outputs are
-random but deterministic, which is all the server, router and engine tests need; builds in about a second."""
+tokenizer_config.json, and a randomly initialised Qwen2-MoE (2 layers, 8 experts top-2, a gated shared expert). Its
+outputs are random but deterministic, which is all the server, router and engine tests need; builds in about a
+second."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ def build_tiny_checkpoint(path: Path, *, seed: int = 0) -> Path:
         num_experts=8,
         num_experts_per_tok=2,
         shared_expert_intermediate_size=64,
+        shared_expert_gate=True,  # a shared expert is written as Qwen2-MoE's: gated, q/k/v bias, no q/k norm
+        qkv_bias=True,
+        qk_norm=False,
         max_position_embeddings=4096,
         eos_token_id=sorted(tokenizer.eos_token_ids),
     )

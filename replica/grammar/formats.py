@@ -9,8 +9,7 @@ Tool calls take the chat template's form (`replica.tokenizer`): `<tool_call>`, a
 {...}}` with the arguments under the function's parameter schema, a newline, `</tool_call>`; calls are separated by
 a newline. The markers are the tokenizer's atomic tokens (`<[id]>` in Lark), so a call opens only with the token
 the model writes for it, never with text that spells it out. `tool_choice`:
-- `required`, or a named function: the output is one call (several with parallel_tool_calls), of that function
-  when named;
+- `required`: the output is one call, several with parallel_tool_calls; a named function: one call of it;
 - `auto`: free text without the markers, then optionally the calls: once the model writes `<tool_call>`, the rest
   is constrained;
 - `none`: no grammar; the server offers no tools to the template.

@@ -42,14 +42,13 @@ from replica.server.metrics import ReplicaMetrics, SpeculationSummary
 from replica.server.protocol import (
     ParsedRequest,
     ProtocolError,
-    extract_tool_calls,
     new_id,
     now_s,
     parse_chat,
     parse_completion,
     usage,
 )
-from replica.server.tool_stream import ToolCallStream
+from replica.server.tool_stream import ToolCallStream, split_tool_calls
 from replica.settings import ReplicaSettings
 from replica.spec.checkpoint import DrafterModel, default_num_speculative_tokens, drafter_runtime
 from replica.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
@@ -415,10 +414,11 @@ async def _complete(gens: list[_Generation], request_id: str, *, chat: bool) -> 
             message: dict[str, Any] = {"role": "assistant", "content": text}
             finish = gen.finish_reason
             if gen.parsed.has_tools:
-                content, calls = extract_tool_calls(text)
+                content, calls = split_tool_calls(text)
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
-                    finish = "tool_calls"
+                    if finish == "stop":  # as streamed: a call cut short by max_tokens stays `length`
+                        finish = "tool_calls"
             lp = _chat_logprobs(state.tokenizer, logprobs, token_ids) if wants_logprobs else None
             choice = {"index": gen.index, "message": message, "finish_reason": finish, "logprobs": lp}
         else:

@@ -20,8 +20,6 @@ before anything is queued. tool_choice none offers no tools to the chat template
 
 from __future__ import annotations
 
-import json
-import re
 import time
 import uuid
 from collections.abc import Callable
@@ -289,7 +287,7 @@ def _tool_grammar(
             call_start_id=start_id,
             call_end_id=end_id,
             is_forced=choice != "auto",
-            is_parallel=parallel,
+            is_parallel=parallel and not isinstance(choice, dict),  # a named function is called once, as in vLLM
         )
     except GrammarError as exc:
         raise ProtocolError(str(exc), "tools") from None
@@ -404,44 +402,6 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens:
         "total_tokens": num_prompt_tokens + num_completion_tokens,
         "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
     }
-
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
-
-
-def extract_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """Split generated text into content and OpenAI tool calls (`<tool_call>{"name", "arguments"}</tool_call>`).
-
-    A block that is not valid JSON with a string `name` stays in the content: the client sees what the model wrote.
-    """
-    calls: list[dict[str, Any]] = []
-    kept: list[str] = []
-    last = 0
-    for m in _TOOL_CALL.finditer(text):
-        try:
-            call = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            continue
-        arguments = call.get("arguments", {})
-        calls.append(
-            {
-                "id": new_id("call"),
-                "type": "function",
-                "function": {
-                    "name": call["name"],
-                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False),
-                },
-            }
-        )
-        kept.append(text[last : m.start()])
-        last = m.end()
-    if not calls:
-        return text, []
-    kept.append(text[last:])
-    content = "".join(kept).strip()
-    return content or None, calls
 
 
 def now_s() -> int:

@@ -98,3 +98,25 @@ class ToolCallStream:
     def _arguments(self, text: str, deltas: list[dict[str, Any]]) -> None:
         if text:
             deltas.append({"tool_calls": [{"index": self._num_calls, "function": {"arguments": text}}]})
+
+
+def split_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """An unstreamed answer's content and OpenAI tool calls: the stream's deltas of the whole text, assembled, so
+    that both forms of an answer agree (a call cut short keeps the arguments written so far, in both)."""
+    stream = ToolCallStream()
+    content: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}
+    for delta in [*stream.feed(text), *stream.finish()]:
+        if "content" in delta:
+            content.append(delta["content"])
+            continue
+        for piece in delta["tool_calls"]:
+            call = calls.get(piece["index"])
+            if call is None:
+                calls[piece["index"]] = {k: v for k, v in piece.items() if k != "index"} | {
+                    "function": dict(piece["function"])
+                }
+            else:
+                call["function"]["arguments"] += piece["function"]["arguments"]
+    joined = "".join(content).strip()
+    return joined or None, [calls[i] for i in sorted(calls)]

@@ -153,8 +153,8 @@ async def test_tool_choice_required_named_auto_and_none(start_replica: StartRepl
             )
             assert len(check_calls(single.choices[0].message.tool_calls, set(PARAMETERS))) == 1
             auto = await c.chat.completions.create(**common, tools=TOOLS, tool_choice="auto")  # type: ignore[arg-type]
-            if auto.choices[0].message.tool_calls:
-                check_calls(auto.choices[0].message.tool_calls, set(PARAMETERS))
+            if auto.choices[0].message.tool_calls and auto.choices[0].finish_reason != "length":
+                check_calls(auto.choices[0].message.tool_calls, set(PARAMETERS))  # a call cut short is partial
             assert "<tool_call>" not in (auto.choices[0].message.content or "")
             none = await c.chat.completions.create(**common, tools=TOOLS, tool_choice="none")  # type: ignore[arg-type]
             assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason != "tool_calls"

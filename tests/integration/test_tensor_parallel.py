@@ -34,6 +34,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         num_experts=8,
         num_experts_per_tok=2,
         shared_expert_intermediate_size=64,
+        shared_expert_gate=True,  # a shared expert is written as Qwen2-MoE's: gated, q/k/v bias, no q/k norm
+        qkv_bias=True,
+        qk_norm=False,
         max_position_embeddings=512,
     )
     model = MoEForCausalLM(config)

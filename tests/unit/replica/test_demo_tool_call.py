@@ -18,7 +18,8 @@ from replica.engine.engine import EngineConfig, LLMEngine
 from replica.grammar.matcher import GrammarCompiler
 from replica.model.loader import load_model
 from replica.model.model import MoEForCausalLM
-from replica.server.protocol import extract_tool_calls, parse_chat
+from replica.server.protocol import parse_chat
+from replica.server.tool_stream import split_tool_calls
 from replica.tokenizer import Tokenizer
 
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
@@ -63,7 +64,7 @@ def test_the_demo_tool_call_is_a_valid_call_of_the_named_tool(
         model = other_build(model, build)
     body = {**tool_call_request("shoal-demo"), "temperature": temperature, "seed": 3}
     text, has_tools = answer(model, tokenizer, body)
-    content, calls = extract_tool_calls(text)
+    content, calls = split_tool_calls(text)
     assert has_tools and content is None and len(calls) == 1, text
     assert calls[0]["function"]["name"] == "get_order_status"
     jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), PARAMETERS["get_order_status"])

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from replica.server.tool_stream import ToolCallStream
+from replica.server.tool_stream import ToolCallStream, split_tool_calls
 
 CALLS = [
     ("get_order_status", {"order_id": "ORD-48213", "filters": {"a": [1, {"b": "}"}]}}),
@@ -48,3 +48,30 @@ def test_text_without_calls_is_content_and_a_cut_call_keeps_its_arguments() -> N
     assert assemble(["a <tool", "_ca", "ll is not here"]) == ("a <tool_call is not here", [])
     content, calls = assemble(['<tool_call>\n{"name": "f", "arguments": {"x": "ab'])
     assert content == "" and calls == [{"name": "f", "arguments": '{"x": "ab'}]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'Let me check.\n<tool_call>\n{"name": "get_order_status", "arguments": {"order_id": "ORD-1"}}\n</tool_call>',
+        'Sure.<tool_call>\n{"name": "book_room", "arguments": {"floor": 4, "hou',  # cut short by max_tokens
+        'Sure.<tool_call>\n{"name": "book_r',  # cut inside the call's name: no call, no marker in the content
+        "Just words, no call.",
+    ],
+    ids=["whole", "cut-in-arguments", "cut-in-name", "no-call"],
+)
+def test_unstreamed_answers_are_the_streamed_deltas_assembled(text: str) -> None:
+    content, calls = split_tool_calls(text)
+    stream = ToolCallStream()
+    deltas = [d for i in range(0, len(text), 3) for d in stream.feed(text[i : i + 3])] + stream.finish()
+    streamed_content = "".join(d.get("content", "") for d in deltas).strip() or None
+    streamed_arguments: dict[int, str] = {}
+    for d in deltas:
+        for piece in d.get("tool_calls", ()):
+            streamed_arguments[piece["index"]] = (
+                streamed_arguments.get(piece["index"], "") + piece["function"]["arguments"]
+            )
+    assert content == streamed_content and "<tool_call>" not in (content or "")
+    # Whitespace before the arguments lands in them or not by where the stream's pieces were cut.
+    unstreamed = [c["function"]["arguments"].strip() for c in calls]
+    assert unstreamed == [streamed_arguments[i].strip() for i in sorted(streamed_arguments)]
