@@ -135,16 +135,23 @@ async def test_n_choices_share_one_prefill(start_replica: StartReplica, stream: 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_stop_strings_across_tokens_and_stop_token_ids(start_replica: StartReplica, stream: bool) -> None:
     replica = await start_replica()
-    free, _, _ = await chat(replica.url, stream=False, max_tokens=30, temperature=0)
+    free, lps, _ = await chat(replica.url, stream=False, max_tokens=30, temperature=0, logprobs=True)
     text = free[0]
     stop = text[5:9]
     assert len(stop) == 4
     cut, _, usage = await chat(replica.url, stream=stream, max_tokens=30, temperature=0, stop=[stop, "never-there"])
     assert cut[0] == text[: text.index(stop)]
     assert usage.completion_tokens < 30
-    ids = replica.state.tokenizer.encode(text)
+    # A token the answer holds, by id: re-encoding the answer's text need not give the ids generated (a random
+    # model writes partial characters), so take a later token whose text is one token of its own.
+    tokenizer = replica.state.tokenizer
+    stop_id = next(
+        ids[0]
+        for entry in lps[0][3:]
+        if entry.token.isascii() and entry.token.strip() and len(ids := tokenizer.encode(entry.token)) == 1
+    )
     by_id, _, _ = await chat(
-        replica.url, stream=stream, max_tokens=30, temperature=0, extra_body={"stop_token_ids": [ids[3]]}
+        replica.url, stream=stream, max_tokens=30, temperature=0, extra_body={"stop_token_ids": [stop_id]}
     )
     assert len(by_id[0]) < len(text)
 
