@@ -60,11 +60,6 @@ class ReplicaSettings(BaseSettings):
     max_tokens_default: int = Field(256, gt=0)
     """max_tokens of a request that sets none."""
     enable_prefix_caching: bool = True
-    kv_events_redis_url: str | None = None
-    """Also publish KV events to this Redis (XADD to `kv_events_stream`); off by default. The HTTP stream
-    `GET /v1/kv_events` is always on."""
-    kv_events_stream: str = "shoal:kv_events"
-    """Redis stream key; entries carry this replica's `replica_id`."""
     replica_id: str | None = None
     """Name in KV events; default host:port."""
     seed: int = 0

@@ -37,7 +37,6 @@ REPLICA_CHART_OWNED = frozenset(
         "device",
         "block_size",
         "replica_id",
-        "kv_events_redis_url",
         "config_file",
     }
 )

@@ -706,8 +706,6 @@ def create_app(
         if warm_up:
             await async_engine.warm_up()
         async_engine.start()
-        if settings.kv_events_redis_url:
-            await hub.start_redis(settings.kv_events_redis_url, settings.kv_events_stream)
         yield
         await hub.close()
         await async_engine.stop()

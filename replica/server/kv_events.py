@@ -1,4 +1,4 @@
-"""KV-event fan-out: an SSE stream per subscriber (`GET /v1/kv_events`) and, when configured, a Redis stream.
+"""KV-event fan-out: an SSE stream per subscriber (`GET /v1/kv_events`), which each router reads directly.
 
 A new subscriber first receives a snapshot (`cleared`, then every cached block, parents first), taken between
 engine steps, then every step's events in order, each SSE message `{"seq": n, "replica": id, "events": [...]}`
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 import orjson
 
@@ -31,10 +30,6 @@ class KVEventHub:
         self.max_queued = max_queued
         self._subscribers: set[_Subscriber] = set()
         self._seq = 0
-        self._redis: Any = None
-        self._redis_stream = ""
-        self._redis_queue: asyncio.Queue[bytes] | None = None
-        self._redis_task: asyncio.Task[None] | None = None
 
     def _message(self, events: list[KVEvent]) -> bytes:
         self._seq += 1
@@ -65,7 +60,7 @@ class KVEventHub:
         return len(self._subscribers)
 
     def publish(self, events: list[KVEvent]) -> None:
-        if not events or not (self._subscribers or self._redis_queue is not None):
+        if not events or not self._subscribers:
             return
         message = self._message(events)
         for sub in list(self._subscribers):
@@ -75,33 +70,6 @@ class KVEventHub:
                 log.warning("KV-event subscriber fell %d messages behind; disconnecting it", self.max_queued)
                 sub.is_dropped = True
                 self._subscribers.discard(sub)
-        if self._redis_queue is not None:
-            try:
-                self._redis_queue.put_nowait(message)
-            except asyncio.QueueFull:
-                log.warning("Redis KV-event publisher is %d messages behind; dropping events", self.max_queued)
-
-    # ---- Redis ------------------------------------------------------------------------------------------------
-
-    async def start_redis(self, url: str, stream: str, *, max_len: int = 100_000) -> None:
-        import redis.asyncio as redis
-
-        self._redis = redis.from_url(url)
-        await self._redis.ping()
-        self._redis_stream = stream
-        self._redis_queue = asyncio.Queue(self.max_queued)
-        self._redis_task = asyncio.get_running_loop().create_task(self._pump_redis(max_len))
-
-    async def _pump_redis(self, max_len: int) -> None:
-        assert self._redis_queue is not None
-        while True:
-            message = await self._redis_queue.get()
-            try:
-                await self._redis.xadd(
-                    self._redis_stream, {"replica": self.replica_id, "data": message}, maxlen=max_len, approximate=True
-                )
-            except Exception as exc:  # the cache keeps working when Redis is away; the router falls back
-                log.warning("cannot publish KV events to Redis: %s", exc)
 
     def end_streams(self) -> None:
         """End every subscriber's stream (on shutdown, so open SSE responses do not hold the server up)."""
@@ -114,8 +82,3 @@ class KVEventHub:
 
     async def close(self) -> None:
         self.end_streams()
-        if self._redis_task is not None:
-            self._redis_task.cancel()
-            await asyncio.gather(self._redis_task, return_exceptions=True)
-        if self._redis is not None:
-            await self._redis.aclose()

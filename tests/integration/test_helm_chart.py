@@ -794,7 +794,7 @@ def test_network_policy_lets_only_the_routers_reach_the_replicas() -> None:
         for name, labels in pods.items()
         if labels_match(peer["podSelector"]["matchLabels"], labels)
     }
-    assert allowed == {"router", "replica"}
+    assert allowed == {"router"}  # the replicas send their KV events to the routers, not through Redis
     assert not [m for m in rendered("defaults") if m.kind == "NetworkPolicy"]
 
 
@@ -819,17 +819,14 @@ def test_redis_is_auto_off_external_or_bundled() -> None:
     assert find(autoscaled, "StatefulSet", "redis")
     assert "each router pod keeps its own view" in render_notes({"redis": {"mode": "none"}})
     external = env_of(container(find(rendered("redis-external"), "Deployment", "replica")))
-    assert external["SHOAL_REPLICA_KV_EVENTS_REDIS_URL"]["valueFrom"] == {
-        "secretKeyRef": {"name": "shoal-redis", "key": "url"}
-    }
+    assert not [name for name in external if "REDIS" in name]  # replicas send KV events to routers directly
     router_env = env_of(container(find(rendered("redis-external"), "Deployment", "router")))
     assert router_env["SHOAL_ROUTER_REDIS_URL"]["valueFrom"] == {"secretKeyRef": {"name": "shoal-redis", "key": "url"}}
     bundled = render({"redis": {"mode": "bundled"}})
-    url = env_of(container(find(bundled, "Deployment", "replica")))["SHOAL_REPLICA_KV_EVENTS_REDIS_URL"]["value"]
     service = find(bundled, "Service", "redis")
-    assert url == f"redis://{service.name}:{service.body['spec']['ports'][0]['port']}/0"
-    # The routers share their view of the fleet through the same Redis.
+    url = f"redis://{service.name}:{service.body['spec']['ports'][0]['port']}/0"
     assert env_of(container(find(bundled, "Deployment", "router")))["SHOAL_ROUTER_REDIS_URL"]["value"] == url
+    assert not [name for name in env_of(container(find(bundled, "Deployment", "replica"))) if "REDIS" in name]
     redis = container(find(bundled, "StatefulSet", "redis"))
     assert redis["args"][:4] == ["--save", "", "--appendonly", "no"]
 
@@ -840,8 +837,7 @@ def test_an_external_sentinel_or_cluster_url_goes_to_the_routers_only() -> None:
         assert env_of(container(find(manifests, "Deployment", "router")))["SHOAL_ROUTER_REDIS_URL"]["value"] == url
         assert "SHOAL_REPLICA_KV_EVENTS_REDIS_URL" not in env_of(container(find(manifests, "Deployment", "replica")))
     standalone = render({"redis": {"mode": "external", "external": {"url": "redis://r:6379/0"}}})
-    replica_env = env_of(container(find(standalone, "Deployment", "replica")))
-    assert replica_env["SHOAL_REPLICA_KV_EVENTS_REDIS_URL"]["value"] == "redis://r:6379/0"
+    assert "SHOAL_REPLICA_KV_EVENTS_REDIS_URL" not in env_of(container(find(standalone, "Deployment", "replica")))
 
 
 def test_dashboard_shows_what_the_issue_asks_with_real_metric_names() -> None:

@@ -225,32 +225,6 @@ async def test_kv_events_stream_snapshot_then_stored_blocks_with_router_hashes(s
     assert event["parent_hash"] in known
 
 
-async def test_kv_events_are_published_to_a_redis_stream(start_replica: StartReplica, redis_url: str) -> None:
-    import redis.asyncio as redis
-
-    replica = await start_replica(kv_events_redis_url=redis_url, kv_events_stream="test:kv", replica_id="r1")
-    async with client(replica.url) as c:
-        await c.completions.create(model="shoal-demo", prompt=SYSTEM, max_tokens=1)
-    conn = redis.from_url(redis_url)
-    try:
-
-        async def has_entries() -> bool:
-            return bool(await conn.xlen("test:kv"))
-
-        await eventually(has_entries, timeout_s=5, what="KV events in the Redis stream")
-        entries = await conn.xrange("test:kv")
-    finally:
-        await conn.aclose()
-    fields = entries[0][1]
-    assert fields[b"replica"] == b"r1"
-    message = json.loads(fields[b"data"])
-    stored = [e for e in message["events"] if e["type"] == "stored"]
-    assert stored and stored[0]["parent_hash"] is None  # the first blocks of the prompt
-    assert stored[0]["block_hashes"] == hash_tokens(
-        stored[0]["token_ids"], namespace_seed("shoal-demo"), stored[0]["block_size"]
-    )
-
-
 async def test_capture_records_the_ids_the_engine_read_and_emitted(
     start_replica: StartReplica, tiny_checkpoint: Path, tmp_path: Path
 ) -> None:

@@ -113,12 +113,9 @@ the fleet through it) and `none` otherwise. */}}
 {{- $mode }}
 {{- end }}
 
-{{/* Whether this release runs Redis itself or points at one (`mode`, for the pods at hand): the URL's source. With
-`standaloneOnly` (the replicas, which publish through redis-py's from_url), a Sentinel or Cluster URL given in
-redis.external.url is left out. */}}
+{{/* Whether this release runs Redis itself or points at one (`mode`, for the pods at hand): the URL's source. */}}
 {{- define "shoal.redisUrlEnv" -}}
-{{- if and .standaloneOnly (eq .mode "external") (regexMatch "^rediss?\\+(sentinel|cluster)://" (lower .root.Values.redis.external.url)) }}
-{{- else if eq .mode "bundled" }}
+{{- if eq .mode "bundled" }}
 - name: {{ .name }}
   value: {{ printf "redis://%s:6379/0" (include "shoal.componentName" (dict "root" .root "component" "redis")) | quote }}
 {{- else if eq .mode "external" }}
