@@ -115,10 +115,37 @@ STATE = web.AppKey("state", ReplicaState)
 
 
 def _error(
-    status: int, message: str, *, kind: str, param: str | None = None, headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    *,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    """An error as the OpenAI API (and Shoal's router) writes it: {"error": {message, type, param, code}}, the type
+    `invalid_request_error` for the client's errors and `server_error` for the replica's."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return web.json_response(body, status=status, headers=headers, dumps=lambda o: orjson.dumps(o).decode())
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """aiohttp's own refusals (an unknown path, a method a route does not take, a body past the size limit) in the
+    same JSON shape as every other error."""
+    try:
+        response: web.StreamResponse = await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return _error(
+            exc.status,
+            exc.reason if exc.text is None else exc.text,
+            code=exc.reason.lower().replace(" ", "_"),
+            headers=headers,
+        )
+    return response
 
 
 async def _read_json(request: web.Request) -> Any:
@@ -134,7 +161,7 @@ def _check_model(state: ReplicaState, body: Any) -> web.Response | None:
         return _error(
             404,
             f"the model '{model}' does not exist; this replica serves '{state.model_name}'",
-            kind="NotFoundError",
+            code="model_not_found",
             param="model",
         )
     return None
@@ -270,6 +297,25 @@ class _Generation:
         )
 
 
+def _check_context(state: ReplicaState, parsed: Any, body: Any, *, chat: bool) -> web.Response | None:
+    """A 400 naming both numbers when the prompt and the max_tokens the client asked for do not fit the context, as
+    vLLM answers; without an explicit max_tokens, generation stops where the context ends."""
+    asked = body.get("max_completion_tokens", body.get("max_tokens")) if isinstance(body, dict) else None
+    max_model_len = state.engine.engine.max_model_len
+    num_prompt = len(parsed.prompt_token_ids)
+    if asked is None or num_prompt + parsed.params.max_tokens <= max_model_len:
+        return None
+    where = "messages" if chat else "prompt"
+    return _error(
+        400,
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{num_prompt + parsed.params.max_tokens} tokens ({num_prompt} in the {where}, "
+        f"{parsed.params.max_tokens} in the completion). Please reduce the length of the {where} or completion.",
+        code="context_length_exceeded",
+        param="max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
+    )
+
+
 async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
     arrival_s = time.monotonic()
@@ -285,20 +331,22 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
             default_max_tokens=state.settings.max_tokens_default,
             grammars=state.grammars,
         )
+        if (too_long := _check_context(state, parsed, body, chat=chat)) is not None:
+            return too_long
         streams = state.engine.submit_group(parsed.prompt_token_ids, parsed.choice_params())
     except ProtocolError as exc:
-        return _error(400, str(exc), kind="BadRequestError", param=exc.param)
+        return _error(400, str(exc), param=exc.param)
     except RequestError as exc:
-        return _error(400, str(exc), kind="BadRequestError", param="messages" if chat else "prompt")
+        return _error(400, str(exc), param="messages" if chat else "prompt")
     except QueueFullError as exc:
         return _error(
             429,
             f"the replica is at capacity ({exc}); retry shortly",
-            kind="RateLimitError",
+            code="replica_busy",
             headers={"Retry-After": "1"},
         )
     except EngineDeadError as exc:
-        return _error(503, str(exc), kind="ServiceUnavailableError")
+        return _error(503, str(exc), code="engine_unavailable")
     gens = [_Generation(state, parsed, s, arrival_s, index=i) for i, s in enumerate(streams)]
     request_id = new_id("chatcmpl" if chat else "cmpl")
     try:
@@ -306,7 +354,7 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
             return await _stream(request, gens, request_id, chat=chat)
         return await _complete(gens, request_id, chat=chat)
     except EngineDeadError as exc:
-        return _error(503, str(exc), kind="ServiceUnavailableError")
+        return _error(503, str(exc), code="engine_unavailable")
     finally:
         for gen in gens:
             gen.stream.close()
@@ -405,7 +453,7 @@ async def _complete(gens: list[_Generation], request_id: str, *, chat: bool) -> 
     state = gens[0].state
     failed = next((g for g in gens if g.finish_reason == "error"), None)
     if failed is not None:
-        return _error(500, f"generation failed: {failed.error}", kind="InternalServerError")
+        return _error(500, f"generation failed: {failed.error}", code="generation_failed")
     wants_logprobs = gens[0].parsed.params.logprobs is not None
     choices = []
     for gen, (text, logprobs, token_ids) in zip(gens, results, strict=True):
@@ -603,7 +651,7 @@ async def models(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if not state.engine.is_alive:
-        return _error(503, f"the engine is not running: {state.engine.error!r}", kind="ServiceUnavailableError")
+        return _error(503, f"the engine is not running: {state.engine.error!r}", code="engine_unavailable")
     return web.json_response({"status": "ok"})
 
 
@@ -697,7 +745,7 @@ def create_app(
         metrics_.add_capture(state.capture.stats)
     capture = state.capture
 
-    app = web.Application(client_max_size=16 * 1024 * 1024)
+    app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[_json_errors])
     app[STATE] = state
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
