@@ -352,7 +352,9 @@ class _Connection(asyncio.Protocol):
         self._fields = []
         limit = self.limits.max_body_bytes
         length = headers.get("Content-Length")
-        if length is not None and int(length) > limit:  # llhttp has checked it is digits within 64 bits
+        # llhttp has checked that it is digits of a value within 64 bits; leading zeros can still make the digits
+        # more than int() converts (4,300), so they go first.
+        if length is not None and int(length.strip().lstrip("0") or "0") > limit:
             raise _Refusal(413, f"request body is larger than {limit} bytes", "request_too_large")
         transfer_coding = headers.get("Transfer-Encoding")
         if transfer_coding is not None and transfer_coding.strip().lower() != "chunked":  # llhttp: chunked is last

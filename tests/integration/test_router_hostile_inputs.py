@@ -192,3 +192,14 @@ async def test_a_request_after_a_large_body_in_the_same_read_is_no_431(
     got = await answers(router, big + small, timeout_s=10)
     assert [s for s, _, _ in got] == [200, 200]
     assert inference_count(fake) == 2
+
+
+async def test_a_zero_padded_content_length_is_read_as_its_value(
+    fake_and_router: tuple[FakeReplica, RouterHandle],
+) -> None:
+    fake, router = fake_and_router
+    body = json.dumps({"model": MODEL, "prompt": "padded"}).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    got = await answers(router, head + b"Content-Length: %b%d\r\n\r\n%b" % (b"0" * 5000, len(body), body))
+    assert [s for s, _, _ in got] == [200]  # 5,000 zeros once made int() refuse the digits: a 500
+    assert inference_count(fake) == 1
