@@ -193,7 +193,7 @@ def _render_message(message: Mapping[str, Any], where: str) -> str:
     role = message.get("role")
     if role is None:
         raise ValueError(f"{where} is missing 'role'")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise ValueError(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}")
     tool_calls = message.get("tool_calls")
     if tool_calls is not None and role != "assistant":

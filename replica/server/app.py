@@ -148,11 +148,37 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
     return response
 
 
+MAX_JSON_DEPTH = 128
+"""Nesting of a request body's objects and arrays: a tool schema may nest 32 deep (`MAX_SCHEMA_DEPTH`) inside a
+dozen levels of the request; deeper is refused before any code that recurses over it (the chat template's
+rendering of tool-call arguments hit Python's recursion limit: a 500)."""
+
+
 async def _read_json(request: web.Request) -> Any:
     try:
-        return orjson.loads(await request.read())
+        body = orjson.loads(await request.read())
     except orjson.JSONDecodeError as exc:
         raise ProtocolError(f"the body is not valid JSON: {exc}") from None
+    if _depth_exceeds(body, MAX_JSON_DEPTH):
+        raise ProtocolError(f"the body nests objects and arrays more than {MAX_JSON_DEPTH} deep")
+    return body
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether `value` nests containers deeper than `limit`; iterative, so no input can exhaust the stack."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
 
 
 def _check_model(state: ReplicaState, body: Any) -> web.Response | None:

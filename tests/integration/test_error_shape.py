@@ -60,3 +60,26 @@ async def test_max_tokens_past_the_context_is_a_400_naming_both_numbers(urls: di
     message = caught.value.message
     assert "4096" in message and "100000" in message, message
     assert caught.value.code == "context_length_exceeded" and caught.value.param == "max_tokens"
+
+
+def nested_arguments(depth: int) -> str:
+    return '{"x": ' * depth + "1" + "}" * depth
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        '[{"role": {"x": 1}, "content": "hi"}]',
+        '[{"role": ["user"], "content": "hi"}]',
+        '[{"role": "user", "content": "hi"}, {"role": "assistant", "content": null, "tool_calls": [{"id": "c", '
+        '"type": "function", "function": {"name": "f", "arguments": ' + nested_arguments(1000) + "}}]}]",
+    ],
+    ids=["role-object", "role-array", "deeply-nested-tool-arguments"],
+)
+async def test_what_a_client_sends_is_never_a_500(
+    urls: dict[str, str], http: aiohttp.ClientSession, messages: str
+) -> None:
+    body = '{"model": "%s", "max_tokens": 1, "messages": %s}' % (MODEL, messages)
+    async with http.post(urls["replica"] + "/v1/chat/completions", data=body) as resp:
+        assert resp.status == 400, await resp.text()
+        assert_openai_error(await resp.json(), status=400)
