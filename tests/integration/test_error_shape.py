@@ -79,7 +79,7 @@ def nested_arguments(depth: int) -> str:
 async def test_what_a_client_sends_is_never_a_500(
     urls: dict[str, str], http: aiohttp.ClientSession, messages: str
 ) -> None:
-    body = '{"model": "%s", "max_tokens": 1, "messages": %s}' % (MODEL, messages)
+    body = f'{{"model": "{MODEL}", "max_tokens": 1, "messages": {messages}}}'
     async with http.post(urls["replica"] + "/v1/chat/completions", data=body) as resp:
         assert resp.status == 400, await resp.text()
         assert_openai_error(await resp.json(), status=400)
