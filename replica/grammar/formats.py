@@ -93,6 +93,11 @@ def tool_call_grammar(
     `is_forced` the output is calls only, else free text then optional calls (tool_choice auto)."""
     if not functions:
         raise GrammarError("no function to call")
+    total = sum(len(json.dumps(f.get("parameters", {}), default=str)) for f in functions)
+    if total > MAX_SCHEMA_BYTES:  # each is checked too; this bounds what one request compiles in all
+        raise GrammarError(
+            f"the tools' parameter schemas are {total} bytes of JSON together; at most {MAX_SCHEMA_BYTES} are accepted"
+        )
     rules = []
     for index, function in enumerate(functions):
         rules.append(f"fn{index}: %json {json.dumps(_call_schema(function, f'tools[{index}].function'))}")

@@ -83,3 +83,17 @@ async def test_what_a_client_sends_is_never_a_500(
     async with http.post(urls["replica"] + "/v1/chat/completions", data=body) as resp:
         assert resp.status == 400, await resp.text()
         assert_openai_error(await resp.json(), status=400)
+
+
+async def test_the_schema_limit_holds_for_all_tools_together(urls: dict[str, str], http: aiohttp.ClientSession) -> None:
+    # Each schema ~1.4 KB, far under the limit alone; 60 of them pass 64 KB together.
+    properties = {f"field_{i}": {"type": "string", "description": "x" * 20} for i in range(30)}
+    tools = [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": properties}}}
+        for i in range(60)
+    ]
+    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    async with http.post(urls["replica"] + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 400, await resp.text()
+        error = (await resp.json())["error"]
+    assert error["param"] == "tools" and "together" in error["message"]
