@@ -110,8 +110,10 @@ class AdminApi:
             return error_response(400, str(exc), param="url")
         name = body.get("name")
         capacity = body.get("kv_capacity_blocks")
-        if name is not None and (not isinstance(name, str) or not name or "/" in name):
-            return error_response(400, "'name' must be a non-empty string without '/'", param="name")
+        if name is not None and (
+            not isinstance(name, str) or not name or "/" in name or not name.isprintable() or not name.isascii()
+        ):  # a name goes into response headers (x-shoal-replica): no control characters
+            return error_response(400, "'name' must be printable ASCII, non-empty, without '/'", param="name")
         if capacity is not None and (type(capacity) is not int or capacity <= 0):
             return error_response(400, "'kv_capacity_blocks' must be a positive integer", param="kv_capacity_blocks")
         is_new = (name or replica_id(url.rstrip("/"))) not in self.pool

@@ -48,10 +48,15 @@ def replica_id(url: str) -> str:
 
 
 def split_url(url: str) -> tuple[str, int, str]:
-    """(host, port, base path) of a replica's http:// base URL; ValueError for anything else."""
+    """(host, port, base path) of a replica's http:// base URL; ValueError for anything else. Credentials in the URL
+    are refused: the router would not send them, and the URL shows in headers, metrics and logs."""
+    if not url.isascii() or not url.isprintable() or any(c.isspace() for c in url):
+        raise ValueError("replica URL must be printable ASCII without spaces")
     parts = urlsplit(url)
     if parts.scheme != "http" or not parts.hostname:
         raise ValueError(f"replica URL must be http://host[:port][/path], got {url!r}")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("replica URL must not carry credentials (user:password@): the router sends none")
     try:
         port = parts.port or 80
     except ValueError as exc:

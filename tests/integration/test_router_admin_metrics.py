@@ -70,6 +70,13 @@ async def test_added_replica_joins_rotation_after_a_probe(start_fakes: StartFake
     assert (await router.admin("POST", "/replicas", {"url": "ftp://x"})).status == 400
     assert (await router.admin("POST", "/replicas", {"nope": 1})).status == 400
     assert (await router.admin("POST", "/replicas", {"url": newcomer.url, "name": "a/b"})).status == 400
+    # A name goes into the x-shoal-replica header: no CR/LF smuggles another header in.
+    injected = {"url": newcomer.url, "name": "ok\r\nSet-Cookie: x=1"}
+    assert (await router.admin("POST", "/replicas", injected)).status == 400
+    # Credentials the router would never send, and which would show in headers, metrics and logs, are refused.
+    with_credentials = "http://user:secret@" + newcomer.url.removeprefix("http://")
+    refused = await router.admin("POST", "/replicas", {"url": with_credentials})
+    assert refused.status == 400 and "secret" not in refused.body.decode()
     assert (await router.admin("POST", "/replicas", {"url": newcomer.url, "kv_capacity_blocks": 0})).status == 400
     named = await router.admin("POST", "/replicas", {"url": "http://127.0.0.1:9", "name": replica_id(first)})
     assert named.status == 409
