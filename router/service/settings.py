@@ -301,6 +301,7 @@ class RouterSettings(BaseSettings):
         extra="forbid",
         validate_default=True,
         use_attribute_docstrings=True,
+        hide_input_in_errors=True,  # a rejected redis_url or admin_token is a secret: errors name it masked, if at all
     )
 
     host: str = "127.0.0.1"

@@ -76,3 +76,13 @@ def test_settings_refuse_a_bad_url_and_a_namespace_that_breaks_the_hash_tag() ->
         RouterSettings(redis_url="redis+sentinel://h1:26379")
     with pytest.raises(ValidationError):
         FleetSettings(namespace="a}b")
+
+
+def test_the_settings_error_for_a_bad_url_shows_no_password() -> None:
+    from pydantic import ValidationError
+
+    from router.service.settings import RouterSettings
+
+    with pytest.raises(ValidationError) as info:
+        RouterSettings(redis_url="redis+sentinel://admin:hunter2@/primary")
+    assert "hunter2" not in str(info.value) and "a host is missing" in str(info.value)
