@@ -37,7 +37,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from router.policy.sharing import (
     Batch,
@@ -130,6 +130,7 @@ class FleetSharing:
         )
         self._writer: Any = None
         self._reader: Any = None
+        self._malformed_kinds: set[str] = set()
         self._clients = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -237,7 +238,12 @@ class FleetSharing:
                             pipe.hset(self.drains_key, drain.replica, "1")
                         else:
                             pipe.hdel(self.drains_key, drain.replica)
-                    await pipe.execute()
+                    added, *drained = await pipe.execute(raise_on_error=False)
+                if isinstance(added, Exception):
+                    raise added
+                for result in drained:
+                    if isinstance(result, ResponseError):  # the drains key holds another type: the stream goes on
+                        self._malformed(f"the drains key {self.drains_key!r} is not a hash ({result})")
             except _ERRORS as exc:
                 self._down(exc)
                 await asyncio.sleep(cfg.retry_s)  # pacing the retries of a background task, not a wait on state
@@ -347,13 +353,30 @@ class FleetSharing:
     async def _read_drains(self) -> None:
         """Set drains as the hash says; if Redis lost the hash (flushed) while this router knows drains, write
         them back."""
-        stored = await self._writer.hgetall(self.drains_key)
-        drained = {k.decode() for k in stored}
+        try:
+            stored = await self._writer.hgetall(self.drains_key)
+        except ResponseError as exc:  # WRONGTYPE: another writer's key there; Redis itself answers
+            self._malformed(f"the drains key {self.drains_key!r} is not a hash ({exc})")
+            return
+        drained = set()
+        for field in stored:
+            try:
+                drained.add(field.decode())
+            except UnicodeDecodeError:
+                self._malformed(f"a drains field that is not UTF-8: {field[:40]!r}")
         if not stored and any(self._drains.values()):
             await self._writer.hset(self.drains_key, mapping={rid: "1" for rid, d in self._drains.items() if d})
             return
         for replica in self.pool:
             self._set_drain(replica.id, replica.id in drained)
+
+    def _malformed(self, detail: str) -> None:
+        """A record Shoal cannot read: skipped and counted, logged once per kind of trouble."""
+        self.counts["malformed"] += 1
+        kind = detail.partition(":")[0]
+        if kind not in self._malformed_kinds:
+            self._malformed_kinds.add(kind)
+            log.warning("skipping what the fleet's Redis holds: %s (further ones are only counted)", detail)
 
     def _set_drain(self, replica_id: str, is_draining: bool) -> None:
         self._drains[replica_id] = is_draining

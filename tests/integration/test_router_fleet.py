@@ -268,3 +268,28 @@ async def test_a_session_key_of_any_bytes_is_shared_and_publishing_goes_on(
     await assert_shared_prefixes(a, b, "after", 2)
     fleet = a.app[FLEET]
     assert fleet.is_up and fleet.counts["task_failures"] == 0
+
+
+async def test_hostile_drain_records_are_skipped_and_counted_and_routers_start_and_share(
+    start_fakes: StartFakes, start_router: StartRouter, redis_process: RedisProcess
+) -> None:
+    fakes = await start_fakes(3)
+    a = await fleet_router(start_router, fakes, redis_process.url)
+    drains_key = a.app[FLEET].drains_key
+    conn = redis.from_url(redis_process.url)
+    try:
+        # A field that is not UTF-8 once made a starting router exit 1 (and a --workers group with it).
+        await conn.hset(drains_key, b"\xff\xfe", "1")
+        b = await fleet_router(start_router, fakes, redis_process.url)
+        assert b.app[FLEET].is_loaded and b.app[FLEET].counts["malformed"] >= 1
+        await assert_shared_prefixes(a, b, "utf8", 2)
+        # A drains key of another type once read as an outage, flapping, with the stream unread meanwhile.
+        await conn.delete(drains_key)
+        await conn.set(drains_key, "not a hash")
+        first = fakes[0]
+        assert (await a.admin("POST", f"/replicas/{replica_id(first)}/drain")).status == 200
+        await assert_shared_prefixes(a, b, "wrongtype", 2)
+        assert a.app[FLEET].is_up and b.app[FLEET].is_up
+        assert a.app[FLEET].counts["malformed"] >= 1 and a.app[FLEET].counts["task_failures"] == 0
+    finally:
+        await conn.aclose()
