@@ -49,6 +49,10 @@ class RequestError(ValueError):
     """A request the engine cannot take (the server answers 400 with this message)."""
 
 
+MAX_FORCED_DRAFTS = 8
+"""`EngineConfig.max_forced_drafts` by default."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     num_blocks: int = 1024
@@ -70,7 +74,7 @@ class EngineConfig:
     adaptive_speculation: bool = True
     """Shrink k for sequences whose drafts are rarely accepted, and skip speculation for batch sizes where it is
     measured not to pay (`replica.engine.speculation`)."""
-    max_forced_drafts: int = 8
+    max_forced_drafts: int = MAX_FORCED_DRAFTS
     """Tokens a grammar forces after a constrained sequence's drafts (a key and its quotes) that join them as
     drafts, at most (`replica.engine.constrain`); 0 turns that off. Each costs one verified position and no
     drafter work; 8, the demo drafter's k, takes nearly every forced run of the schema suite (16 adds little)."""

@@ -71,7 +71,8 @@ class ReplicaMetrics:
         )
         self.spec_accepted_per_pos = Counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted, by position in the draft (0 = first)",
+            "Draft tokens accepted, by position in the draft (0 = first); positions past the drafter's k are tokens a "
+            "grammar forced after its drafts",
             [*labels, "position"],
             registry=r,
         )

@@ -74,12 +74,16 @@ def load_drafter_for_serving(settings: ReplicaSettings, model: object, checkpoin
     drafter = load_drafter(folder, model, target_hash=target_fingerprint(checkpoint))
     meta = read_drafter_meta(folder)
     measured = meta.get("training", {}).get("acceptance_length", {})
+    from replica.engine.engine import MAX_FORCED_DRAFTS
+
     log.info(
-        "speculative decoding: %s drafter from %s, up to %d tokens per step%s; held-out acceptance length %s",
+        "speculative decoding: %s drafter from %s, up to %d drafted tokens per step%s, and in constrained requests up "
+        "to %d more that the grammar forces (the per-position metric counts both); held-out acceptance length %s",
         meta["kind"],
         folder,
         settings.speculative_tokens(default_num_speculative_tokens(drafter)),
         " (adaptive)" if settings.adaptive_speculation else "",
+        MAX_FORCED_DRAFTS,
         ", ".join(f"{k} {v:.2f}" for k, v in measured.items()) or "not measured",
     )
     return drafter
