@@ -1,20 +1,22 @@
-"""How well a demo checkpoint answers: held-out chats cut after a user turn, each answer judged complete or not.
+"""How well a demo checkpoint answers: held-out chats cut after a user turn, each answer judged by what it reaches.
 
 The prompts are conversations of the corpus generator from a seed of their own (`HELDOUT_SEED`, none of the
 training, calibration, traffic or tool-check seeds), each cut after one of its user turns, so the generator knows
-what was asked there: the language, the scenario and the slot values the user gave. An answer is complete when all
-of these hold:
+what was asked there: the language, the scenario and the slot values the user gave. An answer reaches, each level
+on top of the one before (`LEVELS`):
 
-- it ended by itself (EOS or a stop token), not at `max_tokens`;
-- it is in the asked language: a Japanese answer holds Japanese script (kana or kanji), an English one none;
-- it answers the asked scenario, in one of two ways:
+- "ended": it ended by itself (EOS or a stop token), not at `max_tokens`;
+- "language": it is in the asked language: a Japanese answer holds Japanese script (kana or kanji), an English one
+  none (for a tool call: the text before the call, if any);
+- "scenario": it answers the asked scenario, in one of two ways:
   - a plain reply: the text is one of the scenario's reply templates (the closing exchange: one of the welcomes)
-    with its slots filled, and every slot that the user's ask gave has the ask's value (an order number, a date, a
-    product, copied right); slots the ask did not give (a delivery date, a total) may hold any value, since the
-    corpus draws them too;
+    with its slots filled by any one-line values;
   - a tool call, where the corpus could answer with one (tools offered, none called yet in the conversation, and
     the scenario has a tool): `toolcheck` level "schema" or better, i.e. a call of the scenario's tool whose
-    arguments fit its schema; the text before the call, if any, is in the asked language.
+    arguments fit its schema (this is "complete" too);
+- "complete": the reply's slots that the user's ask gave hold the ask's values (an order number, a date, a
+  product, copied right); slots the ask did not give (a delivery date, a total) may hold any value, since the
+  corpus draws them too.
 
 Stdlib only here; `judge` runs on text, `check_answers` drives an engine (torch) to make it.
 """
@@ -30,7 +32,8 @@ from typing import Any
 
 from replica.demo.corpus import CLOSING, TOOLS, Exchange, Message, generate_annotated_conversations, uses_tools
 from replica.demo.phrasebook import PHRASEBOOKS, Scenario
-from replica.demo.toolcheck import LEVELS, ToolPrompt
+from replica.demo.toolcheck import LEVELS as TOOL_CALL_LEVELS
+from replica.demo.toolcheck import ToolPrompt
 from replica.demo.toolcheck import score as score_tool_call
 
 HELDOUT_SEED = 31_415
@@ -63,11 +66,25 @@ class AnswerPrompt:
         return _SCENARIOS[self.exchange.language, self.exchange.scenario].tool
 
 
+LEVELS = ("ended", "language", "scenario", "complete")
+"""What an answer reaches, each level on top of the one before: it ended by itself; in the asked language; an
+answer of the asked scenario (one of its replies with any values, or a valid call of its tool); with the ask's
+values copied."""
+
+
 @dataclass(frozen=True)
 class Verdict:
-    is_complete: bool
+    level: str | None
+    """The last of `LEVELS` the answer reaches (None: it did not end by itself)."""
     reason: str
     """"complete", or the first requirement the answer misses."""
+
+    @property
+    def is_complete(self) -> bool:
+        return self.level == "complete"
+
+    def reaches(self, level: str) -> bool:
+        return self.level is not None and LEVELS.index(self.level) >= LEVELS.index(level)
 
 
 def answer_prompts(num_prompts: int, *, seed: int = HELDOUT_SEED) -> list[AnswerPrompt]:
@@ -96,21 +113,21 @@ def answer_prompts(num_prompts: int, *, seed: int = HELDOUT_SEED) -> list[Answer
 def judge(text: str, finish_reason: str, prompt: AnswerPrompt) -> Verdict:
     """Whether `text`, an answer that finished for `finish_reason` ("stop" or "length"), completes `prompt`."""
     if finish_reason != "stop":
-        return Verdict(False, f"did not end by itself ({finish_reason})")
+        return Verdict(None, f"did not end by itself ({finish_reason})")
     exchange = prompt.exchange
     is_call = "<tool_call>" in text
     prose = _TOOL_CALL.sub("", text).strip()
     if prose or not is_call:
         is_japanese = bool(_JAPANESE.search(prose))
         if is_japanese != (exchange.language == "ja"):
-            return Verdict(False, f"not in the asked language ({exchange.language})")
+            return Verdict("ended", f"not in the asked language ({exchange.language})")
     if is_call:
         if prompt.tool is None:
-            return Verdict(False, "a tool call where the corpus replies in plain text")
+            return Verdict("language", "a tool call where the corpus replies in plain text")
         level = score_tool_call(text, ToolPrompt(prompt.messages, prompt.tool, {}))
-        if level is None or LEVELS.index(level) < LEVELS.index("schema"):
-            return Verdict(False, f"not a valid call of {prompt.tool} (reached {level})")
-        return Verdict(True, "complete")
+        if level is None or TOOL_CALL_LEVELS.index(level) < TOOL_CALL_LEVELS.index("schema"):
+            return Verdict("language", f"not a valid call of {prompt.tool} (reached {level})")
+        return Verdict("complete", "complete")
     if exchange.scenario == CLOSING:
         templates: tuple[str, ...] = _WELCOMES[exchange.language]
     else:
@@ -128,11 +145,11 @@ def judge(text: str, finish_reason: str, prompt: AnswerPrompt) -> Verdict:
             if slot in asked and value != str(exchange.slots[slot])
         ]
         if not wrong:
-            return Verdict(True, "complete")
+            return Verdict("complete", "complete")
         wrong_slots = wrong_slots or wrong
     if wrong_slots:
-        return Verdict(False, "the ask's values not copied: " + ", ".join(wrong_slots))
-    return Verdict(False, f"not a reply of the scenario {exchange.scenario}")
+        return Verdict("scenario", "the ask's values not copied: " + ", ".join(wrong_slots))
+    return Verdict("language", f"not a reply of the scenario {exchange.scenario}")
 
 
 def _template_pattern(template: str) -> re.Pattern[str]:

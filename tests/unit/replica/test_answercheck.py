@@ -44,7 +44,10 @@ def test_each_miss_is_caught() -> None:
         (call_text("get_order_status", {"order": "X"}), "stop", tool, "not a valid call of get_order_status"),
         ("Let me check.\n" + call_text("get_order_status", {"order_id": "X"}), "stop", tool, "complete"),
     ]
-    for text, finish_reason, prompt, reason in cases:
+    levels = [None, "scenario", "ended", "ended", "language", "language", "language", "language", "complete"]
+    for (text, finish_reason, prompt, reason), level in zip(cases, levels, strict=True):
         verdict = judge(text, finish_reason, prompt)
         assert verdict.reason.startswith(reason), (text, verdict)
+        assert verdict.level == level, (text, verdict)
         assert verdict.is_complete == (reason == "complete")
+        assert verdict.reaches("scenario") == (level in ("scenario", "complete"))
