@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from replica.demo.build import PACKAGED_DIR
 from replica.vllm_engine import VllmServer, find_vllm_python, start_all, stop
 from tests.integration.ports import free_ports
 
