@@ -1,7 +1,8 @@
-"""The requests `make demo` sends once the fleet is up: a Japanese chat, a tool call (the tool named with
-`tool_choice`, so the call is constrained to the function's schema), and the same long system
-prompt twice, to show the second request's cached tokens and its lower time to first token; then what speculative
-decoding did on each replica (drafts verified and the mean acceptance length, from its `/metrics`).
+"""The requests `make demo` sends once the fleet is up: a Japanese chat (under one of the corpus's system prompts,
+as every chat the demo model was trained on has one), a tool call (the tool named with `tool_choice`, so the call
+is constrained to the function's schema), and the same long system prompt twice, to show the second request's
+cached tokens and its lower time to first token; then what speculative decoding did on each replica (drafts
+verified and the mean acceptance length, from its `/metrics`).
 
 Stdlib HTTP only (the router's and the replica's dependencies suffice); TTFT is measured on the client from the
 request's start to the first streamed content chunk.
@@ -16,6 +17,7 @@ import urllib.request
 from typing import Any
 
 from replica.demo.corpus import TOOLS
+from replica.demo.phrasebook import JAPANESE
 
 _POLICY_LINES = [
     "All quotes are valid for thirty days from the date of issue unless the customer agrees otherwise in writing.",
@@ -135,7 +137,10 @@ def _run_demo_requests(endpoint: str, model: str) -> None:
             "model": model,
             "max_tokens": 60,
             "temperature": 0,
-            "messages": [{"role": "user", "content": "来週の火曜日に打ち合わせの時間をいただけますか。"}],
+            "messages": [
+                {"role": "system", "content": JAPANESE.system_prompts[1]},
+                {"role": "user", "content": "来週の火曜日に打ち合わせの時間をいただけますか。"},
+            ],
         },
     )
     print("assistant:", reply["choices"][0]["message"]["content"])
