@@ -37,7 +37,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 NUM_CHATS = 50
 HELDOUT_SEED = 20_261_205
 """Chats the demo model never trained on (its corpus is drawn with `replica.demo.corpus.TRAINING_SEED`)."""
-MAX_TOKENS = 32
+MAX_TOKENS = 96
+"""Enough for most demo answers to end by themselves, so that few texts are cut inside a character."""
 TIE_NATS = 1e-3
 """The most a top-2 logprob gap may be where the two engines part: float32 sums in another order move logits by
 ~1e-5, so a larger gap is a real disagreement."""
@@ -124,6 +125,16 @@ async def greedy(http: aiohttp.ClientSession, url: str, ids: list[int]) -> tuple
     return choice["text"], choice["logprobs"]["top_logprobs"]
 
 
+def is_same_text(a: str, b: str) -> bool:
+    """Equal, or equal but for the end of an answer cut by max_tokens inside a character: there vLLM holds back the
+    pending token's bytes (and may hold the character before it), where Shoal's replica shows U+FFFD."""
+    if a == b:
+        return True
+    a, b = a.rstrip("\ufffd"), b.rstrip("\ufffd")
+    short, long = sorted((a, b), key=len)
+    return long.startswith(short) and len(long) - len(short) <= 2
+
+
 def margin(top: dict[str, float]) -> float:
     best = sorted(top.values(), reverse=True)
     return best[0] - best[1] if len(best) > 1 else float("inf")
@@ -145,8 +156,7 @@ async def test_vllm_and_shoal_replica_give_the_same_greedy_text(
         (vllm_text, vllm_top), (shoal_text, shoal_top) = await asyncio.gather(
             greedy(http, vllm_servers[0].url, ids), greedy(http, replica.url, ids)
         )
-        # At max_tokens an answer may end inside a character: vLLM holds its bytes back, Shoal's replica shows U+FFFD.
-        if vllm_text.rstrip("\ufffd") == shoal_text.rstrip("\ufffd"):
+        if is_same_text(vllm_text, shoal_text):
             same += 1
             continue
         # The first position where the two engines' chosen tokens differ: both must see a tie there.
