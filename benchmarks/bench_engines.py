@@ -588,7 +588,8 @@ def main() -> int:
         out = args.out or ROOT / "benchmarks" / "results" / f"engines_{now:%Y-%m-%d}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-        print(f"raw figures: {out}")
+        shown = out.resolve().relative_to(ROOT) if out.resolve().is_relative_to(ROOT) else out
+        print(f"raw figures: {shown}")
     return 0
 
 
