@@ -61,12 +61,20 @@ log = logging.getLogger("shoal.router.fleet")
 
 _ERRORS = (RedisError, RedisClusterException, OSError, TimeoutError)
 """What a Redis that is down or slow raises; RedisClusterException is no RedisError (a cluster not reachable)."""
+
+
 _REPLAY_PAGE = 1000
 """Stream entries fetched per XREVRANGE at start."""
 _READ_COUNT = 512
 """Stream entries one XREAD returns at most."""
 _APPLY_YIELD_EVERY = 200
 """Entries applied between yields to the event loop at start, so the load deadline can interrupt a long replay."""
+
+
+def _stream_id(entry_id: str) -> tuple[int, int]:
+    """A stream entry's ID, "milliseconds-sequence", in the order Redis gives IDs."""
+    milliseconds, _, sequence = entry_id.partition("-")
+    return int(milliseconds), int(sequence or 0)
 
 
 class FleetSharing:
@@ -125,6 +133,7 @@ class FleetSharing:
                 "outages",
                 "resyncs",
                 "task_failures",
+                "position_resets",
             ),
             0,
         )
@@ -239,6 +248,13 @@ class FleetSharing:
                         else:
                             pipe.hdel(self.drains_key, drain.replica)
                     added, *drained = await pipe.execute(raise_on_error=False)
+                if isinstance(added, ResponseError) and "exhausted the last possible ID" in str(added):
+                    # The stream's top ID is the largest there is (a hostile entry): no XADD can follow it, for any
+                    # router. Deleting the stream lets every router publish again; readers find their position
+                    # past its end and start over (_check_position).
+                    self._malformed(f"the stream {self.stream_key!r} cannot advance ({added}): deleted")
+                    await self._writer.delete(self.stream_key)
+                    continue
                 if isinstance(added, Exception):
                     raise added
                 for result in drained:
@@ -322,9 +338,29 @@ class FleetSharing:
                 await asyncio.sleep(cfg.retry_s)  # pacing the retries of a background task, not a wait on state
                 continue
             self._up()
-            for _stream, entries in reply or ():
+            if not reply:
+                try:
+                    await self._check_position()
+                except _ERRORS as exc:
+                    self._down(exc)
+                continue
+            for _stream, entries in reply:
                 for entry_id, fields in entries:
                     self._apply_entry(entry_id, fields)
+
+    async def _check_position(self) -> None:
+        """After a read that found nothing: if the stream now ends before this reader's position (it was deleted
+        and written anew, or its top entry was a hostile maximum ID), read it again from its start and resync;
+        else the reader would wait past its end for ever."""
+        newest = await self._reader.xrevrange(self.stream_key, count=1)
+        end = _stream_id(newest[0][0].decode()) if newest else (0, 0)
+        if end < _stream_id(self._last_id):
+            log.warning(
+                "the fleet stream ends at %s, before this router's position %s: reading it anew", end, self._last_id
+            )
+            self.counts["position_resets"] += 1
+            self._last_id = "0-0"
+            self._needs_resync = True
 
     def _apply_entry(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         self._last_id = entry_id.decode()

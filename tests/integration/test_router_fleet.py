@@ -293,3 +293,23 @@ async def test_hostile_drain_records_are_skipped_and_counted_and_routers_start_a
         assert a.app[FLEET].counts["malformed"] >= 1 and a.app[FLEET].counts["task_failures"] == 0
     finally:
         await conn.aclose()
+
+
+async def test_a_stream_entry_with_the_largest_id_stops_no_router_for_long(
+    start_fakes: StartFakes, start_router: StartRouter, redis_process: RedisProcess
+) -> None:
+    fakes = await start_fakes(3)
+    a = await fleet_router(start_router, fakes, redis_process.url)
+    b = await fleet_router(start_router, fakes, redis_process.url)
+    await assert_shared_prefixes(a, b, "before", 1)
+    conn = redis.from_url(redis_process.url)
+    try:
+        # No XADD can follow this entry: every router's publishing failed, and every reader sat past it for ever.
+        largest = "18446744073709551615-18446744073709551615"
+        await conn.xadd(a.app[FLEET].stream_key, {"r": "hostile", "d": "{}"}, id=largest)
+        await assert_shared_prefixes(a, b, "after", 3, timeout_s=10.0)
+    finally:
+        await conn.aclose()
+    counts = [r.app[FLEET].counts for r in (a, b)]
+    assert sum(c["position_resets"] for c in counts) >= 1 and sum(c["malformed"] for c in counts) >= 1
+    assert all(r.app[FLEET].is_up for r in (a, b)) and all(c["task_failures"] == 0 for c in counts)
