@@ -171,11 +171,13 @@ class FleetSharing:
 
     async def _supervised(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
         """`run` restarted after any failure it did not handle itself, which counts as an outage of sharing (the
-        health gauge says so) and as a task failure; the batch it was publishing is dropped, not retried for ever."""
+        health gauge says so) and as a task failure; a failed publisher's batch is dropped, not retried for ever."""
+        is_publisher = run == self._publish_loop
 
         def on_failure(exc: BaseException) -> None:
             self.counts["task_failures"] += 1
-            self._pending = None
+            if is_publisher:
+                self._pending = None
             self._down(exc)
 
         await supervise(name, run, on_failure=on_failure, clock=self._clock, max_backoff_s=self.settings.retry_s * 10)
