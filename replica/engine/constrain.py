@@ -7,22 +7,20 @@ through the drafts and rolls it back, so the step's masks cost one batched call 
 reports its time as grammar overhead). Drafts drawn by the walk below come
 with those masks already: the walk computed them on the way, so their sequences skip that call. The masks go to
 the device as bitmasks and are applied to the logits before the sampler's softmax, so temperature, top-k and top-p
-act on the allowed tokens and the acceptance test compares masked distributions.
+act on the allowed tokens and every verified token is drawn from the masked distribution.
 
 Drafter (`propose_constrained`, after the step's one transfer for the decision): the mask of draft position j
 depends on the anchor (the token just emitted) and on drafts 1..j-1, so the walk consumes each drawn draft on the
 host and computes the next mask before the drafter draws the next position. Each draft is drawn from the drafter's
-scores with the mask applied, and the distribution reported with it is that masked, renormalised one: exactly what
-it was sampled from. This costs one small transfer per drafted position (k tokens of the constrained rows), on top
-of the decision's, only in steps where constrained sequences draft. At the end the matcher rolls back every draft
-it consumed: between steps it holds the committed tokens only.
+scores with the mask applied, with the key of its position. This costs one small transfer per drafted position (k
+tokens of the constrained rows), on top of the decision's, only in steps where constrained sequences draft. At the
+end the matcher rolls back every draft it consumed: between steps it holds the committed tokens only.
 
 Forced drafts: where the grammar leaves only one way on after a row's last draft (a key, the punctuation around
 it: llguidance's `compute_ff_tokens`, in the tokenizer's own split), those tokens follow the drafter's as further
-drafts with a one-hot proposal, up to a cap per row. They cost the drafter nothing and one verified position each;
-acceptance stays exact (a one-hot q is accepted with probability p(token), and a rejection samples from p without
-it). The drafter's own k positions are masked as before, so a forced run inside them is drawn under its one-token
-masks.
+drafts, up to a cap per row. They cost the drafter nothing and one verified position each, and are kept whenever
+the drafts before them are: the target's masked distribution there is that token alone. The drafter's own k
+positions are masked as before, so a forced run inside them is drawn under its one-token masks.
 
 A position whose mask allows nothing (a draft that ended the grammar, or a grammar that dead-ends) is given an
 all-true mask so that no softmax runs over nothing: past a grammar's end no draft is proposed, and a token emitted
@@ -38,7 +36,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from replica.engine.drafting import Drafter, ProposeRequest
-from replica.engine.sampler import SamplingTensors
+from replica.engine.sampler import SamplingTensors, noise_keys
 from replica.engine.sequence import Sequence
 from replica.grammar.matcher import GrammarCompiler, GrammarMatcher, allowed
 
@@ -159,15 +157,13 @@ def propose_constrained(
     compiler: GrammarCompiler,
     seqs: list[Sequence],
     num_next: list[int],
-    uniforms: torch.Tensor,
     device: torch.device,
     max_forced: Seq[int] | None = None,
-) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+) -> list[tuple[list[int], torch.Tensor]]:
     """Drafts for constrained sequences after their tokens of this step are appended (and consumed by their
     matchers): `num_next[i]` at most for `seqs[i]`, fewer where the grammar ends, then up to `max_forced[i]`
-    forced ones (module docstring). uniforms [S, max(num_next)].
-    -> per sequence (drafts, their distributions [len(drafts), V] on the device, the grammar's bitmasks
-    [1 + len(drafts), W] on the host to verify them with)."""
+    forced ones (module docstring). -> per sequence (drafts, the grammar's bitmasks [1 + len(drafts), W] on the
+    host to verify them with)."""
     k = max(num_next)
     walk = DraftWalk(compiler, [s.grammar for s in seqs if s.grammar is not None], device)
     assert len(walk.matchers) == len(seqs), "every sequence here has a grammar"
@@ -180,7 +176,10 @@ def propose_constrained(
             anchor_positions=torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.long, device=device),
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device),
             sampling=SamplingTensors.build([s.params for s in seqs], device),
-            uniforms=uniforms,
+            keys=noise_keys(
+                torch.tensor([s.sample_seed for s in seqs], dtype=torch.long, device=device),
+                torch.tensor([[s.num_tokens + j for j in range(k)] for s in seqs], dtype=torch.long, device=device),
+            ),
             allowed=walk,
         )
     )
@@ -188,12 +187,4 @@ def propose_constrained(
     drafts = [tokens[row][: min(n, walk.num_valid[row])] for row, n in enumerate(num_next)]
     ends = walk.end(drafts, max_forced or [0] * len(seqs))
     walk.finish()
-    out = []
-    for row, (own, (extra, bitmask)) in enumerate(zip(drafts, ends, strict=True)):
-        probs = proposal.probs[row, : len(own)]
-        if extra:
-            one_hot = torch.zeros(len(extra), probs.shape[-1], dtype=probs.dtype, device=device)
-            one_hot[torch.arange(len(extra)), torch.tensor(extra)] = 1.0
-            probs = torch.cat((probs, one_hot))
-        out.append((own + extra, probs, bitmask))
-    return out
+    return [(own + extra, bitmask) for own, (extra, bitmask) in zip(drafts, ends, strict=True)]

@@ -1,20 +1,20 @@
 """A step's tokens, decided on the device and brought to the host in one transfer.
 
 After the target's forward pass every sampled sequence gets the outcome of its drafts and the token after them
-(`rejection.verify`; without drafts that is plain sampling), then, for the sequences that speculate in the next
+(`verification.verify`; without drafts that is plain sampling), then, for the sequences that speculate in the next
 step, the drafter's proposal following that token. Emitted tokens, their counts and the new drafts reach the host
 in a single `.tolist()`: one device-to-host synchronisation per step for the whole batch, whatever its size and k,
 so the same code keeps a GPU busy (tests/unit/replica_engine/test_speculative_engine.py counts them). The
 proposal's probabilities stay on the device for the next step's acceptance test. Constrained sequences are masked
 here and draft after the transfer, once their grammars have consumed this step's tokens (`replica.engine.constrain`).
 
-Each sequence draws its uniforms from its own generator (a seeded request's, or the engine's), as many as it uses:
-one per draft it verifies, one for the token after them, one per draft it will propose. So a seeded request's
-output depends on its own drafts and not on the batch's largest k.
+Every draw is keyed by the sequence's seed and the position it decides (`sampler.noise_keys`), the target's and the
+drafter's alike, so a seeded request's output is a function of the request: the same whatever else is in the
+batch, whatever k the policy picks, and with speculation on or off.
 
 Penalties apply to the target's logits at every verified row, from that row's history: the committed output plus
 the drafts before the row, so speculation changes nothing about which tokens a penalised greedy request emits. The
-drafter proposes without penalties (a worse proposal, still exact: acceptance only needs the q it drew from).
+drafter proposes without penalties (a worse proposal, still exact: what it drafts never changes the output).
 
 Log-probabilities, for the requests that ask, are the model's raw distribution at each emitted token's position
 (`sampler.raw_logprobs`: before penalties, grammar masks and temperature, as vLLM reports by default). An accepted
@@ -33,17 +33,18 @@ import torch
 
 from replica.engine.constrain import apply_allowed
 from replica.engine.drafting import Drafter, ProposeRequest
-from replica.engine.rejection import verify
 from replica.engine.runner import RunnerOutput
 from replica.engine.sampler import (
     Penalties,
     SamplingTensors,
     apply_penalties,
     gather_logprobs,
+    noise_keys,
     probabilities,
     raw_logprobs,
 )
 from replica.engine.sequence import Sequence
+from replica.engine.verification import verify
 
 
 @dataclass(frozen=True)
@@ -58,28 +59,13 @@ class TokenLogprob:
 @dataclass(frozen=True)
 class Decided:
     tokens: list[int]
-    """Emitted tokens: the accepted drafts, then the residual or bonus token (before any stop condition)."""
+    """Emitted tokens: the accepted drafts, then the target's token after them (before any stop condition)."""
     next_drafts: list[int]
-    next_draft_probs: torch.Tensor | None
-    """[len(next_drafts), V] on the device."""
     logprobs: list[TokenLogprob] | None = None
     """With `params.logprobs` set: one per emitted token."""
-    draft_uniforms: torch.Tensor | None = None
-    """A constrained sequence that drafts next: the uniforms of its drafts, for `constrain.propose_constrained`
-    once its tokens are consumed by its grammar (its drafts are not proposed here)."""
-
-
-def _uniforms(
-    generators: list[torch.Generator], num_drafts: list[int], num_next: list[int], k: int, k_next: int
-) -> torch.Tensor:
-    """[S, k + 1 + k'] float64: columns [0, k) verify drafts, column k draws the next token, [k + 1, ...) draft."""
-    out = torch.zeros(len(generators), k + 1 + k_next, dtype=torch.float64)
-    for row, (gen, d, n) in enumerate(zip(generators, num_drafts, num_next, strict=True)):
-        draws = torch.rand(d + 1 + n, generator=gen, dtype=torch.float64)
-        out[row, :d] = draws[:d]
-        out[row, k] = draws[d]
-        out[row, k + 1 : k + 1 + n] = draws[d + 1 :]
-    return out
+    num_constrained_next: int = 0
+    """A constrained sequence that drafts next: how many drafts, for `constrain.propose_constrained` once its
+    tokens are consumed by its grammar (its drafts are not proposed here)."""
 
 
 def decide(
@@ -87,19 +73,17 @@ def decide(
     num_drafts: list[int],
     num_next: list[int],
     out: RunnerOutput,
-    generators: list[torch.Generator],
     drafter: Drafter | None,
     allowed: torch.Tensor | None = None,
 ) -> list[Decided]:
     """seqs: the step's sampled sequences (`out.sampled` order), each verifying `num_drafts[i]` drafts and to
     propose `num_next[i]` (0: none; needs a drafter). `allowed` [R, V] bool: grammar masks of the sampled rows
     (`constrain.target_allowed`), applied to the logits before anything is drawn or verified; constrained
-    sequences get their drafts' uniforms back instead of drafts."""
+    sequences propose later (`Decided.num_constrained_next`)."""
     assert out.logits is not None
     device = out.logits.device
     num_seqs, vocab = len(seqs), out.logits.shape[-1]
     k, k_next = max(num_drafts), max(num_next)
-    uniforms = _uniforms(generators, num_drafts, num_next, k, k_next).to(device)
     sampling = SamplingTensors.build([s.params for s in seqs], device)
     penalties = row_penalties(seqs, out.num_rows, vocab, device)
     logits = apply_allowed(apply_penalties(out.logits, penalties), allowed)
@@ -112,27 +96,19 @@ def decide(
         first += rows
     row_index = torch.tensor(index, device=device)
     target = probs[row_index].view(num_seqs, k + 1, vocab)
-    draft_probs = torch.zeros(num_seqs, k, vocab, device=device)
-    for row, (seq, d) in enumerate(zip(seqs, num_drafts, strict=True)):
-        if d:
-            assert seq.draft_probs is not None and seq.draft_probs.shape[0] == d
-            draft_probs[row, :d] = seq.draft_probs
     draft_tokens = torch.tensor(
         [s.draft_token_ids[:d] + [0] * (k - d) for s, d in zip(seqs, num_drafts, strict=True)],
         dtype=torch.long,
         device=device,
     ).view(num_seqs, k)
-    tokens, num_emitted = verify(
-        target,
-        draft_probs,
-        draft_tokens,
-        torch.tensor(num_drafts, dtype=torch.long, device=device),
-        uniforms[:, :k],
-        uniforms[:, k],
-    )
+    seeds = torch.tensor([s.sample_seed for s in seqs], dtype=torch.long, device=device)
+    decided_at = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long, device=device)  # row 0's position
+    keys = None
+    if not sampling.is_all_greedy:
+        keys = noise_keys(seeds, decided_at.unsqueeze(-1) + torch.arange(k + 1, device=device))
+    tokens, num_emitted = verify(target, draft_tokens, torch.tensor(num_drafts, dtype=torch.long, device=device), keys)
     parts = [tokens.flatten(), num_emitted]
     proposing = [row for row, n in enumerate(num_next) if n and seqs[row].grammar is None]
-    probs_next = None
     if proposing:
         assert drafter is not None
         picked = torch.tensor(proposing, dtype=torch.long, device=device)
@@ -146,11 +122,13 @@ def decide(
                 anchor_positions=torch.tensor(out.first_positions, device=device)[picked] + num_emitted[picked],
                 block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device),
                 sampling=sampling.select(picked),
-                uniforms=uniforms[picked, k + 1 :],
+                keys=noise_keys(
+                    seeds[picked],
+                    (decided_at + num_emitted)[picked].unsqueeze(-1) + torch.arange(k_next, device=device),
+                ),
             )
         )
         parts.append(proposal.tokens.flatten())
-        probs_next = proposal.probs
     wanted = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
     num_top = max(wanted, default=0)
     if wanted:
@@ -196,12 +174,7 @@ def decide(
                 tokens=flat_tokens[row * (k + 1) : row * (k + 1) + n],
                 logprobs=logprobs,
                 next_drafts=nexts,
-                next_draft_probs=None if i is None or probs_next is None else probs_next[i, : num_next[row]],
-                draft_uniforms=(
-                    uniforms[row, k + 1 : k + 1 + num_next[row]]
-                    if num_next[row] and seqs[row].grammar is not None
-                    else None
-                ),
+                num_constrained_next=num_next[row] if seqs[row].grammar is not None else 0,
             )
         )
     return decided

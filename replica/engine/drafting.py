@@ -7,8 +7,10 @@ layer outputs a block drafter asked for), then `propose` for the sequences that 
 
 Proposals stay on the device: the engine moves the drafted tokens to the host together with the step's verified
 tokens, in its one transfer, and keeps the proposal probabilities on the device for the next step's acceptance test.
-A drafter must report the exact distribution every draft was drawn from (one-hot for a greedy draft): acceptance is
-exact only against it. Under a grammar that is the masked, renormalised distribution (`masked_scores`).
+A drafter draws draft j with the key the target uses for the same position (`ProposeRequest.keys`,
+`sampler.draw`): the closer its distribution to the target's, the likelier the two draws agree, and a draft is
+kept only where they do (`replica.engine.verification`). What it drafts never changes the output, only its speed.
+Under a grammar a draft is drawn from the masked scores (`masked_scores`).
 
 S = proposing sequences, k = drafts per sequence, V = vocabulary.
 """
@@ -37,12 +39,12 @@ class ProposeRequest:
     """[S, max_blocks] int64, padded; they cover the anchor plus `Drafter.lookahead_tokens` positions."""
     sampling: SamplingTensors
     """Each sequence's temperature, top-k and top-p: drafts are drawn from the drafter's scores under them."""
-    uniforms: torch.Tensor
-    """[S, k] in [0, 1): the draws for drafting, from each request's own generator."""
+    keys: torch.Tensor
+    """[S, k] int64: the noise keys of the k drafted positions (`sampler.noise_keys`)."""
     allowed: Callable[[int, torch.Tensor], torch.Tensor] | None = None
     """Grammar masks: `allowed(j, previous)` -> [S, V] bool, the tokens draft j may be (`previous` [S]: the drafts
     drawn at j - 1, the anchors for j = 0). Called once per position, in order, before drawing it; the drafter
-    draws from its scores with the refused tokens at -inf and reports that masked distribution."""
+    draws from its scores with the refused tokens at -inf."""
 
 
 def masked_scores(request: ProposeRequest, position: int, previous: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -56,8 +58,6 @@ def masked_scores(request: ProposeRequest, position: int, previous: torch.Tensor
 class Proposal:
     tokens: torch.Tensor
     """[S, k] int64 drafted tokens."""
-    probs: torch.Tensor
-    """[S, k, V] the distribution each draft was drawn from (given the drafts before it)."""
 
 
 class Drafter(Protocol):

@@ -19,6 +19,7 @@ events and prefix hits are exactly those of decoding without speculation. `Specu
 from __future__ import annotations
 
 import itertools
+import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -68,7 +69,7 @@ class EngineConfig:
     hash_seed: bytes = b"shoal-demo"
     """Namespace of the block hashes (router.policy.hashing.namespace_seed of the served model name)."""
     seed: int = 0
-    """Seed of the generator for requests without a seed of their own."""
+    """Seed of the generator that gives requests without a seed of their own one (in order of admission)."""
     num_speculative_tokens: int = 0
     """k: tokens the drafter proposes per sequence per step, at most (needs a drafter); 0 turns speculation off."""
     adaptive_speculation: bool = True
@@ -163,8 +164,7 @@ class LLMEngine:
         self._inbox: deque[tuple[str, Sequence | int]] = deque()
         self._seqs: dict[int, Sequence] = {}
         self._ids = itertools.count()
-        self._generator = torch.Generator(device="cpu").manual_seed(config.seed)
-        self._seq_generators: dict[int, torch.Generator] = {}
+        self._seeds = random.Random(config.seed)
         self._parked: set[int] = set()
         """Followers of an `n` > 1 request waiting for their first sequence's prompt (`add_group`)."""
         self.num_preemptions = 0
@@ -264,8 +264,7 @@ class LLMEngine:
         self._seqs[seq.seq_id] = seq
         if seq.params.grammar is not None and not self._start_grammar(seq, result):
             return
-        if seq.params.seed is not None:
-            self._seq_generators[seq.seq_id] = torch.Generator(device="cpu").manual_seed(seq.params.seed)
+        seq.sample_seed = seq.params.seed if seq.params.seed is not None else self._seeds.getrandbits(63)
         if seq.params.stop:
             from replica.tokenizer import IncrementalDetokenizer, StopChecker
 
@@ -312,7 +311,6 @@ class LLMEngine:
         else:
             self.scheduler.finish(seq, reason)
         del self._seqs[seq.seq_id]
-        self._seq_generators.pop(seq.seq_id, None)
         result.outputs.append(self._output(seq, new_tokens, logprobs))
         if seq.followers:
             self._release_followers(seq, result)
@@ -436,13 +434,12 @@ class LLMEngine:
             self.policy.num_drafts(s) if speculate and s.has_draft_room and s.num_tokens + d < room else 0
             for s, d in zip(seqs, num_drafts, strict=True)
         ]
-        generators = [self._seq_generators.get(s.seq_id, self._generator) for s in seqs]
         allowed = None
         if bitmasks:
             assert out.logits is not None
             allowed = target_allowed(seqs, out.num_rows, bitmasks, out.logits.shape[-1], out.logits.device)
-        decided = decide(seqs, num_drafts, num_next, out, generators, self.drafter, allowed)
-        constrained_next: list[tuple[Sequence, int, torch.Tensor, int]] = []
+        decided = decide(seqs, num_drafts, num_next, out, self.drafter, allowed)
+        constrained_next: list[tuple[Sequence, int, int]] = []
         stats = result.speculation
         now = self.clock()
         num_emitted = 0
@@ -489,34 +486,28 @@ class LLMEngine:
                 self._release_followers(seq, result)
             remaining = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
             keep = max(0, min(len(choice.next_drafts), remaining - 1))
-            if choice.draft_uniforms is not None and remaining > 1:
-                n = min(len(choice.draft_uniforms), remaining - 1)
+            if choice.num_constrained_next and remaining > 1:
+                n = min(choice.num_constrained_next, remaining - 1)
                 forced = min(self.config.max_forced_drafts, remaining - 1 - n)
-                constrained_next.append((seq, n, choice.draft_uniforms, forced))
+                constrained_next.append((seq, n, forced))
             if keep:
                 seq.draft_token_ids = choice.next_drafts[:keep]
-                assert choice.next_draft_probs is not None
-                seq.draft_probs = choice.next_draft_probs[:keep]
             result.outputs.append(self._output(seq, appended, logprobs))
         if constrained_next:
             self._propose_constrained(constrained_next)
         return num_emitted, any(num_next)
 
-    def _propose_constrained(self, pending: list[tuple[Sequence, int, torch.Tensor, int]]) -> None:
+    def _propose_constrained(self, pending: list[tuple[Sequence, int, int]]) -> None:
         """Drafts of constrained sequences, drawn under their grammars now that this step's tokens are consumed
-        (`pending`: sequence, drafts, their uniforms, forced drafts allowed after them)."""
+        (`pending`: sequence, drafts, forced drafts allowed after them)."""
         assert self.drafter is not None and self.grammar is not None
-        seqs = [seq for seq, _, _, _ in pending]
-        num_next = [n for _, n, _, _ in pending]
-        width = max(num_next)
-        uniforms = torch.stack([torch.nn.functional.pad(u[:n], (0, width - n)) for _, n, u, _ in pending])
-        device = self.model.device
-        max_forced = [f for _, _, _, f in pending]
-        proposals = propose_constrained(self.drafter, self.grammar, seqs, num_next, uniforms, device, max_forced)
-        for seq, (drafts, probs, bitmasks) in zip(seqs, proposals, strict=True):
+        seqs = [seq for seq, _, _ in pending]
+        num_next = [n for _, n, _ in pending]
+        max_forced = [f for _, _, f in pending]
+        proposals = propose_constrained(self.drafter, self.grammar, seqs, num_next, self.model.device, max_forced)
+        for seq, (drafts, bitmasks) in zip(seqs, proposals, strict=True):
             if drafts:
                 seq.draft_token_ids = drafts
-                seq.draft_probs = probs
                 seq.draft_bitmasks = bitmasks
 
     def check_invariants(self) -> None:

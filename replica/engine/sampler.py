@@ -8,9 +8,12 @@ batched ops, whatever mix of greedy and sampled requests the step has:
 - otherwise softmax(logits / temperature) with every token outside the top-k (ties with the k-th kept) and outside
   the top-p nucleus of the renormalised top-k set to zero (the most likely token always stays).
 
-`sample(probs, uniforms)` draws one token per row by the inverse CDF of one uniform in [0, 1): a draw is a pure
-function of its uniform, so a seeded request's draws come from its own generator whatever else is in the batch, and
-tests can enumerate draws exactly. Speculative acceptance (`replica.engine.rejection`) works on these distributions.
+`sample(probs, keys)` draws one token per row by an exponential race, argmax_x p(x) / E_x, where the E_x ~ Exp(1)
+are a pure function of the row's key (a counter-based generator: splitmix64 of the key and x). Each token wins with
+probability p(x) exactly (the Gumbel-max trick in another form), a token without mass never wins, and the key is
+`noise_keys(seed, position)`: the sequence's seed and the position of the token being decided. So a draw never
+depends on what else is in the batch or on how many draws came before it, and the same key decides a position
+whether the target samples it, verifies a draft there, or a drafter drafts it (`replica.engine.rejection`).
 
 `Penalties` (presence, frequency, repetition) adjust the logits before any of that, from each row's own token
 history (`apply_penalties`); `raw_logprobs` and `gather_logprobs` report the model's distribution.
@@ -181,34 +184,49 @@ def _filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return torch.full_like(scaled, -torch.inf).scatter_(-1, order, ordered)
 
 
-def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """probs [R, V] (non-negative, need not sum to 1), uniforms [R] in [0, 1) -> token ids [R] int64.
-
-    The token is the first whose cumulative mass exceeds u * total mass, so a token of zero mass is never drawn;
-    rounding that would carry the draw past the end is clamped to the last token with mass."""
-    cdf = probs.cumsum(-1)  # [R, V]
-    target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)  # [R, 1]
-    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    vocab = probs.shape[-1]
-    last_with_mass = vocab - 1 - (probs > 0).flip(-1).to(torch.int8).argmax(-1)
-    return torch.minimum(tokens, last_with_mass)
+_GAMMA = 0x9E3779B97F4A7C15 - 2**64
+"""splitmix64's increment (as a signed int64: tensor arithmetic wraps modulo 2**64)."""
+_MIX_1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX_2 = 0x94D049BB133111EB - 2**64
 
 
-def draw(scores: torch.Tensor, params: SamplingTensors, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """scores [R, V], uniforms [R] -> (tokens [R], the distributions [R, V] they were drawn from). A batch of
-    greedy rows takes the argmax without the inverse-CDF walk: the same token, since its distribution is one-hot."""
-    probs = probabilities(scores, params)
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 tensors (`>>` is arithmetic: it copies the sign bit)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser, elementwise on int64 tensors: a bijection whose outputs look independent."""
+    z = (z ^ _shift_right(z, 30)) * _MIX_1
+    z = (z ^ _shift_right(z, 27)) * _MIX_2
+    return z ^ _shift_right(z, 31)
+
+
+def noise_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """seeds [S] int64, positions [S, n] int64 -> keys [S, n] int64: the key of the draw that decides the token at
+    each position (its index in the sequence, prompt included) of a sequence drawing with that seed."""
+    return _mix(_mix(seeds).unsqueeze(-1) + positions * _GAMMA)
+
+
+def exponentials(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """keys [R] int64 -> [R, V] float64 draws of Exp(1), independent across tokens and keys: -log of a uniform in
+    (0, 1) made of 53 bits of splitmix64(key + (x + 1) * gamma)."""
+    tokens = torch.arange(1, vocab + 1, dtype=torch.long, device=keys.device)
+    bits = _shift_right(_mix(keys.unsqueeze(-1) + tokens * _GAMMA), 11)
+    return -torch.log((bits.to(torch.float64) + 0.5) * 2.0**-53)
+
+
+def sample(probs: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
+    """probs [R, V] (non-negative, need not sum to 1), keys [R] int64 -> token ids [R] int64: argmax_x p(x) / E_x.
+    keys None: every row is one-hot (greedy), and the token is its argmax without drawing anything."""
+    if keys is None:
+        return probs.argmax(-1)
+    return (probs.to(torch.float64) / exponentials(keys, probs.shape[-1])).argmax(-1)
+
+
+def draw(scores: torch.Tensor, params: SamplingTensors, keys: torch.Tensor) -> torch.Tensor:
+    """scores [R, V], keys [R] -> tokens [R], drawn from `probabilities(scores, params)` (a batch of greedy rows
+    takes the argmax: the same token, since its distributions are one-hot)."""
     if params.is_all_greedy:
-        return scores.argmax(-1), probs
-    return sample(probs, uniforms), probs
-
-
-def draw_uniforms(
-    generators: list[torch.Generator | None], count: int, default: torch.Generator, device: torch.device
-) -> torch.Tensor:
-    """[R, count] uniforms in [0, 1): a row with a generator of its own (a seeded request) draws from it, the
-    others from `default`, in row order."""
-    rows = [torch.rand(count, generator=g if g is not None else default, dtype=torch.float64) for g in generators]
-    if not rows:
-        return torch.empty(0, count, dtype=torch.float64, device=device)
-    return torch.stack(rows).to(device)
+        return scores.argmax(-1)
+    return sample(probabilities(scores, params), keys)

@@ -126,7 +126,6 @@ class Scheduler:
                 num_drafts = 0  # drop the drafts rather than preempt anyone for their blocks
             if num_drafts < len(seq.draft_token_ids):
                 seq.draft_token_ids = seq.draft_token_ids[:num_drafts]
-                seq.draft_probs = seq.draft_probs[:num_drafts] if seq.draft_probs is not None and num_drafts else None
             bm.hold(seq, seq.num_tokens + num_drafts)
             self._make_draft_room(seq, seq.num_tokens + num_drafts)
             batch.add(seq, 1 + num_drafts, num_drafts)

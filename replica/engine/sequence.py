@@ -38,6 +38,8 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_s: float
+    sample_seed: int = 0
+    """Seed of the sequence's draws (`sampler.noise_keys`): the request's own, or one the engine drew for it."""
     token_ids: list[int] = field(default_factory=list)
     """Prompt followed by generated tokens."""
     status: SequenceStatus = SequenceStatus.WAITING
@@ -55,8 +57,6 @@ class Sequence:
     num_preemptions: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
     """Tokens a drafter proposed to follow `token_ids`, verified in the next step; not part of the sequence."""
-    draft_probs: torch.Tensor | None = None
-    """[len(draft_token_ids), V] on the model's device: the distribution each draft was drawn from."""
     draft_bitmasks: torch.Tensor | None = None
     """Constrained drafts: the grammar's bitmasks [1 + len(draft_token_ids), W] on the host after the committed
     tokens and after each draft, kept from the walk that drew them so verification need not compute them again."""
@@ -101,7 +101,6 @@ class Sequence:
 
     def clear_drafts(self) -> None:
         self.draft_token_ids = []
-        self.draft_probs = None
         self.draft_bitmasks = None
 
     @property

@@ -17,9 +17,9 @@ other's choices. A path head supplies that dependence cheaply: position j's scor
 a low-rank bilinear term between the previous drafted token (the anchor for j = 1) and the candidate, modulated by
 position j's hidden state (DFlash2's candidate selector is of this kind). Drafting walks the block left to right:
 q_j = the request's sampling transform of s_j (temperature, top-k, top-p), d_j ~ q_j, then j + 1. Each step is one
-small matmul, not a transformer pass, and q_j is exactly the distribution d_j was drawn from given d_1..d_{j-1},
-so speculative sampling against it stays exact; greedy drafting takes the argmax path. Training (`replica.spec.
-train`) fits s_j, with the true previous token, to the target's distribution at each position.
+small matmul, not a transformer pass; d_j is drawn with the key of its position (`sampler.draw`), so it agrees
+with the target's token there as often as q_j resembles p_j; greedy drafting takes the argmax path. Training
+(`replica.spec.train`) fits s_j, with the true previous token, to the target's distribution at each position.
 
 The embeddings and the LM head are the target's, shared and not saved with the drafter. The pass always runs the
 block size the drafter was trained with; fewer drafts use its first positions.
@@ -231,22 +231,21 @@ class BlockDrafterModel(nn.Module):
         anchors: torch.Tensor,
         num_tokens: int,
         sampling: SamplingTensors,
-        uniforms: torch.Tensor,
+        keys: torch.Tensor,
         request: ProposeRequest | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Walk the path head over the first `num_tokens` positions -> (drafts [N, k], their distributions
-        [N, k, V]); with a `request` that has grammar masks, each position is drawn under its mask."""
+    ) -> torch.Tensor:
+        """Walk the path head over the first `num_tokens` positions -> drafts [N, k], position j drawn with
+        `keys[:, j]`; with a `request` that has grammar masks, each position is drawn under its mask."""
         previous = anchors
         projected = self.path.proj(hidden)  # [N, k, r]
-        drafts, probs = [], []
+        drafts = []
         for j in range(num_tokens):
             scores = self.path.scores(unary[:, j], projected[:, j], previous)
             if request is not None:
                 scores = masked_scores(request, j, previous, scores)
-            previous, q = draw(scores, sampling, uniforms[:, j])
+            previous = draw(scores, sampling, keys[:, j])
             drafts.append(previous)
-            probs.append(q)
-        return torch.stack(drafts, dim=1), torch.stack(probs, dim=1)
+        return torch.stack(drafts, dim=1)
 
 
 class BlockDrafter:
@@ -298,7 +297,7 @@ class BlockDrafter:
         hidden, unary = self.model.block_forward(
             request.anchor_tokens, request.anchor_positions, context_kv, mask, request.num_tokens
         )
-        tokens, probs = self.model.draft(
-            hidden, unary, request.anchor_tokens, request.num_tokens, request.sampling, request.uniforms, request
+        tokens = self.model.draft(
+            hidden, unary, request.anchor_tokens, request.num_tokens, request.sampling, request.keys, request
         )
-        return Proposal(tokens, probs)
+        return Proposal(tokens)

@@ -185,7 +185,7 @@ class ModelDrafter:
     @torch.inference_mode()
     def propose(self, request: ProposeRequest) -> Proposal:
         tokens, positions = request.anchor_tokens, request.anchor_positions
-        drafts, probs = [], []
+        drafts = []
         for j in range(request.num_tokens):
             batch = AttentionBatch(
                 slot_mapping=slots_at(request.block_tables, positions, self.block_size),
@@ -202,8 +202,7 @@ class ModelDrafter:
             )
             hidden = self.model(tokens, positions, self.kv_caches, batch)
             scores = masked_scores(request, j, tokens, self.model.compute_logits(hidden))
-            tokens, q = draw(scores, request.sampling, request.uniforms[:, j])
+            tokens = draw(scores, request.sampling, request.keys[:, j])
             drafts.append(tokens)
-            probs.append(q)
             positions = positions + 1
-        return Proposal(torch.stack(drafts, dim=1), torch.stack(probs, dim=1))
+        return Proposal(torch.stack(drafts, dim=1))

@@ -1,5 +1,6 @@
 """Speculative decoding in the engine: the same greedy tokens and the same prefix-cache blocks as plain decoding,
-draft probabilities that line up with the drafts, seeded reproducibility, and one host transfer per step.
+drafts drawn with their positions' keys, the same seeded text with speculation on or off and whatever else runs,
+and one host transfer per step.
 
 Drafters: the target drafting for itself (every greedy draft accepted), a perturbed copy of the target (some drafts
 accepted, some rejected), and random dense and block drafters (almost every draft rejected). Prompts are batched and
@@ -149,9 +150,9 @@ def test_nvfp4_experts_speculate_to_the_same_greedy_tokens(model: MoEForCausalLM
     assert 0 < accepted_fraction(spec) < 1
 
 
-def test_sampled_drafts_are_verified_against_the_distribution_they_came_from(model: MoEForCausalLM) -> None:
-    """Drafting for itself at temperature 1, q equals p: every draft is accepted unless q and p are misaligned
-    (a draft verified against another position's distribution is rejected most of the time)."""
+def test_sampled_drafts_are_drawn_with_the_keys_of_their_positions(model: MoEForCausalLM) -> None:
+    """Drafting for itself at temperature 1, q equals p: every draft is the target's token at its position unless
+    the keys are misaligned (a draft drawn with another position's key differs most of the time)."""
     params = SamplingParams(max_tokens=24, temperature=1.0, top_k=40, seed=11, ignore_eos=True)
     spec, _ = run(model, params, drafter=model_drafter(model, 4), k=4, adaptive_speculation=False)
     assert accepted_fraction(spec) > 0.99
@@ -170,6 +171,51 @@ def test_seeded_sampling_with_speculation_is_reproducible(model: MoEForCausalLM)
         adaptive_speculation=False,
     )
     assert [other.tokens[i] for i in ids3] != [first.tokens[i] for i in ids]
+
+
+SEEDED = replace(CONFIG, max_num_seqs=48, num_blocks=400)
+
+
+def seeded_texts(
+    model: MoEForCausalLM, seeds: list[int], *, alone: bool, drafter: Drafter | None = None, **changes: Any
+) -> dict[int, list[int]]:
+    """{seed: tokens} of one seeded request per seed at T=0.8: each in an engine of its own (`alone`), or all of
+    them in one engine amid 16 unseeded requests (arriving first, so the seeded ones share steps with them)."""
+    params = SamplingParams(max_tokens=16, temperature=0.8, ignore_eos=True)
+    config = replace(SEEDED, **changes)
+    prompt = PROMPTS[3]
+    out = {}
+    if alone:
+        for seed in seeds:
+            engine = LLMEngine(model, config, drafter=drafter)
+            i = engine.add_request(prompt, replace(params, seed=seed))
+            out[seed] = drive(engine).tokens[i]
+        return out
+    engine = LLMEngine(model, config, drafter=drafter)
+    for j in range(16):
+        engine.add_request(PROMPTS[j % len(PROMPTS)], params)
+    ids = {seed: engine.add_request(prompt, replace(params, seed=seed)) for seed in seeds}
+    r = drive(engine)
+    return {seed: r.tokens[i] for seed, i in ids.items()}
+
+
+def test_a_seed_gives_one_text_with_speculation_on_or_off_alone_or_amid_others(model: MoEForCausalLM) -> None:
+    seeds = list(range(100, 120))
+    k = 3
+    perturbed_drafter = model_drafter(perturbed(model, 0.05), k, SEEDED)
+    variants = {
+        "plain alone": seeded_texts(model, seeds, alone=True),
+        "plain amid": seeded_texts(model, seeds, alone=False),
+        "k=3 alone": seeded_texts(model, seeds, alone=True, drafter=perturbed_drafter, num_speculative_tokens=k),
+        "k=3 amid": seeded_texts(model, seeds, alone=False, drafter=perturbed_drafter, num_speculative_tokens=k),
+        "block k=5 adaptive amid": seeded_texts(
+            model, seeds, alone=False, drafter=random_block(model, 5, SEEDED), num_speculative_tokens=5
+        ),
+    }
+    reference = variants["plain alone"]
+    assert len({tuple(t) for t in reference.values()}) == len(seeds)  # the seeds draw different texts
+    for name, texts in variants.items():
+        assert texts == reference, name
 
 
 @contextmanager
@@ -236,7 +282,7 @@ def test_engine_refuses_speculation_without_a_drafter(model: MoEForCausalLM) -> 
 
 
 def test_sampled_tokens_follow_the_target_distribution_through_the_engine() -> None:
-    """The end-to-end check of the plumbing (drafts, their q, positions, residuals): on a 16-token vocabulary, the
+    """The end-to-end check of the plumbing (drafts, keys, positions, mismatches): on a 16-token vocabulary, the
     2nd and 3rd sampled tokens of 4,000 requests, drafted by a drafter that disagrees with the target often, have the
     target's exact marginals (computed from its logits over every prefix) within sampling noise."""
     small = MoEForCausalLM(replace(TINY, vocab_size=16))
@@ -267,6 +313,6 @@ def test_sampled_tokens_follow_the_target_distribution_through_the_engine() -> N
         for a in range(16):
             rows = small.forward_train(torch.tensor([[*prompt, a, b] for b in range(16)]))[0][:, -1].softmax(-1)
             third += p1[a] * (second[a] @ rows)
-    assert accepted_fraction(r) < 0.8  # the residual path carried part of the tokens
+    assert accepted_fraction(r) < 0.8  # tokens after a mismatch carried part of the output
     for observed, expected in zip(counts / n, (p2, third), strict=True):
         assert 0.5 * (observed - expected).abs().sum() < 0.06
