@@ -96,6 +96,12 @@ def add_simulate_command(subparsers: Any) -> None:
     )
     parser.add_argument("--out", metavar="DIR", help="directory for results.json and the plots (required)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="skip the floor row (each request alone, every shareable prefix cached): it keeps every distinct block "
+        "of the trace, so its memory grows with the trace, where a run's follows the requests in flight",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run_simulate)
     commands = parser.add_subparsers(dest="simulate_command", metavar="fetch-traces", required=False)
@@ -266,7 +272,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         from simulations.step_model import load_preset
 
         print(f"step model: {load_preset(scenario.fleet.preset).description}", file=sys.stderr)
-    floor = floor_summary(*floor_ttfts(workload, engine, step_model))
+    floor = None if args.no_floor else floor_summary(*floor_ttfts(workload, engine, step_model))
     results: list[RunResult] = []
     for run_scenario, entry in runs:
         with tqdm(total=total, desc=f"{entry.label:>20}", unit="req", file=sys.stderr, disable=args.no_progress) as bar:
@@ -275,7 +281,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     command = command_line(args)
     print(
         f"{scenario.name}: {workload.name}, {scenario.fleet.num_replicas} x {scenario.fleet.preset}, "
-        f"index {scenario.router.index_mode}, hit ceiling {floor['hit_ratio']:.3f}"
+        f"index {scenario.router.index_mode}"
+        + (f", hit ceiling {floor['hit_ratio']:.3f}" if floor is not None else "")
         + (
             f"; {scenario.routers.count} routers, sharing {'on' if scenario.routers.sharing else 'off'}"
             if scenario.routers.count > 1
@@ -374,7 +381,8 @@ def command_line(args: argparse.Namespace) -> str:
             words += [f"--{flag.replace('_', '-')}", str(value)]
     for item in getattr(args, "set", None) or []:
         words += ["--set", item]
-    words += [f"--{flag.replace('_', '-')}" for flag in ("no_plots", "no_progress") if getattr(args, flag, False)]
+    switches = ("no_plots", "no_floor", "no_progress")
+    words += [f"--{flag.replace('_', '-')}" for flag in switches if getattr(args, flag, False)]
     return " ".join(shlex.quote(w) for w in words)
 
 

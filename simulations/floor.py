@@ -4,9 +4,14 @@ For every request, in arrival order, the cached prefix is what an unbounded cach
 holds (the trace's hit ceiling, at block granularity, at least one token computed), and its TTFT is the prefill of
 the rest in chunks of `max_num_batched_tokens` on an idle engine, by the step model. No router can beat it: a
 policy's TTFT above this floor is queueing, lost cache hits, or decode interference. Reported beside the policies.
+
+The unbounded cache is a set of every distinct block hash of the workload: unlike a run, whose caches are the
+fleet's, the floor's memory grows with the workload's distinct prefixes (`shoal simulate --no-floor` skips it).
 """
 
 from __future__ import annotations
+
+from array import array
 
 from simulations.step_model import EngineConfig, StepModel
 from simulations.workload import Workload
@@ -23,11 +28,11 @@ def isolated_prefill_s(prompt_tokens: int, cached_tokens: int, engine: EngineCon
     return total_s
 
 
-def floor_ttfts(workload: Workload, engine: EngineConfig, model: StepModel) -> tuple[list[float], float]:
+def floor_ttfts(workload: Workload, engine: EngineConfig, model: StepModel) -> tuple[array[float], float]:
     """(TTFT floor of each request in arrival order, token-weighted hit ratio of the shared unbounded cache)."""
     seen: set[int] = set()
     bs = engine.block_size
-    ttfts: list[float] = []
+    ttfts = array("d")
     hit_tokens = prompt_tokens = 0
     for request in workload.requests():
         hashes = request.hashes

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ def _cell(value: Any, fmt: str) -> str:
     return fmt.format(value)
 
 
-def floor_summary(ttfts: list[float], hit_ratio: float) -> dict[str, float]:
+def floor_summary(ttfts: Iterable[float], hit_ratio: float) -> dict[str, float]:
     """The floor's figures (see `floor`), under the table's keys."""
     ordered = sorted(ttfts)
     return {

@@ -11,6 +11,10 @@ memoised per (parent hash, trace block), since a trace block repeats wherever it
 Timestamps are whole milliseconds, so requests that arrived within the same millisecond share one; each gets a
 seeded uniform offset within its bucket (`jitter_s`, default one bucket), then times are divided by `speed`.
 
+Files are read lazily, on every `requests()` call, and `limit` stops the read: memory follows the requests in
+flight, not the trace's length. That needs rows in timestamp order (both public traces are); `arrivals` holds back
+only the rows a later row's jitter could still overtake, and a row earlier than its predecessor is an error.
+
 Azure (`TIMESTAMP`, `ContextTokens`, `GeneratedTokens`): arrivals and lengths only; every prompt is made of its
 own tokens, so no two requests share a block (hit ratio 0). Useful for load shape (the code trace is bursty).
 """
@@ -18,10 +22,13 @@ own tokens, so no two requests share a block (hit ratio 0). Useful for load shap
 from __future__ import annotations
 
 import csv
+import heapq
+import itertools
 import json
 import random
 import struct
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -33,6 +40,10 @@ _pack_pair = struct.Struct("<II").pack
 
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per `hash_ids` entry in Mooncake's traces."""
+
+SUB_HASH_MEMO_ENTRIES = 1 << 14
+"""Trace blocks whose sub-block hashes a workload keeps (some 1.5 KB each at 16-token blocks): a trace block
+repeats wherever its prefix does, mostly within minutes, and the memo must not grow with the trace."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,41 +69,45 @@ class TraceBlockTokens:
         return [self.hash_ids[trace_block], sub] + [0] * (self.block_size - 2)
 
 
-def read_mooncake(path: str | Path) -> list[TraceRow]:
-    """The rows of a Mooncake JSONL trace, in file order."""
-    rows: list[TraceRow] = []
+def iter_mooncake(path: str | Path) -> Iterator[TraceRow]:
+    """The rows of a Mooncake JSONL trace, in file order, read as they are consumed."""
     with Path(path).open() as f:
         for line in f:
             if not line.strip():
                 continue
             obj = json.loads(line)
-            rows.append(
-                TraceRow(
-                    timestamp_s=obj["timestamp"] / 1000.0,
-                    input_tokens=int(obj["input_length"]),
-                    output_tokens=int(obj["output_length"]),
-                    hash_ids=tuple(obj["hash_ids"]),
-                )
+            yield TraceRow(
+                timestamp_s=obj["timestamp"] / 1000.0,
+                input_tokens=int(obj["input_length"]),
+                output_tokens=int(obj["output_length"]),
+                hash_ids=tuple(obj["hash_ids"]),
             )
-    return rows
 
 
-def read_azure(path: str | Path) -> list[TraceRow]:
-    """The rows of an Azure LLM inference CSV (TIMESTAMP, ContextTokens, GeneratedTokens), times from the first."""
-    rows: list[TraceRow] = []
+def read_mooncake(path: str | Path) -> list[TraceRow]:
+    """The rows of a Mooncake JSONL trace, in file order."""
+    return list(iter_mooncake(path))
+
+
+def iter_azure(path: str | Path) -> Iterator[TraceRow]:
+    """The rows of an Azure LLM inference CSV (TIMESTAMP, ContextTokens, GeneratedTokens) in file order, times from
+    the first row, read as they are consumed."""
     start: datetime | None = None
     with Path(path).open(newline="") as f:
         for record in csv.DictReader(f):
             stamp = _parse_azure_time(record["TIMESTAMP"])
             if start is None:
                 start = stamp
-            rows.append(
-                TraceRow(
-                    timestamp_s=(stamp - start).total_seconds(),
-                    input_tokens=int(record["ContextTokens"]),
-                    output_tokens=int(record["GeneratedTokens"]),
-                )
+            yield TraceRow(
+                timestamp_s=(stamp - start).total_seconds(),
+                input_tokens=int(record["ContextTokens"]),
+                output_tokens=int(record["GeneratedTokens"]),
             )
+
+
+def read_azure(path: str | Path) -> list[TraceRow]:
+    """The rows of an Azure LLM inference CSV, times from the first row, sorted by time."""
+    rows = list(iter_azure(path))
     rows.sort(key=lambda r: r.timestamp_s)
     return rows
 
@@ -118,15 +133,32 @@ def prefix_hit_ceiling(rows: list[TraceRow]) -> float:
     return hit / total if total else 0.0
 
 
-def jittered_arrivals(rows: list[TraceRow], *, speed: float, jitter_s: float, seed: int) -> list[tuple[float, int]]:
-    """(arrival in seconds, row index), sorted: each timestamp plus a seeded uniform offset in [0, jitter_s), all
-    divided by `speed`."""
+def arrivals(
+    rows: Iterable[TraceRow], *, speed: float, jitter_s: float, seed: int
+) -> Iterator[tuple[float, int, TraceRow]]:
+    """(arrival in seconds, row index, row) in (arrival, index) order: each timestamp plus a seeded uniform offset in
+    [0, jitter_s), all divided by `speed`; the offsets are drawn in row order.
+
+    Rows must come in timestamp order. A row is held until the next row's timestamp reaches its arrival: no later
+    row can arrive before that, so the order is a full sort's while only rows within `jitter_s` of the newest wait.
+    """
     if speed <= 0:
         raise ValueError(f"speed must be positive, got {speed}")
     rng = random.Random(seed)
-    arrivals = [((row.timestamp_s + rng.random() * jitter_s) / speed, i) for i, row in enumerate(rows)]
-    arrivals.sort()
-    return arrivals
+    pending: list[tuple[float, int, TraceRow]] = []
+    latest_s = float("-inf")
+    for i, row in enumerate(rows):
+        if row.timestamp_s < latest_s:
+            raise ValueError(
+                f"trace row {i} at {row.timestamp_s} s comes after one at {latest_s} s: rows must be in time order"
+            )
+        latest_s = row.timestamp_s
+        earliest_s = latest_s / speed  # no row from here on arrives before this
+        while pending and pending[0][0] <= earliest_s:
+            yield heapq.heappop(pending)
+        heapq.heappush(pending, ((latest_s + rng.random() * jitter_s) / speed, i, row))
+    while pending:
+        yield heapq.heappop(pending)
 
 
 class MooncakeWorkload:
@@ -145,20 +177,34 @@ class MooncakeWorkload:
     ) -> None:
         if block_size < 2 or MOONCAKE_BLOCK_TOKENS % block_size:
             raise ValueError(f"block_size must divide {MOONCAKE_BLOCK_TOKENS} and be at least 2, got {block_size}")
+        if speed <= 0:
+            raise ValueError(f"speed must be positive, got {speed}")
         self.name = f"mooncake:{Path(path).name}"
+        self.path = Path(path)
         self.block_size = block_size
         self.seed_bytes = namespace_seed(model)
-        self.rows = read_mooncake(path)[:limit]
-        self.arrivals = jittered_arrivals(self.rows, speed=speed, jitter_s=jitter_s, seed=seed)
-        self._sub_hashes: dict[tuple[int | None, int], list[int]] = {}
-        """(parent sub-block hash or None at position 0, trace block id) -> the trace block's sub-block hashes."""
+        self.speed = speed
+        self.jitter_s = jitter_s
+        self.seed = seed
+        self.limit = limit
+        self._num_rows: int | None = None
+        self._sub_hashes: OrderedDict[tuple[int | None, int], list[int]] = OrderedDict()
+        """(parent sub-block hash or None at position 0, trace block id) -> the trace block's sub-block hashes, the
+        `SUB_HASH_MEMO_ENTRIES` most recently used."""
 
     def __len__(self) -> int:
-        return len(self.rows)
+        if self._num_rows is None:
+            with self.path.open() as f:
+                lines = (line for line in f if line.strip())
+                self._num_rows = sum(1 for _ in itertools.islice(lines, self.limit))
+        return self._num_rows
+
+    def rows(self) -> Iterator[TraceRow]:
+        """The rows replayed, in file order."""
+        return itertools.islice(iter_mooncake(self.path), self.limit)
 
     def requests(self) -> Iterator[Request]:
-        for arrival_s, i in self.arrivals:
-            row = self.rows[i]
+        for arrival_s, i, row in arrivals(self.rows(), speed=self.speed, jitter_s=self.jitter_s, seed=self.seed):
             yield Request(
                 id=i,
                 arrival_s=arrival_s,
@@ -182,6 +228,10 @@ class MooncakeWorkload:
             sub = memo.get(key)
             if sub is None:
                 sub = memo[key] = self._hash_trace_block(trace_block, parent)
+                if len(memo) > SUB_HASH_MEMO_ENTRIES:
+                    memo.popitem(last=False)
+            else:
+                memo.move_to_end(key)
             take = min(per_trace_block, num_blocks - len(out))
             out.extend(sub[:take] if take < per_trace_block else sub)
             parent = out[-1]
@@ -208,18 +258,29 @@ class AzureWorkload:
         model: str = "azure",
         limit: int | None = None,
     ) -> None:
+        if speed <= 0:
+            raise ValueError(f"speed must be positive, got {speed}")
         self.name = f"azure:{Path(path).name}"
+        self.path = Path(path)
         self.block_size = block_size
         self.seed_bytes = namespace_seed(model)
-        self.rows = read_azure(path)[:limit]
-        self.arrivals = jittered_arrivals(self.rows, speed=speed, jitter_s=jitter_s, seed=seed)
+        self.speed = speed
+        self.jitter_s = jitter_s
+        self.seed = seed
+        self.limit = limit
+        self._num_rows: int | None = None
 
     def __len__(self) -> int:
-        return len(self.rows)
+        if self._num_rows is None:
+            self._num_rows = sum(1 for _ in self.rows())
+        return self._num_rows
+
+    def rows(self) -> Iterator[TraceRow]:
+        """The rows replayed, in file order."""
+        return itertools.islice(iter_azure(self.path), self.limit)
 
     def requests(self) -> Iterator[Request]:
-        for arrival_s, i in self.arrivals:
-            row = self.rows[i]
+        for arrival_s, i, row in arrivals(self.rows(), speed=self.speed, jitter_s=self.jitter_s, seed=self.seed):
             segments = ((i, row.input_tokens),)  # segment id = row index: no two prompts share a token run
             tokens = SegmentTokens(segments, self.block_size)
             chain = ChainState(self.seed_bytes, self.block_size)

@@ -122,3 +122,20 @@ def test_the_speculative_decoding_scenario_compares_fleets_on_a_relative_trace()
     tau3 = fleets["k4 tau3"].speculation
     assert tau3 is not None and tau3.is_enabled and tau3.num_speculative_tokens == 4
     assert tau3.mean_acceptance_length == 3.0
+
+
+def test_no_floor_leaves_out_the_floor_row_and_nothing_else(
+    small_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    documents = []
+    for extra in ([], ["--no-floor"]):
+        out = tmp_path / f"out{len(extra)}"
+        argv = ["--trace", str(small_trace), "--policies", "round_robin", "--replicas", "2", "--out", str(out)]
+        assert simulate([*argv, "--no-plots", "--no-progress", *extra]) == 0
+        documents.append(json.loads((out / "results.json").read_text()))
+        table = capsys.readouterr().out
+        assert ("floor: alone" in table) == (not extra)
+    with_floor, without = documents
+    assert with_floor["floor"]["hit_ratio"] > 0 and without["floor"] is None
+    assert with_floor["policies"] == without["policies"]
+    assert without["command"].endswith("--no-floor --no-progress")

@@ -1,10 +1,13 @@
 """Trace loading: Mooncake's 512-token blocks become chained sub-blocks that keep the prefix structure; arrivals
-are jittered with a seed and scaled; Mooncake and Azure rows parse as the files say."""
+are jittered with a seed and scaled, in a full sort's order though rows are read lazily; Mooncake and Azure rows
+parse as the files say."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,8 @@ from simulations.traces import (
     AzureWorkload,
     MooncakeWorkload,
     TraceRow,
-    jittered_arrivals,
+    arrivals,
+    iter_mooncake,
     prefix_hit_ceiling,
     read_mooncake,
 )
@@ -37,7 +41,7 @@ def test_sub_blocks_keep_the_prefix_structure(tmp_path: Path) -> None:
         ],
     )
     workload = MooncakeWorkload(trace, block_size=16)
-    a, b, c = (list(workload.hashes(row)) for row in workload.rows)
+    a, b, c = (list(workload.hashes(row)) for row in read_mooncake(trace))
     per = MOONCAKE_BLOCK_TOKENS // 16
     assert (len(a), len(b), len(c)) == (1200 // 16, 1100 // 16, 700 // 16)
     assert a[: 2 * per] == b[: 2 * per]  # trace blocks 1, 2 shared
@@ -55,15 +59,72 @@ def test_hashes_are_the_routers_over_the_made_up_tokens(tmp_path: Path) -> None:
     assert list(request.hashes) == hash_tokens(tokens, workload.seed_bytes, 16)
 
 
+def jittered(rows: list[TraceRow], *, speed: float, seed: int, jitter_s: float = 0.001) -> list[tuple[float, int]]:
+    return [(arrival_s, i) for arrival_s, i, _ in arrivals(rows, speed=speed, jitter_s=jitter_s, seed=seed)]
+
+
 def test_jitter_is_seeded_stays_within_the_bucket_and_speed_scales() -> None:
     rows = [TraceRow(timestamp_s=t, input_tokens=10, output_tokens=1) for t in (0.0, 0.0, 0.001, 5.0)]
-    first = jittered_arrivals(rows, speed=1.0, jitter_s=0.001, seed=3)
-    assert first == jittered_arrivals(rows, speed=1.0, jitter_s=0.001, seed=3)
-    assert first != jittered_arrivals(rows, speed=1.0, jitter_s=0.001, seed=4)
+    first = jittered(rows, speed=1.0, seed=3)
+    assert first == jittered(rows, speed=1.0, seed=3)
+    assert first != jittered(rows, speed=1.0, seed=4)
     for arrival_s, i in first:
         assert rows[i].timestamp_s <= arrival_s < rows[i].timestamp_s + 0.001
-    doubled = jittered_arrivals(rows, speed=2.0, jitter_s=0.001, seed=3)
+    doubled = jittered(rows, speed=2.0, seed=3)
     assert [a for a, _ in doubled] == pytest.approx([a / 2 for a, _ in first])
+
+
+@pytest.mark.parametrize("jitter_s", [0.001, 0.05])
+def test_lazy_arrivals_come_in_a_full_sorts_order(jitter_s: float) -> None:
+    # Many rows a bucket, and a jitter wider than the buckets: rows overtake each other across several buckets.
+    stamps = sorted(random.Random(0).randrange(0, 40) / 1000 for _ in range(500))
+    rows = [TraceRow(timestamp_s=t, input_tokens=10, output_tokens=1) for t in stamps]
+    rng = random.Random(9)
+    expected = sorted(((t + rng.random() * jitter_s) / 1.5, i) for i, t in enumerate(stamps))
+    assert jittered(rows, speed=1.5, seed=9, jitter_s=jitter_s) == expected
+    assert expected != sorted(expected, key=lambda pair: pair[1])  # the jitter did reorder rows
+
+
+def test_arrivals_hold_only_the_rows_the_jitter_can_reorder() -> None:
+    held: list[int] = []
+    stream_read = 0
+
+    def stream() -> Iterator[TraceRow]:
+        nonlocal stream_read
+        for i in range(1000):
+            stream_read = i + 1
+            yield TraceRow(timestamp_s=i * 0.01, input_tokens=10, output_tokens=1)
+
+    for _, i, _ in arrivals(stream(), speed=1.0, jitter_s=0.001, seed=0):
+        held.append(stream_read - i)  # rows read but not yet given out, this one included
+    assert len(held) == 1000
+    assert max(held) <= 2
+
+
+def test_rows_out_of_time_order_are_refused() -> None:
+    rows = [TraceRow(timestamp_s=t, input_tokens=10, output_tokens=1) for t in (0.0, 2.0, 1.0)]
+    with pytest.raises(ValueError, match=r"row 2 at 1\.0 s"):
+        jittered(rows, speed=1.0, seed=0)
+
+
+def test_a_limit_stops_reading_the_file(tmp_path: Path) -> None:
+    lines = MOONCAKE.read_text().splitlines()[:20]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(lines) + "\nnot json: a read past the limit fails here\n")
+    workload = MooncakeWorkload(trace, limit=20)
+    assert len(workload) == 20
+    assert len(list(workload.requests())) == 20
+    with pytest.raises(json.JSONDecodeError):
+        list(MooncakeWorkload(trace).requests())
+
+
+def test_workload_requests_are_the_same_on_every_call() -> None:
+    workload = MooncakeWorkload(MOONCAKE, limit=100, seed=5)
+    first = [(r.id, r.arrival_s, list(r.hashes)) for r in workload.requests()]
+    assert first == [(r.id, r.arrival_s, list(r.hashes)) for r in workload.requests()]
+    assert len(first) == len(workload) == 100
+    assert [a for _, a, _ in first] == sorted(a for _, a, _ in first)
+    assert sum(1 for _ in iter_mooncake(MOONCAKE)) == 400
 
 
 def test_mooncake_rows_are_the_files_lines_in_seconds() -> None:
