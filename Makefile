@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch lies on this kind of machine's disk; a bare `torch` would pull a multi-GB CUDA build.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install vllm test lint typecheck contracts unit demo bench clean
+.PHONY: install vllm test lint typecheck contracts unit demo clean
 
 $(VENV)/.installed: pyproject.toml
 	@echo "installing Shoal into $(VENV) (the first time takes a few minutes: torch, the dev tools)"

@@ -8,9 +8,9 @@ shoal, hpa and keda run with the scenario's shared bounds and per-replica target
 shoal at >= 99% attainment with <= 70% of static peak's replica-seconds, and fewer replica-seconds than hpa at
 equal attainment.
 
-    .venv/bin/python benchmarks/bench_autoscale.py                      # both workloads, ~3 min of one core
-    .venv/bin/python benchmarks/bench_autoscale.py --workload azure --static-replicas 11   # skip the search
-    .venv/bin/python benchmarks/bench_autoscale.py --workload azure --static-replicas 11 --policies '' \
+    .venv/bin/python -m benchmarks.bench_autoscale                      # both workloads, ~3 min of one core
+    .venv/bin/python -m benchmarks.bench_autoscale --workload azure --static-replicas 11   # skip the search
+    .venv/bin/python -m benchmarks.bench_autoscale --workload azure --static-replicas 11 --policies '' \
         --shoal-variant '{"min_replicas": 6, "shoal": {"scale_down": {"stabilization_window_s": 900}}}'
 
 Attainment is TTFT-only: requests with TTFT <= the scenario's `slo.ttft_s`, over all requests (rejected ones
@@ -27,14 +27,14 @@ up to a cold start ahead (and over the last HOLD_S seconds) would need, FACTOR t
 over the per-replica target. A sweep of FACTOR and HOLD_S shows how much of static peak a fleet that sizes itself
 on the load needs for a given attainment when it knows the load in advance:
 
-    .venv/bin/python benchmarks/bench_autoscale.py --workload azure --static-replicas 11 --policies '' \
+    .venv/bin/python -m benchmarks.bench_autoscale --workload azure --static-replicas 11 --policies '' \
         --clairvoyant 2:300 --clairvoyant 3:0 --clairvoyant 3:60 --clairvoyant 4:0
 
 `--clairvoyant-lead 0` makes those rows the reactive bound: a fleet that knows the load of each moment exactly (no
 noise, no lag, the queue a burst leaves included through HOLD_S) but nothing of what comes within a cold start, the
 most any policy that measures the load can know:
 
-    .venv/bin/python benchmarks/bench_autoscale.py --workload sinusoid --static-replicas 5 --policies '' \
+    .venv/bin/python -m benchmarks.bench_autoscale --workload sinusoid --static-replicas 5 --policies '' \
         --clairvoyant-lead 0 --clairvoyant 1:600 --clairvoyant 2:600 --clairvoyant 4:600
 
 With `--clairvoyant` the table is followed by the trace's idle gaps longer than a cold start (after 10 s for the
@@ -60,7 +60,7 @@ subset. `--plot-dir DIR` writes one PNG per workload (replica-seconds
 as % of static peak against attainment). `--startup` sets every row's cold starts: seconds, or a distribution as
 JSON (`{"kind": "lognormal", "p50_s": 90, "p90_s": 180}`, `simulations/startup.py`); the titles name it.
 
-    .venv/bin/python benchmarks/bench_autoscale.py --workload frontier --plot-dir benchmarks/results
+    .venv/bin/python -m benchmarks.bench_autoscale --workload frontier --plot-dir benchmarks/results
 
 `--where-missed` adds, per row, where in time the missed requests arrived: while a replica was starting (a
 scale-up on its way), within 300 s after a replica was removed, or otherwise (a fleet at rest, whose misses are
@@ -691,7 +691,7 @@ def main() -> None:
     parser.add_argument("--servegen-compress", type=float, help="time compression (scenario 09: 48)")
     parser.add_argument("--servegen-peak-rate", type=float, help="req/s at the curve's peak (scenario 09: 40)")
     args = parser.parse_args()
-    print(f"command: python benchmarks/bench_autoscale.py {' '.join(sys.argv[1:])}")
+    print(f"command: python -m benchmarks.bench_autoscale {' '.join(sys.argv[1:])}")
     print(f"date: {datetime.date.today()}; machine: {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs")
     policies = [p for p in args.policies.split(",") if p]
     if unknown := set(policies) - {"shoal", "hpa", "keda"}:

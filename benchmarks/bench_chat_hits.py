@@ -16,7 +16,7 @@ what the router expected cached, over the same total; latency is the whole reque
 the router's reasons (`shoal_router_requests_total`). The `ceiling` is the hit ratio of one replica with an
 unbounded cache: the prefix the traffic shares at all.
 
-    .venv/bin/python benchmarks/bench_chat_hits.py [--sessions 12] [--num-blocks 192] [--turns 4] [--concurrency 1]
+    .venv/bin/python -m benchmarks.bench_chat_hits [--sessions 12] [--num-blocks 192] [--turns 4] [--concurrency 1]
 """
 
 from __future__ import annotations
@@ -24,22 +24,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import platform
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import openai
 from aiohttp import web
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from replica.demo.build import PACKAGED_DIR  # noqa: E402
-from replica.demo.corpus import generate_conversations  # noqa: E402
-from router.service.app import METRICS, create_app  # noqa: E402
-from router.service.server import RouterServer  # noqa: E402
-from router.service.settings import KVEventSettings, RouterSettings, TokenizerSettings  # noqa: E402
+from replica.demo.build import PACKAGED_DIR
+from replica.demo.corpus import generate_conversations
+from router.service.app import METRICS, create_app
+from router.service.server import RouterServer
+from router.service.settings import KVEventSettings, RouterSettings, TokenizerSettings
 
 MODEL = "shoal-demo"
 MODES = ("approximate", "exact, text", "exact, tokens")

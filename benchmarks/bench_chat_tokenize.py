@@ -13,7 +13,7 @@ percentiles of the per-iteration difference. Then the event loop: `--concurrency
 (inline on the loop, or on worker threads with `asyncio.to_thread`) while a ticker sleeps 1 ms at a time; its
 lateness is what every other request on the loop waits. Run it pinned, as the README's figures were:
 
-    taskset -c 0,1 .venv/bin/python benchmarks/bench_chat_tokenize.py
+    taskset -c 0,1 .venv/bin/python -m benchmarks.bench_chat_tokenize
 """
 
 from __future__ import annotations
@@ -22,22 +22,19 @@ import argparse
 import asyncio
 import json
 import platform
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from replica.demo.build import PACKAGED_DIR
+from replica.demo.corpus import generate_conversations
+from router.policy.hashing import hash_text, hash_tokens, namespace_seed
+from router.policy.routing_text import chat_routing_key
+from router.service.chat_template import ChatTemplate
+from router.service.chat_tokenizer import ChatTokenizer
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from replica.demo.build import PACKAGED_DIR  # noqa: E402
-from replica.demo.corpus import generate_conversations  # noqa: E402
-from router.policy.hashing import hash_text, hash_tokens, namespace_seed  # noqa: E402
-from router.policy.routing_text import chat_routing_key  # noqa: E402
-from router.service.chat_template import ChatTemplate  # noqa: E402
-from router.service.chat_tokenizer import ChatTokenizer  # noqa: E402
-
 SEED = namespace_seed("shoal-demo")
 QWEN_TEMPLATE = ROOT / "tests" / "data" / "chat_templates" / "qwen2.5_tool_chat.jinja"
 CHAT = "/v1/chat/completions"

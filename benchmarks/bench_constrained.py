@@ -25,7 +25,7 @@ drafter's drafts (`EngineConfig.max_forced_drafts`), which the accept length cou
   the forward pass is issued and between drafted positions; llguidance fills a batch's masks in its own thread
   pool, in parallel.
 
-    .venv/bin/python benchmarks/bench_constrained.py [--rounds 3] [--max-tokens 160]
+    .venv/bin/python -m benchmarks.bench_constrained [--rounds 3] [--max-tokens 160]
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from typing import Any
 import jsonschema
 import torch
 
+from benchmarks import command_argv
 from replica.demo.build import ensure_demo_model
 from replica.demo.corpus import TOOLS
 from replica.demo.toolcheck import tool_prompts
@@ -211,7 +212,7 @@ def main() -> None:
     demo = Demo(model, tokenizer, load_drafter(path / "drafter", model), grammars)
     suite = json.loads(SUITE_PATH.read_text())["schemas"]
     schemas = [e["schema"] for e in suite]
-    print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
+    print(f"command: {' '.join([Path(sys.executable).name, *command_argv()])}")
     print(
         f"date: {datetime.date.today()}; machine: {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs, "
         f"torch {torch.__version__}, {args.threads} thread(s); demo model with its block drafter, "

@@ -22,9 +22,9 @@ float32 and prefix caching; otherwise each runs as it ships (Shoal prefills 512 
 TTFT columns are p50/p90 over every request of every round; tokens/s the median round; `x vLLM` the median over rounds
 of the ratio to the `vllm` row of the same checkpoint in the same round (above 1: faster than vLLM).
 
-    .venv/bin/python benchmarks/bench_engines.py                              # both checkpoints, 5 rounds
-    .venv/bin/python benchmarks/bench_engines.py --checkpoint large --rounds 3 --settings shoal,vllm
-    .venv/bin/python benchmarks/bench_engines.py --smoke --checkpoint demo    # a few requests: does it all run?
+    .venv/bin/python -m benchmarks.bench_engines                              # both checkpoints, 5 rounds
+    .venv/bin/python -m benchmarks.bench_engines --checkpoint large --rounds 3 --settings shoal,vllm
+    .venv/bin/python -m benchmarks.bench_engines --smoke --checkpoint demo    # a few requests: does it all run?
 
 Raw per-round figures go to `benchmarks/results/engines_<date>.json` (not with `--smoke`).
 """
@@ -56,14 +56,13 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks import command_argv
+from benchmarks.bench_proxy import machine_description
+from replica.children import parent_death_signal
+from replica.demo.build import PACKAGED_DIR
+from replica.vllm_engine import VllmServer, find_vllm_python, stop, wait_ready
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench_proxy import machine_description  # noqa: E402 - benchmarks/ is on sys.path when run as a script
-
-from replica.children import parent_death_signal  # noqa: E402
-from replica.demo.build import PACKAGED_DIR  # noqa: E402
-from replica.vllm_engine import VllmServer, find_vllm_python, stop, wait_ready  # noqa: E402
 
 MODEL = "bench"
 SHOAL_MAIN = "import sys; from router.cli import main; sys.exit(main())"
@@ -517,7 +516,7 @@ def main() -> int:
     python = Path(sys.executable)
     with contextlib.suppress(ValueError):  # the repository's own venv: say it without this machine's path
         python = python.relative_to(ROOT)
-    print("$ " + shlex.join([str(python), *sys.argv]))
+    print("$ " + shlex.join([str(python), *command_argv()]))
     print(f"date: {now:%Y-%m-%d %H:%M} UTC; machine: {machine_description()}")
     threads = len(parse_cores(args.cores))
     vllm = vllm_version(args.vllm_python) if args.vllm_python else "-"
@@ -541,7 +540,7 @@ def main() -> int:
         flush=True,
     )
 
-    record: dict[str, Any] = {"date": now.isoformat(), "command": sys.argv, "machine": machine_description()}
+    record: dict[str, Any] = {"date": now.isoformat(), "command": command_argv(), "machine": machine_description()}
     record |= {"cores": args.cores, "vllm": vllm, "shoal": revision, "turns": [], "failed": {}}
     with tempfile.TemporaryDirectory(prefix="shoal-bench-engines-") as tmp:
         workdir = Path(tmp)

@@ -8,7 +8,7 @@ H = I = 128, top-2) for a step of T tokens, with the weights left in the CPU cac
 first by a 64 MB write ("flushed", as in serving, where the KV cache and the other layers' weights pass through
 the caches between two uses of a layer's experts). Medians over `--repeats`; the two layouts alternate.
 
-    taskset -c 1 .venv/bin/python benchmarks/bench_expert_layout.py
+    taskset -c 1 .venv/bin/python -m benchmarks.bench_expert_layout
 """
 
 from __future__ import annotations

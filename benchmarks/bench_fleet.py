@@ -8,7 +8,7 @@ written, MEMORY USAGE of the stream is its steady-state size. The view is a `Fle
 whose load tables name every replica: its entries and the bytes sys.getsizeof sees in them. Apply time is one
 batch applied by a peer to a RoutingCore (index records and load), per record.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_fleet.py
+    .venv/bin/python -m benchmarks.bench_fleet
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import time
 
 import redis.asyncio as redis
 
+from benchmarks import command_argv
 from router.policy.estimated_ttft import EstimatedTTFT, EstimatedTTFTConfig
 from router.policy.prefix_index import PrefixIndex
 from router.policy.routing_core import RoutingConfig, RoutingCore
@@ -130,7 +131,7 @@ def main() -> None:
     length, stream_bytes = run_redis(args, payloads)
     mean_payload = sum(map(len, payloads)) / len(payloads)
     print(
-        f"command: {' '.join(sys.argv)}\n"
+        f"command: {' '.join(command_argv())}\n"
         f"date: {datetime.date.today()}; machine: {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}\n"
     )

@@ -27,7 +27,7 @@ streamed with `stream_options.include_usage`); TTFT is the time to the first str
 branches are the routers' `shoal_router_requests_total` (router 3's from before its restart added in). Every
 request's figures go to `benchmarks/out/bench_fleet_live.json`.
 
-    .venv/bin/python benchmarks/bench_fleet_live.py [--prompts 24] [--num-blocks 256] [--concurrency 3]
+    .venv/bin/python -m benchmarks.bench_fleet_live [--prompts 24] [--num-blocks 256] [--concurrency 3]
 """
 
 from __future__ import annotations
@@ -58,13 +58,12 @@ from typing import Any
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks import command_argv
+from replica.children import parent_death_signal
+from replica.demo.build import PACKAGED_DIR as DEMO_DIR
+from replica.demo.corpus import generate_conversations
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from replica.children import parent_death_signal  # noqa: E402
-from replica.demo.build import PACKAGED_DIR as DEMO_DIR  # noqa: E402
-from replica.demo.corpus import generate_conversations  # noqa: E402
-
 MODEL = "shoal-demo"
 MODES = ("off", "on", "off+events", "on+events")
 """Sharing off or on; `+events`: exact mode (module docstring)."""
@@ -522,7 +521,7 @@ def _share(part: int, whole: int) -> str:
 
 def print_tables(reports: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(
-        f"command: {' '.join(sys.argv)}\n"
+        f"command: {' '.join(command_argv())}\n"
         f"date: {datetime.date.today()}; machine: {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}; {args.replicas} replicas (demo model, 1 thread, {args.num_blocks} "
         f"KV blocks of 16 tokens each), {args.routers} routers, {args.prompts} system prompts x {args.rounds} "

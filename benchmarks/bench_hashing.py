@@ -9,7 +9,7 @@ Workloads, each ~32 KiB of text (~8k tokens, 512 blocks of 64 bytes):
 - conversation: each turn resends the conversation so far plus a 1 KiB new turn (a new conversation every
   24 turns, so prompts stay around 8k tokens).
 
-    taskset -c 0 .venv/bin/python benchmarks/bench_hashing.py
+    taskset -c 0 .venv/bin/python -m benchmarks.bench_hashing
 """
 
 from __future__ import annotations

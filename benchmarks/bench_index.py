@@ -17,7 +17,7 @@ call too (dict resizes and rebuilds land there). `gc.collect()` is a full collec
 index alive and after it is gone; the difference is what the index costs every collection. Pin to one core for
 stable numbers:
 
-    PYTHONPATH=. taskset -c 0 .venv/bin/python benchmarks/bench_index.py
+    taskset -c 0 .venv/bin/python -m benchmarks.bench_index
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ is overhead on top of a BF16 `tl.dot`.
 
 The memory table quantizes `--experts` real experts and sums their tensors' bytes, then scales to the full model.
 
-    .venv/bin/python benchmarks/bench_nvfp4.py            # CUDA if present, else the CPU tables
-    .venv/bin/python benchmarks/bench_nvfp4.py --sweep --iters 200
+    .venv/bin/python -m benchmarks.bench_nvfp4            # CUDA if present, else the CPU tables
+    .venv/bin/python -m benchmarks.bench_nvfp4 --sweep --iters 200
 """
 
 from __future__ import annotations

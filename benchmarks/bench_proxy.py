@@ -44,6 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks import command_argv
+from benchmarks.loadgen import make_bodies
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
 VENVS = BENCH / ".venvs"
@@ -694,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
     python = Path(sys.executable)
     with contextlib.suppress(ValueError):  # the repository's own venv: say it without this machine's path
         python = python.relative_to(REPO)
-    print("$ " + shlex.join([str(python), *sys.argv]))
+    print("$ " + shlex.join([str(python), *command_argv()]))
     print(f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; machine: {machine_description()}", flush=True)
     if args.setup_peers:
         setup_peers()
@@ -707,9 +710,6 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"{n} {peer_version(n)}" for n in PEER_PACKAGES),
         flush=True,
     )
-
-    sys.path.insert(0, str(BENCH))
-    from loadgen import make_bodies
 
     ready_body = make_bodies(1, 256, MODEL)[0]
     results: dict[str, dict[int, dict[str, Any]]] = {}
@@ -803,7 +803,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(exist_ok=True)
     out_path = out_dir / f"bench_proxy-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out_path.write_text(
-        json.dumps({"argv": sys.argv, "results": results, "streams": streams, "skipped": skipped}, indent=1)
+        json.dumps({"argv": command_argv(), "results": results, "streams": streams, "skipped": skipped}, indent=1)
     )
     print(f"\nJSON: {out_path.relative_to(REPO)}")
     return 0

@@ -16,8 +16,8 @@ its requests the peer serves as many, so the count holds publishing its own reco
 in a fleet of two routers under equal load. The counted router publishes every `--fleet-flush-interval-s` (or
 once 256 records wait), so that its batches are as full as at native speed.
 
-    .venv/bin/python benchmarks/bench_proxy_instructions.py --routers shoal,shoal-nolog,shoal:round_robin,smg
-    .venv/bin/python benchmarks/bench_proxy_instructions.py --routers shoal,shoal+redis
+    .venv/bin/python -m benchmarks.bench_proxy_instructions --routers shoal,shoal-nolog,shoal:round_robin,smg
+    .venv/bin/python -m benchmarks.bench_proxy_instructions --routers shoal,shoal+redis
 
 Needs valgrind, nginx and loadgen.py's Python; smg and sglang-router come from `bench_proxy.py --setup-peers`.
 """
@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import bench_proxy as bp
+from benchmarks import bench_proxy as bp
 
 _SUMMARY = re.compile(rb"^(?:summary|totals):\s+(\d+)", re.M)
 

@@ -5,9 +5,9 @@ often the demo model's tool calls parse (`replica.demo.toolcheck`).
 Everything runs on the engine in-process (no HTTP), on the CPU unless `--device` says otherwise. Times are
 wall-clock medians over `--repeats` runs; on a shared 2-core machine compare figures from one run only.
 
-    .venv/bin/python benchmarks/bench_replica.py                 # all tables
-    .venv/bin/python benchmarks/bench_replica.py --only ttft     # one of: throughput, ttft, memory, agreement, tools
-    .venv/bin/python benchmarks/bench_replica.py --only ttft --wider 512   # the architecture 4x wider, random weights
+    .venv/bin/python -m benchmarks.bench_replica                 # all tables
+    .venv/bin/python -m benchmarks.bench_replica --only ttft     # one of: throughput, ttft, memory, agreement, tools
+    .venv/bin/python -m benchmarks.bench_replica --only ttft --wider 512   # the architecture 4x wider, random weights
 """
 
 from __future__ import annotations
@@ -176,8 +176,10 @@ def agreement(path: Path, tokenizer: Tokenizer, texts: list[str], dtype: torch.d
                 same += int((got == w).sum())
                 total += w.numel()
         print(f"{label:<44} {same / total:>9.2%}")
-    print(f"(calibration: {calibration.num_requests} chats, {calibration.num_tokens} tokens, "
-          f"fewest tokens of any expert {int(calibration.token_counts.min())})")
+    print(
+        f"(calibration: {calibration.num_requests} chats, {calibration.num_tokens} tokens, "
+        f"fewest tokens of any expert {int(calibration.token_counts.min())})"
+    )
 
 
 def tool_calls(path: Path, tokenizer: Tokenizer, num_prompts: int) -> None:
@@ -190,8 +192,10 @@ def tool_calls(path: Path, tokenizer: Tokenizer, num_prompts: int) -> None:
     for label, temperature in (("greedy", 0.0), ("temperature 0.7", 0.7)):
         levels, _ = check_tool_calls(model, tokenizer, prompts, temperature=temperature)
         print(f"{label:<16}" + "".join(f"{rate:>8.0%}" for rate in rates(levels).values()))
-    print("call: a <tool_call> block; json: it parses, with a name and an arguments object; name: the expected "
-          "function; schema: argument names and types fit it; exact: the expected arguments")
+    print(
+        "call: a <tool_call> block; json: it parses, with a name and an arguments object; name: the expected "
+        "function; schema: argument names and types fit it; exact: the expected arguments"
+    )
 
 
 def main() -> None:
@@ -216,6 +220,7 @@ def main() -> None:
     tokenizer = Tokenizer.from_file(path / "tokenizer.json")
     texts = held_out_texts(path)
     print(f"model {path}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+
     def timed_model() -> MoEForCausalLM:
         return load_model(path) if args.wider is None else wider_model(path, args.wider)
 

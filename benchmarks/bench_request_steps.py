@@ -10,17 +10,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from itertools import pairwise
-from pathlib import Path
 
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from loadgen import make_bodies
-
+from benchmarks.loadgen import make_bodies
 from router.policy.config import build_policy
 from router.policy.prefix_index import PrefixIndex
 from router.policy.routing_text import chat_routing_key

@@ -6,8 +6,8 @@ under one policy; requests reach the routers as `--spread` says. Prints one tabl
 ratio of 4 sharing routers against one router's. One core, some 6 CPU-minutes for both workloads in full:
 
     export SHOAL_TRACES_DIR=DIR   # where `shoal simulate fetch-traces` put the traces
-    taskset -c 0 .venv/bin/python benchmarks/bench_router_fleet.py
-    taskset -c 0 .venv/bin/python benchmarks/bench_router_fleet.py --workloads agentic --spread session
+    taskset -c 0 .venv/bin/python -m benchmarks.bench_router_fleet
+    taskset -c 0 .venv/bin/python -m benchmarks.bench_router_fleet --workloads agentic --spread session
 """
 
 from __future__ import annotations

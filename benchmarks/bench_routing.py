@@ -25,8 +25,8 @@ index is the current one, built once), in the same process on the same prompts, 
 which of the two decides first; its rows follow each row, and count the decisions that differ. Run pinned to one
 core:
 
-    taskset -c 0 .venv/bin/python benchmarks/bench_routing.py
-    taskset -c 0 .venv/bin/python benchmarks/bench_routing.py --no-after --baseline main
+    taskset -c 0 .venv/bin/python -m benchmarks.bench_routing
+    taskset -c 0 .venv/bin/python -m benchmarks.bench_routing --no-after --baseline main
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ prints, per policy, the CPU and wall seconds, the events run and the simulated r
 then the totals. Run it pinned to one core:
 
     export SHOAL_TRACES_DIR=DIR   # where `shoal simulate fetch-traces` put the traces
-    taskset -c 0 .venv/bin/python benchmarks/bench_simulate.py
-    taskset -c 0 .venv/bin/python benchmarks/bench_simulate.py --speed 4          # a more loaded fleet
-    taskset -c 0 .venv/bin/python benchmarks/bench_simulate.py --synthetic 100000  # scaling: shared-prefix requests
+    taskset -c 0 .venv/bin/python -m benchmarks.bench_simulate
+    taskset -c 0 .venv/bin/python -m benchmarks.bench_simulate --speed 4          # a more loaded fleet
+    taskset -c 0 .venv/bin/python -m benchmarks.bench_simulate --synthetic 100000  # scaling: shared-prefix requests
 
 With `--synthetic N` the workload is N requests of the `shared_prefix` generator (about 3k-token prompts over 20
 Zipf-popular system prompts) instead of the trace, at a rate that keeps the 16 replicas moderately loaded.

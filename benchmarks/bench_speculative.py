@@ -7,11 +7,11 @@ their ratio; the mean acceptance length (1 + accepted / drafts). Cells are inter
 off, on, ...) and the median round is printed, since the machines these numbers come from drift by 10-30% over
 minutes.
 
-    .venv/bin/python benchmarks/bench_speculative.py              # the grid: threads x temperature x batch x experts
-    .venv/bin/python benchmarks/bench_speculative.py --drafters --dense DIR --k 2,4,8   # block against dense
-    .venv/bin/python benchmarks/bench_speculative.py --breakdown  # per-step time by part, batch 1 and 16
-    .venv/bin/python benchmarks/bench_speculative.py --adaptive --batches 1,4,16,32   # adaptive k, fixed k, off
-    .venv/bin/python benchmarks/bench_speculative.py --adaptive --untrained-drafter   # ... with a useless drafter
+    .venv/bin/python -m benchmarks.bench_speculative              # the grid: threads x temperature x batch x experts
+    .venv/bin/python -m benchmarks.bench_speculative --drafters --dense DIR --k 2,4,8   # block against dense
+    .venv/bin/python -m benchmarks.bench_speculative --breakdown  # per-step time by part, batch 1 and 16
+    .venv/bin/python -m benchmarks.bench_speculative --adaptive --batches 1,4,16,32   # adaptive k, fixed k, off
+    .venv/bin/python -m benchmarks.bench_speculative --adaptive --untrained-drafter   # ... with a useless drafter
 
 The grid's `on` is what `shoal replica` serves by default: the demo model's block drafter, k = its block size (8),
 adaptive.

@@ -9,8 +9,8 @@
 TP=1 runs with `--threads` threads, each TP=2 rank with `--threads` / 2, so both use the same cores. Rank 0 runs the
 engine; rank 1 follows its steps (`replica.engine.parallel`).
 
-    .venv/bin/python benchmarks/bench_tp.py                  # both tables, 50 prompts, 2 threads
-    .venv/bin/python benchmarks/bench_tp.py --prompts 10     # quicker
+    .venv/bin/python -m benchmarks.bench_tp                  # both tables, 50 prompts, 2 threads
+    .venv/bin/python -m benchmarks.bench_tp --prompts 10     # quicker
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import command_argv
 from replica.demo.build import ensure_demo_model, held_out_texts
 from replica.engine.engine import EngineConfig, LLMEngine
 from replica.engine.sampling import SamplingParams
@@ -174,7 +175,7 @@ def main() -> int:
     model = load_model(path)
     tp1 = _run(model, prompts, None)
 
-    print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
+    print(f"command: {' '.join([Path(sys.executable).name, *command_argv()])}")
     print(f"date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}")
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {platform.platform()}")
     per_rank = max(1, args.threads // 2)

@@ -10,8 +10,8 @@ part is Python and event-loop work; the rest is the kernel's (on loopback the se
 receiving TCP stack), which is noisy on a busy machine. Rounds alternate between the clients; the table shows the
 median of `--rounds`.
 
-    .venv/bin/python benchmarks/bench_upstream.py
-    .venv/bin/python benchmarks/bench_upstream.py --requests 20000 --rounds 5 --client-core 2 --server-core 3
+    .venv/bin/python -m benchmarks.bench_upstream
+    .venv/bin/python -m benchmarks.bench_upstream --requests 20000 --rounds 5 --client-core 2 --server-core 3
 
 Not a test: it prints a table and writes JSON under benchmarks/out/. Traffic goes to 127.0.0.1 only.
 """
@@ -101,7 +101,7 @@ async def serve() -> None:
 
 
 def start_server(core: int) -> tuple[subprocess.Popen[str], int]:
-    argv = ["taskset", "-c", str(core), sys.executable, __file__, "--serve"]
+    argv = ["taskset", "-c", str(core), sys.executable, "-m", "benchmarks.bench_upstream", "--serve"]
     process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
     assert process.stdout is not None
     line = process.stdout.readline()

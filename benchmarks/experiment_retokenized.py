@@ -9,8 +9,8 @@ same tokenizer, the end-of-turn token put back. Both drafters share the recipe a
 are the same raw prompts for both. The report: how many answers tokenize differently, where (examples with their
 tokens side by side), and each drafter's mean acceptance length on all held-out prompts and on the tool-call ones.
 
-    .venv/bin/python benchmarks/experiment_retokenized.py                    # ~15 minutes on 2 cores
-    .venv/bin/python benchmarks/experiment_retokenized.py --traces DIR --steps 300
+    .venv/bin/python -m benchmarks.experiment_retokenized                    # ~15 minutes on 2 cores
+    .venv/bin/python -m benchmarks.experiment_retokenized --traces DIR --steps 300
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_speculative import shown
 from replica.capture import CaptureSource
 from replica.demo.build import ensure_demo_model
 from replica.demo.traffic import generate_traffic
@@ -37,9 +37,6 @@ from replica.model.loader import load_model
 from replica.spec.build import build_drafter
 from replica.spec.train import DrafterRecipe, Example, load_capture_examples, measure_acceptance
 from replica.tokenizer import Tokenizer
-
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_speculative import shown
 
 TOOL_CALL_TOKEN = "<tool_call>"
 

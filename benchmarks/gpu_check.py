@@ -10,8 +10,8 @@ the Triton NVFP4 expert kernel against BF16 at decode shapes.
    expert at decode rows M = 1..16 (`benchmarks/bench_nvfp4.py`'s CUDA table). Goal at M = 1 on an H200: at least
    2x; weight bytes bound it near 3.5x (0.5625 bytes per weight against 2).
 
-    .venv/bin/python benchmarks/gpu_check.py                  # on a CUDA machine, ~3 minutes
-    .venv/bin/python benchmarks/gpu_check.py --device cpu --prompts 8 --skip-kernel   # the same code, small, here
+    .venv/bin/python -m benchmarks.gpu_check                  # on a CUDA machine, ~3 minutes
+    .venv/bin/python -m benchmarks.gpu_check --device cpu --prompts 8 --skip-kernel   # the same code, small, here
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from benchmarks.bench_speculative import prompts_for
 from replica.demo.build import ensure_demo_model
 from replica.engine.engine import EngineConfig, LLMEngine
 from replica.engine.sampling import SamplingParams
@@ -34,9 +34,6 @@ from replica.model.loader import load_model
 from replica.model.model import MoEForCausalLM
 from replica.spec.checkpoint import DrafterModel, drafter_runtime, load_drafter
 from replica.tokenizer import Tokenizer
-
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_speculative import prompts_for
 
 
 def generate(
@@ -144,7 +141,7 @@ def main() -> None:
 
     if not args.skip_kernel and args.device.startswith("cuda"):
         print("\n## 3. NVFP4 expert kernel against BF16 (bench_nvfp4.py)")
-        from bench_nvfp4 import bench_cuda
+        from benchmarks.bench_nvfp4 import bench_cuda
 
         bench_cuda(iters=100, sweep=True)
 

@@ -1,7 +1,7 @@
 """One cell of a `shoal simulate --matrix` file, looked into: where each policy sent the requests and what the router
 learnt, to say why a policy misses the cell's best.
 
-    SHOAL_TRACES_DIR=DIR .venv/bin/python benchmarks/matrix_cell.py simulations/matrices/engines_x_traces.yaml \
+    SHOAL_TRACES_DIR=DIR .venv/bin/python -m benchmarks.matrix_cell simulations/matrices/engines_x_traces.yaml \
         preset hot_prefix_burst --policies estimated_ttft,dynamo_kv [--seed 1] [--set KEY=VALUE ...]
 
 Per policy: TTFT mean and p99, requests per replica, the most sequences running and waiting and the highest KV

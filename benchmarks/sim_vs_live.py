@@ -45,7 +45,7 @@ doing when each arrived (`by_request`), then every seed's relative differences, 
 p50, p90, p99, end-to-end p50 or the hit ratio of any seed differ by more than `--tolerance` (15%, the
 simulator's validation target). Not part of `make test`: it needs a quiet machine.
 
-    .venv/bin/python benchmarks/sim_vs_live.py [--profile FILE] [--requests 150] [--rate 1.5] [--seeds 1,2,3]
+    .venv/bin/python -m benchmarks.sim_vs_live [--profile FILE] [--requests 150] [--rate 1.5] [--seeds 1,2,3]
         [--live-repeats 3]
 """
 
@@ -68,17 +68,15 @@ from typing import Any
 
 import aiohttp
 
+from router.policy.hashing import namespace_seed
+from simulations.metrics import percentile
+from simulations.scenario import FleetConfig, Scenario, policy_entry
+from simulations.simulation import Simulation
+from simulations.step_model import load_preset
+from simulations.synthetic import Zipf
+from simulations.workload import ChainState, ListWorkload, Request
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from router.policy.hashing import namespace_seed  # noqa: E402
-from simulations.metrics import percentile  # noqa: E402
-from simulations.scenario import FleetConfig, Scenario, policy_entry  # noqa: E402
-from simulations.simulation import Simulation  # noqa: E402
-from simulations.step_model import load_preset  # noqa: E402
-from simulations.synthetic import Zipf  # noqa: E402
-from simulations.workload import ChainState, ListWorkload, Request  # noqa: E402
-
 MODEL = "shoal-demo"
 BLOCK_SIZE = 16
 

@@ -5,7 +5,7 @@ mean rate, prompt and output lengths and, for Mooncake, the prefix-hit ceiling o
 all requests (the simulator's scenario 03 must reach it) and the share of requests with no hit at all; for Azure,
 the busiest minute against the mean.
 
-    .venv/bin/python benchmarks/trace_facts.py --traces-dir DIR      # or SHOAL_TRACES_DIR=DIR
+    .venv/bin/python -m benchmarks.trace_facts --traces-dir DIR      # or SHOAL_TRACES_DIR=DIR
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import os
 import platform
 import shlex
 import statistics
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
+from benchmarks import command_argv
 from simulations.traces import MOONCAKE_BLOCK_TOKENS, TraceRow, prefix_hit_ceiling, read_azure, read_mooncake
 
 FILES = {
@@ -51,7 +51,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.traces_dir is None:
         parser.error("give --traces-dir DIR or set SHOAL_TRACES_DIR (`shoal simulate fetch-traces` fills it)")
-    print(f"$ {shlex.join(['python', *sys.argv])}")
+    print(f"$ {shlex.join(['python', *command_argv()])}")
     print(f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs")
     print()
     print("| trace | requests | span s | req/s | prompt mean | p50 | p99 | output mean | ceiling | no hit | peak min |")
