@@ -29,6 +29,7 @@ import pytest
 import yaml
 from aiohttp import web
 
+from autoscaler.settings import AutoscalerSettings
 from replica.demo.build import PACKAGED_DIR as DEMO_WEIGHTS
 from replica.server.metrics import ReplicaMetrics
 from replica.settings import ReplicaSettings
@@ -291,13 +292,12 @@ def test_every_shoal_env_var_names_a_real_settings_field() -> None:
 
 @pytest.mark.parametrize("ci", ["autoscaler-scale-to-zero", "autoscaler-prometheus"])
 def test_every_autoscaler_env_var_names_a_real_settings_field(ci: str) -> None:
-    settings = pytest.importorskip("autoscaler.settings", reason="AutoscalerSettings arrive with the autoscaler")
     names = set(env_of(container(find(rendered(ci), "Deployment", "autoscaler"))))
     unknown = {
         name
         for name in names
         if name.startswith("SHOAL_AUTOSCALER_")
-        and settings_field_for_env(name, settings.AutoscalerSettings, "SHOAL_AUTOSCALER_") is None
+        and settings_field_for_env(name, AutoscalerSettings, "SHOAL_AUTOSCALER_") is None
     }
     assert unknown == set()
 
@@ -323,14 +323,13 @@ def test_the_router_and_replica_settings_load_from_what_the_chart_renders(ci: st
 
 
 def test_the_autoscaler_settings_load_from_what_the_chart_renders() -> None:
-    settings_module = pytest.importorskip("autoscaler.settings", reason="AutoscalerSettings arrive with the autoscaler")
     manifests = rendered("autoscaler-scale-to-zero")
     env = {
         n: e["value"]
         for n, e in env_of(container(find(manifests, "Deployment", "autoscaler"))).items()
         if n.startswith("SHOAL_AUTOSCALER_") and "value" in e
     }
-    settings = settings_module.AutoscalerSettings.model_validate(_nest(env, "SHOAL_AUTOSCALER_"))
+    settings = AutoscalerSettings.model_validate(_nest(env, "SHOAL_AUTOSCALER_"))
     assert settings.actuator == "kubernetes" and settings.host == "0.0.0.0"
     assert settings.kubernetes.deployment == find(manifests, "Deployment", "replica").name
     replica = container(find(manifests, "Deployment", "replica"))
@@ -670,17 +669,16 @@ def test_shoal_autoscaler_is_wired_to_the_replicas_the_routers_and_the_admin_tok
     assert router_settings_of(manifests).hold.max_wait_s == 600
 
 
-def autoscaler_settings_from(env: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> Any:
+def autoscaler_settings_from(env: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> AutoscalerSettings:
     """AutoscalerSettings as the autoscaler process loads them: from its environment, the pod's literal values set
     and Secrets standing in as placeholders."""
-    settings_module = pytest.importorskip("autoscaler.settings", reason="AutoscalerSettings arrive with the autoscaler")
     for name in list(os.environ):
         if name.startswith("SHOAL_AUTOSCALER_"):
             monkeypatch.delenv(name)
     for name, entry in env.items():
         if name.startswith("SHOAL_AUTOSCALER_"):
             monkeypatch.setenv(name, entry.get("value", "from-a-secret"))
-    return settings_module.AutoscalerSettings()
+    return AutoscalerSettings()
 
 
 def test_shoal_autoscaler_reads_prometheus_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
