@@ -53,7 +53,7 @@ async def start_any_replica() -> AsyncIterator[StartReplica]:
 @contextlib.asynccontextmanager
 async def _replicas(default_model: Path | None) -> AsyncIterator[StartReplica]:
     from replica.server.app import create_app
-    from replica.server.serve import load_drafter_for_serving, load_for_serving
+    from replica.server.serve import checkpoint_dir, load_drafter_for_serving, load_for_serving
     from replica.settings import ReplicaSettings
 
     handles: list[ReplicaHandle] = []
@@ -63,7 +63,7 @@ async def _replicas(default_model: Path | None) -> AsyncIterator[StartReplica]:
         values.update(overrides)
         settings = ReplicaSettings(**values)
         model, tokenizer = load_for_serving(settings)
-        checkpoint = Path(settings.model)
+        checkpoint = checkpoint_dir(settings)  # `demo` names the packaged folder, drafter included
         drafter = load_drafter_for_serving(settings, model, checkpoint)
         app = create_app(
             settings,
