@@ -14,6 +14,12 @@ target, and moves towards it:
 
 Actuator calls that change the fleet hold one lock, so a removal committing and a scale-up never interleave.
 `dry_run` observes, decides, logs and exports, and changes nothing.
+
+Failures: a step that fails on a router or the actuator (`RouterError`, `ActuatorError`) is logged and the next
+step tries again. Any other failure is one the loop did not foresee (say a router's listing it cannot read): the
+loop runs under `supervise`, which counts it (task `control`), logs it and restarts the loop after a backoff from
+`interval_s` to `_MAX_BACKOFF_S`. A removal that fails so ends as `error`, counted (task `removal`), its replica
+undrained where possible; the next decisions take it from there.
 """
 
 from __future__ import annotations
@@ -38,8 +44,12 @@ from autoscaler.policy import (
     is_start_overdue,
 )
 from autoscaler.service import AutoscalerMetrics
+from router.service.supervise import supervise
 
 log = logging.getLogger(__name__)
+
+_MAX_BACKOFF_S = 60.0
+"""Longest wait before the control loop starts again after failures it did not foresee."""
 
 
 def choose_victims(
@@ -120,20 +130,31 @@ class Controller:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def run(self) -> None:
-        """Step every `interval_s` until cancelled; a failed step is logged and the next one tries again."""
+        """Step every `interval_s` until cancelled; a failed step is logged and the next one tries again, and a
+        failure not foreseen restarts the loop after a backoff (module docstring)."""
         self.metrics.is_leader.set(1)
         try:
-            while True:
-                started = self.clock()
-                try:
-                    await self.step()
-                except (ActuatorError, RouterError) as exc:
-                    log.warning("autoscaler step failed: %s", exc)
-                    self.metrics.errors.labels("step").inc()
-                await asyncio.sleep(max(0.0, self.interval_s - (self.clock() - started)))
+            await supervise(
+                "control",
+                self._loop,
+                failures=self.metrics.tasks,
+                clock=self.clock,
+                min_backoff_s=self.interval_s,
+                max_backoff_s=max(self.interval_s, _MAX_BACKOFF_S),
+            )
         finally:
             self.metrics.is_leader.set(0)
             await self.close()
+
+    async def _loop(self) -> None:
+        while True:
+            started = self.clock()
+            try:
+                await self.step()
+            except (ActuatorError, RouterError) as exc:
+                log.warning("autoscaler step failed: %s", exc)
+                self.metrics.errors.labels("step").inc()
+            await asyncio.sleep(max(0.0, self.interval_s - (self.clock() - started)))
 
     async def close(self) -> None:
         """Stop pending removals: undrain those still draining, let committed ones finish."""
@@ -244,6 +265,12 @@ class Controller:
             self.metrics.errors.labels("scale_down").inc()
             if victim.url is not None:
                 with contextlib.suppress(RouterError):
+                    await self.fleet.undrain(victim.url)
+        except Exception as exc:  # not foreseen: counted and logged as the removal task's failure
+            outcome = "error"
+            self.metrics.tasks.failed("removal", exc, where=victim.name)
+            if victim.url is not None and not removal.is_committed:
+                with contextlib.suppress(Exception):
                     await self.fleet.undrain(victim.url)
         finally:
             self._pending.pop(victim.name, None)

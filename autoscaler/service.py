@@ -7,10 +7,13 @@ serves its metrics.
 
 from __future__ import annotations
 
+import logging
+
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from autoscaler.policy.types import ScaleDecision, Signal
+from router.service.supervise import TaskFailures
 
 
 class AutoscalerMetrics:
@@ -49,6 +52,10 @@ class AutoscalerMetrics:
         )
         self.errors = Counter("shoal_autoscaler_errors", "Failed steps of the loop, by stage", ["stage"], registry=r)
         self.is_leader = Gauge("shoal_autoscaler_leader", "1 while this process runs the control loop", registry=r)
+        self.tasks = TaskFailures(logging.getLogger("shoal.autoscaler.tasks"))
+        """Failures of the control loop and of removals that the loop did not foresee (router/service/supervise.py):
+        `shoal_autoscaler_task_failures_total{task}` and `shoal_autoscaler_tasks_down{task}`."""
+        r.register(self.tasks.collector("shoal_autoscaler"))
 
     def record(
         self,

@@ -3,16 +3,17 @@ its endpoints, served by `router.service.front`.
 
 State lives under typed `web.AppKey`s; the HTTP client session, the health and scrape tasks and, with
 `discovery.kind: kubernetes`, the EndpointSlice watch and, with `kv_events.source` set, the replicas' KV-event
-streams are started and stopped in `cleanup_ctx`. Tests build the app with this same factory. Every endpoint, the
-admin API, /metrics and the probes included, is served on the one port by the front, so that one parser and one
-set of limits guard it (router/service/server.py says why there is no second listener).
+streams are started and stopped in `cleanup_ctx`, each background task under `router.service.supervise`. Tests
+build the app with this same factory. Every endpoint, the admin API, /metrics and the probes included, is served
+on the one port by the front, so that one parser and one set of limits guard it (router/service/server.py says
+why there is no second listener).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -34,6 +35,7 @@ from router.service.proxy import Proxy
 from router.service.request_log import RequestLog, open_sink
 from router.service.routing import RoutingCore
 from router.service.settings import RouterSettings
+from router.service.supervise import supervise
 from router.service.upstream import UpstreamPool
 
 SETTINGS = web.AppKey("settings", RouterSettings)
@@ -179,9 +181,16 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         if kv_events is not None:
             kv_events.replica_up(replica)
 
-    health = HealthChecker(settings.health, app[POOL], probe_session, on_down=on_down, clock=loop.time, on_up=on_up)
+    failures = app[METRICS].tasks
+    health = HealthChecker(
+        settings.health, app[POOL], probe_session, on_down=on_down, clock=loop.time, failures=failures, on_up=on_up
+    )
     app[HEALTH] = health
-    tasks = [asyncio.create_task(health.run(), name="health"), asyncio.create_task(_sweep(core, loop))]
+
+    def supervised(task: str, run: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+        return asyncio.create_task(supervise(task, run, failures=failures, clock=loop.time), name=task)
+
+    tasks = [supervised("health", health.run), supervised("index_sweep", lambda: _sweep(core, loop))]
     if settings.scrape.enabled:
         scraper = MetricsScraper(
             settings.scrape,
@@ -190,9 +199,11 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
             on_gauges=lambda replica, running, waiting, kv, limit: core.core.set_gauges(
                 replica.id, running, waiting, kv, limit
             ),
+            clock=loop.time,
+            failures=failures,
             on_kv_capacity=lambda replica, tokens: core.core.set_kv_capacity(replica.id, tokens),
         )
-        tasks.append(asyncio.create_task(scraper.run(), name="scrape"))
+        tasks.append(supervised("scrape", scraper.run))
     discovery = None
     fleet = None
     try:
@@ -203,6 +214,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
                 core,
                 app[POOL],
                 loop.time,
+                failures=failures,
                 on_undrained=lambda r: _replica_changed(app, r),
             )
             app[METRICS].registry.register(fleet.collector())
@@ -215,7 +227,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
             from router.service.discovery import KubernetesDiscovery
 
             discovery = KubernetesDiscovery(
-                settings.discovery, app[POOL], core, on_changed=lambda r: _replica_changed(app, r)
+                settings.discovery, app[POOL], core, on_changed=lambda r: _replica_changed(app, r), failures=failures
             )
             discovery.start()
         yield

@@ -12,6 +12,10 @@
   again -> undrained; gone from every slice -> removed.
 - Discovery acts only on a change of an endpoint's state and only on the replicas it added, and it undrains only
   what it drained: an unrelated slice update never undoes a drain made through the admin API.
+- Failures: the API server unreachable or refusing (an HTTP error, a broken connection) is logged and retried;
+  anything else (an object the client cannot read, a slice that breaks `endpoints_of`) is also counted as a
+  failure of the `discovery` task and logged with its traceback the first time (router/service/supervise.py).
+  Either way discovery counts as down (`shoal_router_tasks_down{task="discovery"}`) until a list is applied again.
 
 `endpoints_of` and `merge` are pure: the slices in, the endpoints out.
 
@@ -29,6 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import urllib3
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes import watch as k8s_watch
@@ -36,6 +41,7 @@ from kubernetes import watch as k8s_watch
 from router.service.pool import Replica, ReplicaPool, replica_id
 from router.service.routing import RoutingCore
 from router.service.settings import DiscoverySettings
+from router.service.supervise import TaskFailures
 
 log = logging.getLogger("shoal.router.discovery")
 
@@ -142,6 +148,7 @@ class KubernetesDiscovery:
         core: RoutingCore,
         on_changed: Callable[[Replica], None],
         *,
+        failures: TaskFailures,
         api_client: k8s.ApiClient | None = None,
     ) -> None:
         if settings.service is None:
@@ -166,6 +173,10 @@ class KubernetesDiscovery:
         self._watch: k8s_watch.Watch | None = None
         self.num_syncs = 0
         """Full lists applied so far (1 after start-up; more after a 410 Gone or a failed watch)."""
+        self.failures = failures
+        failures.declare("discovery")
+        self.is_down = False
+        """A list or watch failed and no list has been applied since."""
 
     def start(self) -> None:
         """Start watching; call on the event loop that owns the pool."""
@@ -189,6 +200,7 @@ class KubernetesDiscovery:
                 log.warning("the discovery thread is still in a request; it ends at that request's timeout")
         if self._owns_client and self._api_client is not None:
             self._api_client.close()  # type: ignore[no-untyped-call]
+        self._set_down(False)  # stopped, not failed
 
     # --- on the event loop ---------------------------------------------------------------------------------------
 
@@ -196,6 +208,7 @@ class KubernetesDiscovery:
         self._slices = {_slice_name(s): endpoints_of(s, self.settings) for s in slices}
         self.num_syncs += 1
         self._reconcile()
+        self._set_down(False)
 
     def _apply_event(self, kind: str, endpoint_slice: k8s.V1EndpointSlice) -> None:
         name = _slice_name(endpoint_slice)
@@ -204,6 +217,24 @@ class KubernetesDiscovery:
         else:
             self._slices[name] = endpoints_of(endpoint_slice, self.settings)
         self._reconcile()
+
+    def _failed(self, exc: Exception, retry_in_s: float, is_foreseen: bool) -> None:
+        if not is_foreseen:
+            self.failures.failed("discovery", exc, where=self.settings.service or "", retry_in_s=retry_in_s)
+        self._set_down(True)
+
+    def _set_down(self, is_down: bool) -> None:
+        if is_down != self.is_down:
+            self.is_down = is_down
+            (self.failures.down if is_down else self.failures.up)("discovery")
+
+    def _on_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run what the thread handed over; a failure there is discovery's, not the event loop's."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            self.failures.failed("discovery", exc, where=self.settings.service or "")
+            self._set_down(True)
 
     def _reconcile(self) -> None:
         after = merge(self._slices.values())
@@ -268,12 +299,23 @@ class KubernetesDiscovery:
                     continue
                 failures += 1
                 log.warning("EndpointSlices of %s: HTTP %s %s", self.settings.service, exc.status, exc.reason)
-            except Exception as exc:  # the thread must outlive any one failure: it is the router's only discovery
+                self._post(self._failed, exc, self._retry_s(failures), True)
+            except (urllib3.exceptions.HTTPError, OSError) as exc:
                 if self._stopping.is_set():
                     break
                 failures += 1
                 log.warning("EndpointSlices of %s: %s: %s", self.settings.service, type(exc).__name__, exc)
-            self._stopping.wait(_RETRY_S[min(max(failures, 1), len(_RETRY_S)) - 1])
+                self._post(self._failed, exc, self._retry_s(failures), True)
+            except Exception as exc:  # the thread must outlive any one failure: it is the router's only discovery
+                if self._stopping.is_set():
+                    break
+                failures += 1
+                self._post(self._failed, exc, self._retry_s(failures), False)
+            self._stopping.wait(self._retry_s(failures))
+
+    @staticmethod
+    def _retry_s(num_failures: int) -> float:
+        return _RETRY_S[min(max(num_failures, 1), len(_RETRY_S)) - 1]
 
     def _list(self, api: k8s.DiscoveryV1Api) -> str:
         listed = api.list_namespaced_endpoint_slice(
@@ -317,7 +359,7 @@ class KubernetesDiscovery:
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None
         try:
-            self._loop.call_soon_threadsafe(fn, *args)
+            self._loop.call_soon_threadsafe(self._on_loop, fn, *args)
         except RuntimeError:  # the loop is closed: the app is gone
             self._stopping.set()
 

@@ -55,7 +55,7 @@ from router.service.pool import Replica, ReplicaPool
 from router.service.redis_url import redis_client
 from router.service.routing import RoutingCore
 from router.service.settings import FleetSettings
-from router.service.supervise import supervise
+from router.service.supervise import TaskFailures, supervise
 
 log = logging.getLogger("shoal.router.fleet")
 
@@ -88,9 +88,11 @@ class FleetSharing:
         pool: ReplicaPool,
         clock: Callable[[], float],
         *,
+        failures: TaskFailures,
         on_undrained: Callable[[Replica], None] = lambda replica: None,
     ) -> None:
         self.url = url
+        self.failures = failures
         self.settings = settings
         self.core = core
         self.pool = pool
@@ -132,7 +134,6 @@ class FleetSharing:
                 "unknown_replica",
                 "outages",
                 "resyncs",
-                "task_failures",
                 "position_resets",
             ),
             0,
@@ -165,22 +166,28 @@ class FleetSharing:
             self._down(exc)
         loop = asyncio.get_running_loop()
         self._tasks = [
-            loop.create_task(self._supervised("fleet publish", self._publish_loop), name="fleet publish"),
-            loop.create_task(self._supervised("fleet consume", self._consume_loop), name="fleet consume"),
+            loop.create_task(self._supervised("fleet_publish", self._publish_loop), name="fleet publish"),
+            loop.create_task(self._supervised("fleet_consume", self._consume_loop), name="fleet consume"),
         ]
 
-    async def _supervised(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
+    async def _supervised(self, task: str, run: Callable[[], Awaitable[None]]) -> None:
         """`run` restarted after any failure it did not handle itself, which counts as an outage of sharing (the
         health gauge says so) and as a task failure; a failed publisher's batch is dropped, not retried for ever."""
         is_publisher = run == self._publish_loop
 
         def on_failure(exc: BaseException) -> None:
-            self.counts["task_failures"] += 1
             if is_publisher:
                 self._pending = None
             self._down(exc)
 
-        await supervise(name, run, on_failure=on_failure, clock=self._clock, max_backoff_s=self.settings.retry_s * 10)
+        await supervise(
+            task,
+            run,
+            failures=self.failures,
+            clock=self._clock,
+            on_failure=on_failure,
+            max_backoff_s=self.settings.retry_s * 10,
+        )
 
     async def stop(self) -> None:
         """Cancel the tasks, then close the clients, each step within `command_timeout_s`: a shutdown does not wait

@@ -4,6 +4,11 @@ Each task sleeps until the earliest replica is due (or until woken: passive fail
 set `wake`), probes the due replicas concurrently, and applies the results through `Replica`'s transitions.
 Unhealthy replicas are probed every `unhealthy_interval_s`, healthy ones every `interval_s`. The replica's
 models come from `/v1/models`, fetched while unknown and every `_MODELS_EVERY` probes.
+
+A replica that does not answer is the probes' everyday business. One whose answer breaks the code that reads
+it is a failure of that replica's probe or scrape (router/service/supervise.py), counted and logged as a task
+failure; it costs that replica only: a probe so broken counts as a failed probe, a scrape so broken clears the
+replica's engine gauges (unknown, not stale) and is retried after a backoff, while the others go on.
 """
 
 from __future__ import annotations
@@ -19,10 +24,13 @@ import aiohttp
 from router.service.pool import Replica, ReplicaPool
 from router.service.scrape import parse_engine_metrics
 from router.service.settings import HealthSettings, ScrapeSettings
+from router.service.supervise import TaskFailures, backoff_s
 
 log = logging.getLogger("shoal.router.health")
 
 _MODELS_EVERY = 15
+_MAX_SCRAPE_BACKOFF_S = 60.0
+"""Longest wait before scraping again a replica whose answers cannot be read."""
 
 
 class HealthChecker:
@@ -33,6 +41,7 @@ class HealthChecker:
         session: aiohttp.ClientSession,
         on_down: Callable[[Replica], None],
         clock: Callable[[], float],
+        failures: TaskFailures,
         on_up: Callable[[Replica], None] = lambda replica: None,
     ) -> None:
         self.settings = settings
@@ -41,6 +50,8 @@ class HealthChecker:
         self.on_down = on_down
         self.on_up = on_up
         self.clock = clock
+        self.failures = failures
+        failures.declare("health")
         self.wake = asyncio.Event()
 
     async def run(self) -> None:
@@ -68,15 +79,20 @@ class HealthChecker:
                 replica.probes_since_models = 0
             replica.probes_since_models += 1
         except (aiohttp.ClientError, TimeoutError, _ProbeError, ValueError) as exc:
-            error = str(exc) or type(exc).__name__
-            if replica.probe_failed(s, error):
-                log.warning("replica %s is out of rotation: %s", replica.id, error)
-                self.on_down(replica)
+            self._probe_failed(replica, str(exc) or type(exc).__name__)
+        except Exception as exc:  # its answer broke the code that reads it: that replica's failure only
+            self.failures.failed("health", exc, where=replica.id)
+            self._probe_failed(replica, f"{type(exc).__name__}: {exc}")
         else:
             if replica.probe_succeeded(s, self.clock()):
                 log.info("replica %s is in rotation", replica.id)
                 self.on_up(replica)
         replica.next_probe_at = self.clock() + (s.interval_s if replica.is_healthy else s.unhealthy_interval_s)
+
+    def _probe_failed(self, replica: Replica, error: str) -> None:
+        if replica.probe_failed(self.settings, error):
+            log.warning("replica %s is out of rotation: %s", replica.id, error)
+            self.on_down(replica)
 
     async def _models(self, replica: Replica, client_timeout: aiohttp.ClientTimeout) -> dict[str, dict[str, Any]]:
         async with self.session.get(replica.url + "/v1/models", timeout=client_timeout) as resp:
@@ -101,7 +117,8 @@ Gauges = Callable[[Replica, int | None, int | None, float | None, int | None], o
 class MetricsScraper:
     """Reads engine gauges (queue, KV usage and, where the engine exports it, its batch limit) every `interval_s`
     into `on_gauges` (the routing core's `set_gauges`), and the engine's KV cache size into
-    `on_kv_capacity(replica, tokens)` unless the admin API set the replica's capacity."""
+    `on_kv_capacity(replica, tokens)` unless the admin API set the replica's capacity. A replica whose answer
+    cannot be read is scraped again after a backoff from `interval_s` to `_MAX_SCRAPE_BACKOFF_S`."""
 
     def __init__(
         self,
@@ -109,6 +126,9 @@ class MetricsScraper:
         pool: ReplicaPool,
         session: aiohttp.ClientSession,
         on_gauges: Gauges,
+        *,
+        clock: Callable[[], float],
+        failures: TaskFailures,
         on_kv_capacity: Callable[[Replica, float], object] = lambda replica, tokens: None,
     ) -> None:
         self.settings = settings
@@ -116,11 +136,21 @@ class MetricsScraper:
         self.session = session
         self.on_gauges = on_gauges
         self.on_kv_capacity = on_kv_capacity
+        self.clock = clock
+        self.failures = failures
+        failures.declare("scrape")
+        self._backoffs: dict[str, tuple[int, float]] = {}
+        """Replica id -> (consecutive failed scrapes, when to scrape it next), for replicas whose last answer
+        could not be read."""
 
     async def run(self) -> None:
         while True:
-            replicas = [r for r in self.pool if r.is_healthy]
+            now = self.clock()
+            replicas = [r for r in self.pool if r.is_healthy and self._backoffs.get(r.id, (0, now))[1] <= now]
             await asyncio.gather(*(self.scrape(r) for r in replicas))
+            for rid in self._backoffs.keys() - {r.id for r in self.pool}:
+                del self._backoffs[rid]
+                self.failures.up("scrape")
             await asyncio.sleep(self.settings.interval_s)
 
     async def scrape(self, replica: Replica) -> None:
@@ -130,10 +160,18 @@ class MetricsScraper:
                 if resp.status != 200:
                     return
                 text = await resp.text()
-            gauges = parse_engine_metrics(text)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            log.debug("scrape of %s failed: %s", replica.id, exc)
+            self._apply(replica, parse_engine_metrics(text))
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.debug("scrape of %s failed: %s", replica.id, exc)  # reachability is the health checker's
             return
+        except Exception as exc:  # its answer broke the code that reads it: that replica's failure only
+            self._failed(replica, exc)
+            return
+        if self._backoffs.pop(replica.id, None) is not None:
+            self.failures.up("scrape")
+            log.info("scrape of %s is readable again", replica.id)
+
+    def _apply(self, replica: Replica, gauges: dict[str, float]) -> None:
         running, waiting, kv = gauges.get("num_running"), gauges.get("num_waiting"), gauges.get("kv_usage")
         limit = gauges.get("max_num_seqs")
         self.on_gauges(
@@ -149,3 +187,13 @@ class MetricsScraper:
         capacity = gauges.get("kv_capacity_tokens")
         if capacity is not None and not replica.is_kv_capacity_configured:
             self.on_kv_capacity(replica, capacity)
+
+    def _failed(self, replica: Replica, exc: Exception) -> None:
+        """The replica's gauges become unknown, not stale, and its next scrape waits out a backoff."""
+        self.on_gauges(replica, None, None, None, None)
+        if replica.id not in self._backoffs:
+            self.failures.down("scrape")
+        num_failures = self._backoffs.get(replica.id, (0, 0.0))[0] + 1
+        delay_s = backoff_s(num_failures, self.settings.interval_s, _MAX_SCRAPE_BACKOFF_S)
+        self._backoffs[replica.id] = (num_failures, self.clock() + delay_s)
+        self.failures.failed("scrape", exc, where=replica.id, retry_in_s=delay_s)

@@ -16,6 +16,10 @@ Sources (`kv_events.source`).
     ones (`PrefixIndex.demote`), since whatever removals went missing would otherwise keep blocks indexed that
     the engine has dropped. vLLM's 128-token CPU blocks are indexed as the router's smaller blocks.
 
+Each subscriber runs under `router.service.supervise`: a failure it did not foresee is counted (task
+`kv_events`) and logged, and the subscriber starts over after a backoff from `reconnect_min_s` to
+`reconnect_max_s`, its stream not live meanwhile.
+
 A stream is live once it is in sync: an SSE snapshot applied, a ZMQ replay or batch applied. While it is, the
 router records its routing decisions for token-id prompts as short-lived predictions (routing.py), which the
 engine's `stored` events confirm.
@@ -51,6 +55,7 @@ from router.service.kv_event_wire import decode_vllm_batch, parse_sse_message
 from router.service.metrics import RouterMetrics
 from router.service.pool import Replica, ReplicaPool
 from router.service.settings import KVEventSettings, RouterSettings
+from router.service.supervise import supervise
 
 if TYPE_CHECKING:
     import zmq.asyncio
@@ -128,7 +133,18 @@ class KVEventSubscriber(abc.ABC):
         self._is_block_size_reported = False
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-events {self.replica.id}")
+        """Follow the stream in a task of its own, restarted with backoff after a failure it did not foresee
+        (router/service/supervise.py)."""
+        run = supervise(
+            "kv_events",
+            self._run,
+            failures=self.metrics.tasks,
+            clock=self._clock,
+            where=self.replica.id,
+            min_backoff_s=self.settings.reconnect_min_s,
+            max_backoff_s=self.settings.reconnect_max_s,
+        )
+        self._task = asyncio.get_running_loop().create_task(run, name=f"kv-events {self.replica.id}")
 
     def cancel(self) -> asyncio.Task[None] | None:
         """Stop for good (the replica left the pool); returns the task to await."""
@@ -180,10 +196,7 @@ class KVEventSubscriber(abc.ABC):
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             log.info("KV events of %s: %s: %s", self.replica.id, type(exc).__name__, exc)
             return "error"
-        except Exception:  # the task must outlive any one failure: it is the replica's only stream
-            log.exception("KV events of %s: the stream failed", self.replica.id)
-            return "error"
-        finally:
+        finally:  # any other failure ends the task, which its supervisor restarts (start)
             self._stream = None
             self._resync_reason = None
             self._set_live(False)

@@ -9,6 +9,7 @@ autoscaler) are read from the live state at scrape time, so the request path pay
 
 from __future__ import annotations
 
+import logging
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
@@ -17,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from router.service.pool import ReplicaPool, Status
+from router.service.supervise import TaskFailures
 
 _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _DECISION_BUCKETS_S = (10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 10e-3)
@@ -127,8 +129,11 @@ class RouterMetrics:
         )
         self.held_requests = 0
         """Requests waiting for any replica to become able to serve them (the router's own queue)."""
+        self.tasks = TaskFailures(logging.getLogger("shoal.router.tasks"))
+        """Failures of the background tasks (router/service/supervise.py)."""
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_RequestCollector(self))
+        self.registry.register(self.tasks.collector("shoal_router"))
         self.registry.register(_PoolCollector(pool))
         self.worker = worker
         """This process's label among `--workers`; None for a lone router."""

@@ -6,8 +6,9 @@ their own loopback addresses, all on one port, as pods behind one Service are. S
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import pytest
 
 from router.service.settings import DiscoverySettings
 from tests.fakes import FakeReplica, FakeReplicaConfig
-from tests.integration.conftest import RouterHandle, StartRouter, eventually, unique_text
+from tests.integration.conftest import RouterHandle, StartRouter, eventually, metric_value, unique_text
 from tests.integration.kmock_support import ENDPOINT_SLICES, KubeApi, running_kube_api, use_kubeconfig
 
 pytestmark = pytest.mark.integration
@@ -186,3 +187,42 @@ async def test_an_expired_watch_lists_again_and_keeps_an_admin_drain(
     )
     await router.wait_eligible(["replica-a", "replica-c"])
     assert await statuses(router) == {"replica-a": "healthy", "replica-b": "draining", "replica-c": "healthy"}
+
+
+async def test_a_slice_the_client_cannot_read_is_a_counted_failure_and_discovery_recovers(
+    kube_api: KubeApi,
+    kubeconfig: Path,
+    pods: dict[str, FakeReplica],
+    start_router: StartRouter,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    a, b = pods["replica-a"], pods["replica-b"]
+    await kube_api.create_object(ENDPOINT_SLICES, NS, endpoint_slice("replica-1", a.port, [endpoint(a, "ready")]))
+    caplog.set_level(logging.ERROR, logger="shoal.router.tasks")
+    router = await start_router(num_ready=1, discovery=discovery())
+
+    async def task_metric(name: str) -> float | None:
+        return metric_value(await router.metrics(), name, {"task": "discovery"})
+
+    assert await task_metric("shoal_router_task_failures_total") == 0
+    # An endpoint without addresses, which the API requires: the official client refuses the event and every list.
+    await kube_api.create_object(
+        ENDPOINT_SLICES, NS, endpoint_slice("replica-2", b.port, [{"conditions": {"ready": True}}])
+    )
+    await eventually(lambda: _is_one(task_metric("shoal_router_tasks_down")), what="discovery down")
+    assert (await task_metric("shoal_router_task_failures_total") or 0) >= 1
+    assert await statuses(router) == {"replica-a": "healthy"}  # what it knew still serves
+
+    fixed = endpoint_slice("replica-2", b.port, [endpoint(b, "ready")])
+    await kube_api.replace_object(ENDPOINT_SLICES, NS, "replica-2", fixed)
+    expected = {"replica-a": "healthy", "replica-b": "healthy"}
+    await eventually(lambda: has_statuses(router, expected), timeout_s=10.0, what="b discovered after the failures")
+    assert await task_metric("shoal_router_tasks_down") == 0
+    num_failures = await task_metric("shoal_router_task_failures_total")
+    lines = [r for r in caplog.records if r.name == "shoal.router.tasks" and "task discovery " in r.getMessage()]
+    assert len(lines) == num_failures  # one line each, the traceback with the first only
+    assert lines[0].exc_info is not None and all(r.exc_info is None for r in lines[1:])
+
+
+async def _is_one(value: Awaitable[float | None]) -> bool:
+    return await value == 1
