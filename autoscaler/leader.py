@@ -24,10 +24,7 @@ import asyncio
 import datetime
 import logging
 import math
-import os
-import socket
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -255,12 +252,6 @@ class LeaderElector:
     async def _call(self, fn: Callable[..., T], *args: Any, timeout_s: float = _REQUEST_TIMEOUT_S) -> T:
         timeout_s = max(min(timeout_s, _REQUEST_TIMEOUT_S), 0.05)
         return await asyncio.wait_for(asyncio.to_thread(fn, *args, _request_timeout=timeout_s), timeout_s + 0.5)
-
-
-def default_identity() -> str:
-    """This process's name in the Lease: the pod name (HOSTNAME in a pod) and a random suffix, as client-go does,
-    so a restarted pod with the same name is a new candidate."""
-    return f"{os.environ.get('HOSTNAME') or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
 
 
 def _utcnow() -> datetime.datetime:

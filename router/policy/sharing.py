@@ -274,10 +274,6 @@ class FleetView:
         self._resum(changed)
         return gone
 
-    def resum(self) -> None:
-        """Set every replica's peer load again (a replica that joined starts at none)."""
-        self._resum({rid for p in self._peers.values() for rid in p.loads})
-
     def _resum(self, replicas: Iterable[str]) -> None:
         for rid in replicas:
             in_flight = waiting = tokens = 0

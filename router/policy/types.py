@@ -216,10 +216,6 @@ class ReplicaState:
         return self.waiting_prompt_tokens - self.peer_waiting_prompt_tokens
 
     @property
-    def own_streaming(self) -> int:
-        return self.streaming - (self.peer_in_flight - self.peer_waiting)
-
-    @property
     def queue_depth(self) -> int:
         """Best estimate of requests queued or running on the replica: this router's own (exact and current) plus
         those the engine counted beyond them at its last scrape (sent by clients or routers this one does not
