@@ -1,6 +1,6 @@
 """The vocabulary shared by every routing policy, the live router and the simulator.
 
-A driver (the aiohttp service, or the simulator) builds a `RouteRequest` (block hashes, estimated prompt
+A driver (the router's service, or the simulator) builds a `RouteRequest` (block hashes, estimated prompt
 tokens, and the per-replica prefix match from the `PrefixIndex`) and a `ReplicaState` per eligible replica,
 then calls `policy.select(request, replicas, now=now)`. The `Decision` names the replica and the `Branch` that
 explains why; drivers count branches in metrics and tests assert on them.
