@@ -221,10 +221,15 @@ class _PoolCollector(Collector):
         by_status = dict.fromkeys(Status, 0)
         for replica in self._pool:
             s = replica.state
+            own = {  # this router's own: the autoscaler sums over routers
+                "in_flight": s.own_in_flight,
+                "waiting": s.own_waiting,
+                "streaming": s.streaming - (s.peer_in_flight - s.peer_waiting),
+                "waiting_prompt_tokens": s.own_waiting_prompt_tokens,
+            }
             for key, family in per_replica.items():
-                value = getattr(s, "own_" + key)  # this router's own: the autoscaler sums over routers
-                family.add_metric([replica.id], value)
-                totals[key] += value
+                family.add_metric([replica.id], own[key])
+                totals[key] += own[key]
             rate.add_metric([replica.id], s.prefill_tokens_per_s)
             if s.slot_s is not None:
                 slot.add_metric([replica.id], s.slot_s)
