@@ -1,6 +1,6 @@
 """Two gloo ranks on loopback whose logits are perturbed differently (`tests/integration/tp_ranks.py`): the output
 is exactly what rank 0's decisions give, rank 1 only ever runs rank 0's tokens, nothing stalls; with FP32 and with
-NVFP4 experts."""
+NVFP4 experts; and with speculation, rank 1 runs exactly the drafts rank 0 proposed and the tokens rank 0 kept."""
 
 from __future__ import annotations
 
@@ -46,11 +46,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _run_two_ranks(checkpoint: Path, out_dir: Path, *, nvfp4: bool) -> tuple[dict, dict]:  # type: ignore[type-arg]
+def _run_two_ranks(checkpoint: Path, out_dir: Path, *, nvfp4: bool, speculate: bool = False) -> tuple[dict, dict]:  # type: ignore[type-arg]
     context = multiprocessing.get_context("spawn")
     port = free_ports(1)
     ranks = [
-        context.Process(target=tp_ranks.rank_main, args=(rank, port, str(checkpoint), str(out_dir), nvfp4))
+        context.Process(target=tp_ranks.rank_main, args=(rank, port, str(checkpoint), str(out_dir), nvfp4, speculate))
         for rank in (0, 1)
     ]
     for process in ranks:
@@ -102,3 +102,28 @@ def test_ranks_with_perturbed_logits_follow_rank_0(checkpoint: Path, tmp_path: P
     ran = [s["input_ids"][-1] for s in solo_steps[1:]]
     assert ran == [rows[-1] for rows in solo_decided[:-1]] == rank0["solo"][:-1]
     assert any(s["argmax"][-1] != rows[-1] for s, rows in zip(solo_steps, solo_decided, strict=True))
+
+
+def test_with_drafts_rank_1_runs_what_rank_0_drafted_and_kept(checkpoint: Path, tmp_path: Path) -> None:
+    rank0, rank1 = _run_two_ranks(checkpoint, tmp_path, nvfp4=False, speculate=True)
+    assert [len(t) for t in rank0["batch"]] == [p["max_tokens"] for _, p in tp_ranks.REQUESTS]
+    assert rank1["num_steps"] == rank0["num_steps"] - 1
+    # The solo phase, one sequence: after its prefill, each step rank 1 ran the last token rank 0 emitted the step
+    # before, then the drafts rank 0 proposed; rank 0 emitted the drafts it kept (a prefix of them) and one more.
+    solo_steps = rank0["solo_steps"]
+    ran = [s["input_ids"] for s in rank1["steps"][-len(solo_steps) :]]
+    kept_counts = []
+    for emitted_before, inputs, emitted in zip(solo_steps, ran[1:], solo_steps[1:], strict=False):
+        assert inputs[0] == emitted_before[-1]
+        drafts = inputs[1:]
+        kept = len(emitted) - 1
+        assert emitted[:kept] == drafts[:kept]
+        kept_counts.append((kept, len(drafts)))
+    assert [t for step in solo_steps for t in step] == rank0["solo"]
+    assert any(d == tp_ranks.SPECULATIVE_K for _, d in kept_counts)  # rank 1 verified whole drafts
+    assert any(k == d for k, d in kept_counts) and any(k < d for k, d in kept_counts)  # kept all, and refused some
+    # Rank 0's noisy logits decided what was kept: rank 1's own choices at the same rows often differ.
+    own = [row for s in rank1["steps"] for row in s["argmax"]]
+    decided = [row for rows in rank0["argmax"] for row in rows]
+    assert len(own) == len(decided)
+    assert sum(a != b for a, b in zip(own, decided, strict=True)) > len(own) // 4

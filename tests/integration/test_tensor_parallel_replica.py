@@ -1,6 +1,7 @@
 """`shoal replica --tensor-parallel-size 2` as a user starts it: the server on rank 0 answers through the official
-client as a single-rank replica does, Ctrl-C (SIGTERM) stops both ranks cleanly, and a rank killed in the middle of
-a streamed generation ends the replica within a deadline with a nonzero exit code and an error that names it."""
+client as a single-rank replica does, with the demo's block drafter too (rank 0 drafts and decides, rank 1 runs what
+it decided), Ctrl-C (SIGTERM) stops both ranks cleanly, and a rank killed in the middle of a streamed generation ends
+the replica within a deadline with a nonzero exit code and an error that names it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import openai
 import pytest
 
 from tests.integration.ports import free_ports
+from tests.integration.test_seeded_replica import held_out_prompts
 from tests.replica_checkpoint import build_tiny_checkpoint
 
 START_DEADLINE_S = 120.0
@@ -31,7 +34,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class Replica:
-    def __init__(self, checkpoint: Path, logs: Path, *, tensor_parallel_size: int) -> None:
+    def __init__(
+        self, checkpoint: Path | str, logs: Path, *, tensor_parallel_size: int, options: tuple[str, ...] = ()
+    ) -> None:
         self.port = free_ports(1)
         self.stdout_path, self.stderr_path = logs / "stdout", logs / "stderr"
         command = [
@@ -43,9 +48,9 @@ class Replica:
             f"--port={self.port}",
             f"--tensor-parallel-size={tensor_parallel_size}",
             "--threads=1",
-            "--drafter=none",
             "--served-model-name=shoal-demo",
             "--num-blocks=256",
+            *(options or ("--drafter=none",)),
         ]
         with self.stdout_path.open("wb") as out, self.stderr_path.open("wb") as err:
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -82,10 +87,10 @@ class Replica:
 def start(checkpoint: Path, tmp_path: Path) -> Iterator[type[Replica]]:
     started: list[Replica] = []
 
-    def make(tensor_parallel_size: int) -> Replica:
+    def make(tensor_parallel_size: int, model: Path | str = checkpoint, options: tuple[str, ...] = ()) -> Replica:
         logs = tmp_path / f"replica{len(started)}"
         logs.mkdir()
-        replica = Replica(checkpoint, logs, tensor_parallel_size=tensor_parallel_size)
+        replica = Replica(model, logs, tensor_parallel_size=tensor_parallel_size, options=options)
         started.append(replica)
         return replica
 
@@ -127,6 +132,46 @@ def test_two_ranks_serve_like_one_and_stop_together(start) -> None:  # type: ign
     assert sharded.wait_exit() == 0, sharded.stderr
     assert "tensor-parallel rank 1 stopped after" in sharded.stderr
     assert not _is_alive(rank1)
+
+
+def _demo_answers(replica: Replica, prompts: list[str], **params: float) -> list[str]:
+    return [
+        replica.client.completions.create(model="shoal-demo", prompt=p, max_tokens=32, **params).choices[0].text
+        for p in prompts
+    ]
+
+
+def _metric(replica: Replica, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{replica.port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_two_ranks_with_the_block_drafter_give_one_ranks_text(start) -> None:  # type: ignore[no-untyped-def]
+    """The demo with its block drafter on two ranks: greedy text equal to one rank without speculation on 50
+    held-out chats, and seeded sampling (T=0.8) equal to one rank with speculation."""
+    prompts = held_out_prompts(50)
+    seeded = prompts[:20]
+    single = start(1, "demo", ("--num-speculative-tokens=0",))
+    single.wait_ready()
+    greedy = _demo_answers(single, prompts, temperature=0)
+    single.process.send_signal(signal.SIGTERM)
+    assert single.wait_exit() == 0
+    single_spec = start(1, "demo", ("--drafter=auto",))
+    single_spec.wait_ready()
+    sampled = [_demo_answers(single_spec, [p], temperature=0.8, seed=i)[0] for i, p in enumerate(seeded)]
+    single_spec.process.send_signal(signal.SIGTERM)
+    assert single_spec.wait_exit() == 0
+
+    sharded = start(2, "demo", ("--drafter=auto",))
+    sharded.wait_ready()
+    assert _demo_answers(sharded, prompts, temperature=0) == greedy
+    assert [_demo_answers(sharded, [p], temperature=0.8, seed=i)[0] for i, p in enumerate(seeded)] == sampled
+    drafted = _metric(sharded, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = _metric(sharded, "vllm:spec_decode_num_accepted_tokens_total")
+    assert 0 < accepted < drafted  # the drafter ran on rank 0, and rank 0 kept some drafts and refused others
+    sharded.process.send_signal(signal.SIGTERM)
+    assert sharded.wait_exit() == 0, sharded.stderr
 
 
 def test_a_rank_that_dies_mid_generation_ends_the_replica_with_an_error(start) -> None:  # type: ignore[no-untyped-def]

@@ -3,14 +3,16 @@
 Both load the same random checkpoint, join a gloo group on loopback and keep their shard; each rank's logits are
 perturbed with noise of its own (a forward hook on the LM head, seeded by the rank), so that a rank deciding from
 its own logits would choose other tokens. Rank 0 runs the engine over `REQUESTS` and then over `SOLO` alone, and
-writes what it emitted and its own argmax at every sampled row; rank 1 follows the steps and writes, per step, the
-tokens it ran and the argmax of its own perturbed logits.
+writes what it emitted (per step in the solo phase) and its own argmax at every sampled row; rank 1 follows the
+steps and writes, per step, the tokens it ran and the argmax of its own perturbed logits. With `speculate`, rank 0's
+engine drafts k = 3 with a drafter of its own (an unperturbed, unsharded copy of the target) and verifies them.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ import torch
 from replica.engine.engine import EngineConfig, LLMEngine
 from replica.engine.sampling import SamplingParams
 from replica.model.model import MoEForCausalLM
+from replica.spec.dense import ModelDrafter
 
 NOISE_STD = 1.0
 """Of the logits' noise; the random model's logits spread about as much, so noise flips many choices."""
@@ -29,6 +32,7 @@ REQUESTS: list[tuple[list[int], dict[str, Any]]] = [
     ([40, 41, 42], {"max_tokens": 20, "temperature": 0.8, "top_p": 0.9, "seed": 11, "ignore_eos": True}),
     ([7, 7, 7, 7], {"max_tokens": 18, "temperature": 1.0, "ignore_eos": True}),  # the engine's own generator
 ]
+SPECULATIVE_K = 3
 SOLO: tuple[list[int], dict[str, Any]] = ([3, 1, 4, 1, 5, 9, 2, 6], {"max_tokens": 20, "temperature": 0.0})
 MAX_STEPS = 400
 
@@ -57,28 +61,54 @@ def load(checkpoint: Path, *, nvfp4: bool) -> MoEForCausalLM:
     return model
 
 
-def _drive(engine: LLMEngine, requests: list[tuple[list[int], dict[str, Any]]]) -> Iterator[tuple[int, list[int]]]:
+def _drive(
+    engine: LLMEngine, requests: list[tuple[list[int], dict[str, Any]]], per_step: list[list[int]] | None = None
+) -> Iterator[tuple[int, list[int]]]:
     ids = [engine.add_request(prompt, SamplingParams(**params)) for prompt, params in requests]
     tokens: dict[int, list[int]] = {i: [] for i in ids}
     for _ in range(MAX_STEPS):
         if not engine.has_work:
             break
-        for out in engine.step().outputs:
+        outputs = engine.step().outputs
+        for out in outputs:
             tokens[out.seq_id].extend(out.new_token_ids)
+        if per_step is not None and outputs:
+            per_step.append([t for out in outputs for t in out.new_token_ids])
     assert not engine.has_work, f"not done after {MAX_STEPS} steps"
     for i in ids:
         yield i, tokens[i]
 
 
-def run_engine(model: MoEForCausalLM) -> dict[str, Any]:
-    """Both phases on one engine -> {"batch": [tokens per request], "solo": tokens}."""
-    engine = LLMEngine(model, ENGINE, eos_token_ids=(0,))
+def self_drafter(checkpoint: Path) -> ModelDrafter:
+    """The target itself, whole and unperturbed, drafting greedily for rank 0."""
+    model = load(checkpoint, nvfp4=False)
+    c = model.config
+    return ModelDrafter(
+        model,
+        vocab_size=c.vocab_size,
+        num_layers=c.num_hidden_layers,
+        num_kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        num_blocks=ENGINE.num_blocks,
+        block_size=ENGINE.block_size,
+        max_tokens=SPECULATIVE_K,
+        dtype=model.dtype,
+        device=model.device,
+    )
+
+
+def run_engine(model: MoEForCausalLM, drafter: ModelDrafter | None = None) -> dict[str, Any]:
+    """Both phases on one engine -> {"batch": [tokens per request], "solo": tokens, "solo_steps": [tokens emitted
+    per step]}."""
+    config = ENGINE if drafter is None else replace(ENGINE, num_speculative_tokens=SPECULATIVE_K)
+    engine = LLMEngine(model, replace(config, adaptive_speculation=False), eos_token_ids=(0,), drafter=drafter)
     batch = [tokens for _, tokens in _drive(engine, REQUESTS)]
-    (solo,) = [tokens for _, tokens in _drive(engine, [SOLO])]
-    return {"batch": batch, "solo": solo}
+    solo_steps: list[list[int]] = []
+    (solo,) = [tokens for _, tokens in _drive(engine, [SOLO], solo_steps)]
+    return {"batch": batch, "solo": solo, "solo_steps": solo_steps}
 
 
-def rank_main(rank: int, master_port: int, checkpoint: str, out_dir: str, nvfp4: bool) -> None:
+def rank_main(rank: int, master_port: int, checkpoint: str, out_dir: str, nvfp4: bool, speculate: bool) -> None:
     from replica.engine.parallel import TensorParallel, follow_steps, initial_capacity
     from replica.engine.runner import ModelRunner
     from replica.model.shard import shard_model
@@ -96,7 +126,7 @@ def rank_main(rank: int, master_port: int, checkpoint: str, out_dir: str, nvfp4:
     shard_model(model, group)
     argmaxes = perturb_logits(model, rank)
     if rank == 0:
-        result = run_engine(model)
+        result = run_engine(model, self_drafter(Path(checkpoint)) if speculate else None)
         group.send_stop()
         result["argmax"] = argmaxes
         result["num_steps"] = group.stats.num_step_messages
