@@ -70,6 +70,20 @@ def add_simulate_command(subparsers: Any) -> None:
     )
     parser.add_argument("--limit", type=int, metavar="N", help="replay only the trace's first N requests")
     parser.add_argument(
+        "--tile",
+        type=int,
+        metavar="N",
+        help="replay a Mooncake or Azure trace N times back to back, each copy a period (the trace's span plus its "
+        "mean gap) later with fresh block ids: a longer input of the trace's shape",
+    )
+    parser.add_argument(
+        "--tile-to",
+        type=int,
+        metavar="REQUESTS",
+        help="tile the trace as --tile does until it has REQUESTS requests, the last copy cut short "
+        "(e.g. 1000000 with --speed 3: a synthetic day of the Mooncake trace)",
+    )
+    parser.add_argument(
         "--preset",
         metavar="NAME",
         help="engine preset (simulations/presets/), a preset YAML file, or a `shoal replica profile` JSON to fit",
@@ -163,6 +177,8 @@ def run_fetch_traces(args: argparse.Namespace) -> int:
 
 _TRACE_KINDS = ("mooncake", "azure", "servegen")
 """Workloads read from a file, which `--trace`, `--speed` and `--limit` apply to."""
+_TILED_KINDS = ("mooncake", "azure")
+"""Trace files that `--tile` and `--tile-to` repeat (a ServeGen curve is a rate over time, not requests)."""
 
 
 def trace_kind(path: str) -> str:
@@ -207,6 +223,15 @@ def resolve_scenario(args: argparse.Namespace) -> Any:
             if trace.get("kind") not in _TRACE_KINDS:
                 raise ValueError(f"--{flag} applies to trace files only, not to a {trace.get('kind')} workload")
             trace["compress" if flag == "speed" and trace["kind"] == "servegen" else flag] = value
+    if args.tile is not None or args.tile_to is not None:
+        if trace.get("kind") not in _TILED_KINDS:
+            raise ValueError(f"--tile and --tile-to apply to Mooncake and Azure traces, not to {trace.get('kind')}")
+        if args.tile_to is not None:
+            if args.tile is not None or args.limit is not None:
+                raise ValueError("--tile-to sets the request count: give it without --tile or --limit")
+            trace.update(tiles=None, limit=args.tile_to)
+        else:
+            trace["tiles"] = args.tile
     data["trace"] = trace
     fleet = dict(data.get("fleet") or {})
     if args.replicas is not None:
@@ -309,6 +334,8 @@ _NOT_MATRIX_FLAGS = (
     "replicas",
     "speed",
     "limit",
+    "tile",
+    "tile_to",
     "preset",
     "index_mode",
     "acceptance_length",
@@ -374,8 +401,9 @@ def run_matrix_command(args: argparse.Namespace) -> int:
 def command_line(args: argparse.Namespace) -> str:
     """The `shoal simulate` command line that reproduces `args` (for results.json and the README)."""
     words = ["shoal", "simulate"]
-    flags = ("scenario", "matrix", "trace", "policies", "replicas", "speed", "limit", "preset", "index_mode", "seed")
-    for flag in (*flags, "routers", "sharing", "traces_dir", "acceptance_length", "out"):
+    flags = ("scenario", "matrix", "trace", "policies", "replicas", "speed", "limit", "tile", "tile_to", "preset")
+    more = ("index_mode", "seed", "routers", "sharing", "traces_dir", "acceptance_length", "out")
+    for flag in (*flags, *more):
         value = getattr(args, flag, None)
         if value is not None:
             words += [f"--{flag.replace('_', '-')}", str(value)]

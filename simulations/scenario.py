@@ -18,7 +18,7 @@ an absolute path is used as it is.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple, Self
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -64,7 +64,17 @@ class MooncakeTraceConfig(_Model):
     jitter_s: float = Field(default=0.001, ge=0.0)
     """Uniform offset added to each millisecond-bucketed timestamp before scaling: one bucket."""
     limit: int | None = Field(default=None, ge=1)
-    """Replay only the first `limit` requests of the file."""
+    """Replay only the first `limit` requests of the file (of its copies, when tiled)."""
+    tiles: int | None = Field(default=1, ge=1)
+    """Copies of the trace replayed back to back, each a period later with fresh block ids (`simulations.traces`):
+    a longer input with the trace's shape, such as a day of a million requests. None (`null`): as many as `limit`
+    takes, which must be set. 1 (the default): the trace once."""
+
+    @model_validator(mode="after")
+    def _tiles_end(self) -> Self:
+        if self.tiles is None and self.limit is None:
+            raise ValueError("`tiles: null` (as many copies as `limit` takes) needs a `limit`")
+        return self
 
 
 class AzureTraceConfig(_Model):
@@ -74,6 +84,16 @@ class AzureTraceConfig(_Model):
     jitter_s: float = Field(default=0.0, ge=0.0)
     """The Azure timestamps are sub-millisecond already: no jitter by default."""
     limit: int | None = Field(default=None, ge=1)
+    """Replay only the first `limit` requests of the file (of its copies, when tiled)."""
+    tiles: int | None = Field(default=1, ge=1)
+    """Copies of the trace replayed back to back, each a period later (`simulations.traces`); None (`null`): as
+    many as `limit` takes, which must be set. 1 (the default): the trace once."""
+
+    @model_validator(mode="after")
+    def _tiles_end(self) -> Self:
+        if self.tiles is None and self.limit is None:
+            raise ValueError("`tiles: null` (as many copies as `limit` takes) needs a `limit`")
+        return self
 
 
 TraceConfig = Annotated[
@@ -376,6 +396,7 @@ def _build_trace_workload(scenario: Scenario, traces_dir: Path | None) -> Worklo
             jitter_s=trace.jitter_s,
             seed=scenario.seed,
             limit=trace.limit,
+            tiles=trace.tiles,
         )
     if isinstance(trace, AzureTraceConfig):
         return AzureWorkload(
@@ -385,6 +406,7 @@ def _build_trace_workload(scenario: Scenario, traces_dir: Path | None) -> Worklo
             jitter_s=trace.jitter_s,
             seed=scenario.seed,
             limit=trace.limit,
+            tiles=trace.tiles,
         )
     if isinstance(trace, ServeGenTraceConfig):
         return ServeGenWorkload.from_config(trace, seed=scenario.seed, block_size=block_size)

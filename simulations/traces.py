@@ -15,6 +15,12 @@ Files are read lazily, on every `requests()` call, and `limit` stops the read: m
 flight, not the trace's length. That needs rows in timestamp order (both public traces are); `arrivals` holds back
 only the rows a later row's jitter could still overtake, and a row earlier than its predecessor is an error.
 
+Tiling (`tiles`): a longer input of the same shape, the trace replayed back to back. Copy k arrives k periods
+later (a period is the trace's span plus its mean gap between arrivals) and its Mooncake hash ids are shifted by
+k x (largest id + 1), so no block of one copy equals a block of another: each copy has the trace's own prefix
+sharing, and none with the others. Azure prompts share nothing already (their token runs are named by row index,
+which keeps counting across copies).
+
 Azure (`TIMESTAMP`, `ContextTokens`, `GeneratedTokens`): arrivals and lengths only; every prompt is made of its
 own tokens, so no two requests share a block (hit ratio 0). Useful for load shape (the code trace is bursty).
 """
@@ -28,7 +34,7 @@ import json
 import random
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -161,7 +167,111 @@ def arrivals(
         yield heapq.heappop(pending)
 
 
-class MooncakeWorkload:
+@dataclass(frozen=True, slots=True)
+class TraceShape:
+    """What tiling needs to know of a trace, from one pass over it."""
+
+    num_rows: int
+    first_s: float
+    last_s: float
+    num_hash_ids: int
+    """Largest hash id + 1 (0 without hash ids): the shift between copies' ids."""
+
+    @property
+    def period_s(self) -> float:
+        """Seconds from one copy's start to the next: the trace's span plus its mean gap between arrivals."""
+        span_s = self.last_s - self.first_s
+        return span_s * self.num_rows / (self.num_rows - 1) if self.num_rows > 1 else 1.0
+
+
+def trace_shape(rows: Iterable[TraceRow]) -> TraceShape:
+    num_rows = num_hash_ids = 0
+    first_s = last_s = 0.0
+    for row in rows:
+        if not num_rows:
+            first_s = row.timestamp_s
+        num_rows += 1
+        last_s = row.timestamp_s
+        if row.hash_ids:
+            num_hash_ids = max(num_hash_ids, max(row.hash_ids) + 1)
+    return TraceShape(num_rows, first_s, last_s, num_hash_ids)
+
+
+def tile_rows(read: Callable[[], Iterator[TraceRow]], shape: TraceShape, tiles: int | None) -> Iterator[TraceRow]:
+    """`tiles` copies of the rows `read()` gives (None: without end), back to back (module docstring)."""
+    if not shape.num_rows:
+        return
+    for k in itertools.count() if tiles is None else range(tiles):
+        if not k:
+            yield from read()
+            continue
+        shift_s, id_shift = k * shape.period_s, k * shape.num_hash_ids
+        for row in read():
+            yield TraceRow(
+                timestamp_s=row.timestamp_s + shift_s,
+                input_tokens=row.input_tokens,
+                output_tokens=row.output_tokens,
+                hash_ids=tuple(h + id_shift for h in row.hash_ids),
+            )
+
+
+class _TraceFile:
+    """The reading, tiling, counting and arrivals shared by the trace workloads."""
+
+    def __init__(
+        self, path: str | Path, *, speed: float, jitter_s: float, seed: int, limit: int | None, tiles: int | None
+    ) -> None:
+        if speed <= 0:
+            raise ValueError(f"speed must be positive, got {speed}")
+        if tiles is None and limit is None:
+            raise ValueError("a trace tiled without end needs a limit")
+        if tiles is not None and tiles < 1:
+            raise ValueError(f"tiles must be at least 1, got {tiles}")
+        self.path = Path(path)
+        self.speed = speed
+        self.jitter_s = jitter_s
+        self.seed = seed
+        self.limit = limit
+        self.tiles = tiles
+        self._shape: TraceShape | None = None
+
+    def read(self) -> Iterator[TraceRow]:
+        """The file's rows, in file order."""
+        raise NotImplementedError
+
+    @property
+    def tiling(self) -> str:
+        """How the trace is tiled, for the workload's name."""
+        if self.tiles == 1:
+            return ""
+        return f" x{self.tiles}" if self.tiles is not None else f" tiled to {self.limit:,} requests"
+
+    def count(self) -> int:
+        """The file's rows (overridden where counting lines is cheaper than parsing them)."""
+        return self.shape().num_rows
+
+    def shape(self) -> TraceShape:
+        if self._shape is None:
+            self._shape = trace_shape(self.read())
+        return self._shape
+
+    def __len__(self) -> int:
+        if self.tiles == 1:
+            count = self.count()
+        else:
+            count = self.shape().num_rows * self.tiles if self.tiles is not None else self.limit or 0
+        return count if self.limit is None else min(count, self.limit)
+
+    def rows(self) -> Iterator[TraceRow]:
+        """The rows replayed, tiled, in file order."""
+        rows = self.read() if self.tiles == 1 else tile_rows(self.read, self.shape(), self.tiles)
+        return itertools.islice(rows, self.limit)
+
+    def arrivals(self) -> Iterator[tuple[float, int, TraceRow]]:
+        return arrivals(self.rows(), speed=self.speed, jitter_s=self.jitter_s, seed=self.seed)
+
+
+class MooncakeWorkload(_TraceFile):
     """A Mooncake JSONL trace, its 512-token blocks mapped to `block_size`-token sub-blocks."""
 
     def __init__(
@@ -174,37 +284,31 @@ class MooncakeWorkload:
         seed: int = 0,
         model: str = "mooncake",
         limit: int | None = None,
+        tiles: int | None = 1,
     ) -> None:
+        """`tiles`: copies of the trace back to back (None: as many as `limit` takes)."""
         if block_size < 2 or MOONCAKE_BLOCK_TOKENS % block_size:
             raise ValueError(f"block_size must divide {MOONCAKE_BLOCK_TOKENS} and be at least 2, got {block_size}")
-        if speed <= 0:
-            raise ValueError(f"speed must be positive, got {speed}")
-        self.name = f"mooncake:{Path(path).name}"
-        self.path = Path(path)
+        super().__init__(path, speed=speed, jitter_s=jitter_s, seed=seed, limit=limit, tiles=tiles)
+        self.name = f"mooncake:{Path(path).name}{self.tiling}"
         self.block_size = block_size
         self.seed_bytes = namespace_seed(model)
-        self.speed = speed
-        self.jitter_s = jitter_s
-        self.seed = seed
-        self.limit = limit
-        self._num_rows: int | None = None
+        self._num_lines: int | None = None
         self._sub_hashes: OrderedDict[tuple[int | None, int], list[int]] = OrderedDict()
         """(parent sub-block hash or None at position 0, trace block id) -> the trace block's sub-block hashes, the
         `SUB_HASH_MEMO_ENTRIES` most recently used."""
 
-    def __len__(self) -> int:
-        if self._num_rows is None:
-            with self.path.open() as f:
-                lines = (line for line in f if line.strip())
-                self._num_rows = sum(1 for _ in itertools.islice(lines, self.limit))
-        return self._num_rows
+    def read(self) -> Iterator[TraceRow]:
+        return iter_mooncake(self.path)
 
-    def rows(self) -> Iterator[TraceRow]:
-        """The rows replayed, in file order."""
-        return itertools.islice(iter_mooncake(self.path), self.limit)
+    def count(self) -> int:
+        if self._num_lines is None:
+            with self.path.open() as f:
+                self._num_lines = sum(1 for line in f if line.strip())
+        return self._num_lines
 
     def requests(self) -> Iterator[Request]:
-        for arrival_s, i, row in arrivals(self.rows(), speed=self.speed, jitter_s=self.jitter_s, seed=self.seed):
+        for arrival_s, i, row in self.arrivals():
             yield Request(
                 id=i,
                 arrival_s=arrival_s,
@@ -244,7 +348,7 @@ class MooncakeWorkload:
         return chain_hashes(blocks, self.seed_bytes, parent)
 
 
-class AzureWorkload:
+class AzureWorkload(_TraceFile):
     """An Azure LLM inference CSV: arrivals and lengths; every prompt is its own (no shared prefixes)."""
 
     def __init__(
@@ -257,30 +361,19 @@ class AzureWorkload:
         seed: int = 0,
         model: str = "azure",
         limit: int | None = None,
+        tiles: int | None = 1,
     ) -> None:
-        if speed <= 0:
-            raise ValueError(f"speed must be positive, got {speed}")
-        self.name = f"azure:{Path(path).name}"
-        self.path = Path(path)
+        """`tiles`: copies of the trace back to back (None: as many as `limit` takes)."""
+        super().__init__(path, speed=speed, jitter_s=jitter_s, seed=seed, limit=limit, tiles=tiles)
+        self.name = f"azure:{Path(path).name}{self.tiling}"
         self.block_size = block_size
         self.seed_bytes = namespace_seed(model)
-        self.speed = speed
-        self.jitter_s = jitter_s
-        self.seed = seed
-        self.limit = limit
-        self._num_rows: int | None = None
 
-    def __len__(self) -> int:
-        if self._num_rows is None:
-            self._num_rows = sum(1 for _ in self.rows())
-        return self._num_rows
-
-    def rows(self) -> Iterator[TraceRow]:
-        """The rows replayed, in file order."""
-        return itertools.islice(iter_azure(self.path), self.limit)
+    def read(self) -> Iterator[TraceRow]:
+        return iter_azure(self.path)
 
     def requests(self) -> Iterator[Request]:
-        for arrival_s, i, row in arrivals(self.rows(), speed=self.speed, jitter_s=self.jitter_s, seed=self.seed):
+        for arrival_s, i, row in self.arrivals():
             segments = ((i, row.input_tokens),)  # segment id = row index: no two prompts share a token run
             tokens = SegmentTokens(segments, self.block_size)
             chain = ChainState(self.seed_bytes, self.block_size)

@@ -139,3 +139,21 @@ def test_no_floor_leaves_out_the_floor_row_and_nothing_else(
     assert with_floor["floor"]["hit_ratio"] > 0 and without["floor"] is None
     assert with_floor["policies"] == without["policies"]
     assert without["command"].endswith("--no-floor --no-progress")
+
+
+def test_tile_to_replays_the_trace_to_a_request_count(
+    small_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--trace", str(small_trace), "--policies", "round_robin", "--replicas", "2", "--no-plots", "--no-progress"]
+    assert simulate([*argv, "--tile-to", "300", "--out", str(tmp_path / "a")]) == 0
+    document = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert document["policies"]["round_robin"]["summary"]["requests"] == 300
+    assert document["scenario"]["trace"]["tiles"] is None and document["scenario"]["trace"]["limit"] == 300
+    assert "tiled to 300 requests" in capsys.readouterr().out
+    assert simulate([*argv, "--tile", "2", "--out", str(tmp_path / "b")]) == 0
+    document = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert document["policies"]["round_robin"]["summary"]["requests"] == 240
+    assert simulate([*argv, "--tile-to", "300", "--limit", "5", "--out", str(tmp_path)]) == 2
+    assert "--tile-to" in capsys.readouterr().err
+    scenario = SCENARIOS / "05_synthetic_sessions.yaml"
+    assert simulate(["--scenario", str(scenario), "--tile", "2", "--out", str(tmp_path)]) == 2

@@ -1,6 +1,6 @@
 """Trace loading: Mooncake's 512-token blocks become chained sub-blocks that keep the prefix structure; arrivals
 are jittered with a seed and scaled, in a full sort's order though rows are read lazily; Mooncake and Azure rows
-parse as the files say."""
+parse as the files say; a tiled trace repeats the trace's shape with fresh blocks."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from router.policy.hashing import hash_tokens
+from simulations.floor import floor_ttfts
 from simulations.traces import (
     MOONCAKE_BLOCK_TOKENS,
     AzureWorkload,
@@ -24,6 +25,8 @@ from simulations.traces import (
     read_mooncake,
 )
 from tests.data import AZURE_CODE, MOONCAKE
+
+from .conftest import scenario
 
 
 def write_trace(path: Path, rows: list[dict[str, object]]) -> Path:
@@ -147,3 +150,39 @@ def test_azure_rows_parse_and_prompts_share_nothing() -> None:
     assert requests[0].prompt_tokens == 4808 and requests[0].output_tokens == 10
     hashes = [h for r in requests for h in r.hashes]
     assert len(hashes) == len(set(hashes))
+
+
+def test_tiles_repeat_the_traces_shape_with_fresh_blocks_a_period_later() -> None:
+    base = MooncakeWorkload(MOONCAKE, limit=60, jitter_s=0.0)
+    rows = read_mooncake(MOONCAKE)
+    tiled = MooncakeWorkload(MOONCAKE, tiles=3, jitter_s=0.0)
+    assert len(tiled) == 1200
+    period_s = rows[-1].timestamp_s * 400 / 399  # span plus the mean gap; the trace starts at 0
+    head = list(base.requests())
+    requests = list(tiled.requests())
+    for k in range(3):
+        copy = [r for r in requests if k * 400 <= r.id < k * 400 + 60]
+        assert [r.id - k * 400 for r in copy] == [r.id for r in head]
+        assert [r.arrival_s for r in copy] == pytest.approx([r.arrival_s + k * period_s for r in head])
+        assert [r.prompt_tokens for r in copy] == [r.prompt_tokens for r in head]
+        if k:
+            assert not {h for r in copy for h in r.hashes} & {h for r in head for h in r.hashes}
+    # Each copy shares prefixes within itself exactly as the trace does, and with no other copy.
+    engine, model, _ = scenario().fleet.resolve()
+    once, hit_once = floor_ttfts(MooncakeWorkload(MOONCAKE, jitter_s=0.0), engine, model)
+    thrice, hit_thrice = floor_ttfts(tiled, engine, model)
+    assert hit_once > 0.05 and hit_thrice == hit_once
+    assert list(thrice) == list(once) * 3
+
+
+def test_tiling_to_a_request_count_cuts_the_last_copy() -> None:
+    tiled = AzureWorkload(AZURE_CODE, tiles=None, limit=1234)
+    requests = list(tiled.requests())
+    assert len(tiled) == len(requests) == 1234
+    assert requests[-1].id == 1233
+    assert all(b.arrival_s >= a.arrival_s for a, b in itertools.pairwise(requests))
+    hashes = [h for r in requests for h in r.hashes]
+    assert len(hashes) == len(set(hashes))  # copies of an Azure trace share nothing either
+    assert "tiled to 1,234 requests" in tiled.name
+    with pytest.raises(ValueError, match="needs a limit"):
+        MooncakeWorkload(MOONCAKE, tiles=None)
