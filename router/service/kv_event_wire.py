@@ -1,7 +1,9 @@
 """The two wire forms of KV events the router reads: Shoal's SSE messages and vLLM's ZMQ msgpack batches.
 
 Both decode to `router.policy.kv_events` objects; anything malformed raises `KVEventError`, which the subscriber
-treats as a lost sync (resnapshot or clear), never as data.
+treats as a lost sync (resnapshot or clear), never as data. A vLLM batch raises its subclass `MalformedBatch`,
+whose `kind` names the trouble among a few, so that a subscriber logs each kind once however many frames carry it.
+Token ids must fit the uint32 the router hashes them as.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from router.policy.kv_events import AllCleared, KVEvent, KVEventError, from_dict
+from router.policy.kv_events import AllCleared, BlockStored, KVEvent, KVEventError, from_dict
 
 # vLLM's event fields in declaration order, which is their position in the array encoding (msgspec `array_like`,
 # vLLM before its PR #42892; fields were only ever appended). Newer vLLM encodes each event as a map with these
@@ -39,6 +41,26 @@ _VLLM_FIELDS = {
 # --- decoding ---------------------------------------------------------------------------------------------------
 
 
+_MAX_TOKEN_ID = 2**32 - 1
+
+
+class MalformedBatch(KVEventError):
+    """A vLLM batch Shoal cannot read. `kind`: `not msgpack`, `not a batch` (not `[ts, events, ...]` nor a map with
+    `events`) or `bad event`."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+def _checked(event: KVEvent) -> KVEvent:
+    tokens = event.token_ids if isinstance(event, BlockStored) else ()
+    if tokens and (min(tokens) < 0 or max(tokens) > _MAX_TOKEN_ID):
+        raise KVEventError("'token_ids' must lie in [0, 2**32)")
+    return event
+
+
 @dataclass(frozen=True, slots=True)
 class SseMessage:
     seq: int
@@ -57,9 +79,9 @@ def parse_sse_message(data: bytes) -> SseMessage:
     seq, events = message.get("seq"), message.get("events")
     if type(seq) is not int or not isinstance(events, list):
         raise KVEventError("message must carry an integer 'seq' and an 'events' array")
-    if not all(isinstance(e, dict) for e in events):
-        raise KVEventError("each event must be a JSON object")
-    return SseMessage(seq, message.get("snapshot") is True, [from_dict(e) for e in events])
+    if not all(isinstance(e, dict) and isinstance(e.get("type"), str) for e in events):
+        raise KVEventError("each event must be a JSON object with a string 'type'")
+    return SseMessage(seq, message.get("snapshot") is True, [_checked(from_dict(e)) for e in events])
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,31 +100,41 @@ def decode_vllm_batch(payload: bytes) -> VllmBatch:
     import msgpack  # type: ignore[import-untyped]  # only routers reading vLLM's ZMQ stream load it
 
     try:
+        # msgpack's own errors are ValueErrors (UnpackException for some); a map keyed by an array is a TypeError.
         batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except ValueError as exc:  # msgpack's own errors are ValueErrors
-        raise KVEventError(f"batch is not msgpack: {exc}") from exc
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise MalformedBatch("not msgpack", str(exc)) from exc
     if isinstance(batch, dict):
         raw_events = batch.get("events")
     elif isinstance(batch, list) and len(batch) >= 2:
         raw_events = batch[1]
     else:
-        raise KVEventError("batch must be [ts, events, ...] or a map with 'events'")
+        raise MalformedBatch("not a batch", "expected [ts, events, ...] or a map with 'events'")
     if not isinstance(raw_events, list):
-        raise KVEventError("a batch's events must be an array")
+        raise MalformedBatch("not a batch", "a batch's events must be an array")
     events: list[tuple[KVEvent, str | None]] = []
     num_unsupported = 0
     for raw in raw_events:
-        fields = _vllm_fields(raw)
-        if not _is_supported(fields):
-            num_unsupported += 1
-            continue
-        kind = fields["type"]
-        if kind == "AllBlocksCleared":
-            event: KVEvent = AllCleared()
-        else:
-            hashes = [_hash(h) for h in _list(fields.get("block_hashes"), "block_hashes")]
-            parent = fields.get("parent_block_hash")
-            event = from_dict(
+        try:
+            fields = _vllm_fields(raw)
+            if not _is_supported(fields):
+                num_unsupported += 1
+                continue
+            events.append(_vllm_event(fields))
+        except KVEventError as exc:
+            raise MalformedBatch("bad event", str(exc)) from exc
+    return VllmBatch(events, num_unsupported)
+
+
+def _vllm_event(fields: Mapping[str, Any]) -> tuple[KVEvent, str | None]:
+    kind = fields["type"]
+    if kind == "AllBlocksCleared":
+        event: KVEvent = AllCleared()
+    else:
+        hashes = [_hash(h) for h in _list(fields.get("block_hashes"), "block_hashes")]
+        parent = fields.get("parent_block_hash")
+        event = _checked(
+            from_dict(
                 {
                     "type": kind,
                     "block_hashes": hashes,
@@ -111,9 +143,9 @@ def decode_vllm_batch(payload: bytes) -> VllmBatch:
                     "block_size": fields.get("block_size"),
                 }
             )
-        lora_name = fields.get("lora_name")
-        events.append((event, lora_name if isinstance(lora_name, str) and lora_name else None))
-    return VllmBatch(events, num_unsupported)
+        )
+    lora_name = fields.get("lora_name")
+    return event, lora_name if isinstance(lora_name, str) and lora_name else None
 
 
 def _vllm_fields(raw: Any) -> dict[str, Any]:
@@ -123,8 +155,9 @@ def _vllm_fields(raw: Any) -> dict[str, Any]:
         fields = {"type": raw[0], **dict(zip(_VLLM_FIELDS.get(raw[0], ()), raw[1:], strict=False))}
     else:
         raise KVEventError("an event must be a tagged array or a tagged map")
-    if fields.get("type") not in _VLLM_FIELDS:
-        raise KVEventError(f"unknown vLLM event type {fields.get('type')!r}")
+    kind = fields.get("type")
+    if not isinstance(kind, str) or kind not in _VLLM_FIELDS:
+        raise KVEventError(f"unknown vLLM event type {str(kind)[:40]!r}")
     return fields
 
 

@@ -51,7 +51,7 @@ import aiohttp
 from router.policy.hashing import namespace_seed
 from router.policy.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent, KVEventError
 from router.policy.prefix_index import PrefixIndex
-from router.service.kv_event_wire import decode_vllm_batch, parse_sse_message
+from router.service.kv_event_wire import MalformedBatch, decode_vllm_batch, parse_sse_message
 from router.service.metrics import RouterMetrics
 from router.service.pool import Replica, ReplicaPool
 from router.service.settings import KVEventSettings, RouterSettings
@@ -412,6 +412,8 @@ class ZmqSubscriber(KVEventSubscriber):
         replayed ones again."""
         self._is_replay_silent: set[str] = set()
         """Endpoints whose replay socket did not answer on this connection: their gaps are not asked again."""
+        self._malformed_kinds: set[str] = set()
+        """Kinds of malformed message logged already (`_malformed`)."""
 
     def resync(self, reason: str) -> None:
         self._last_seq.clear()
@@ -459,8 +461,8 @@ class ZmqSubscriber(KVEventSubscriber):
 
     async def _on_batch(self, source: ZmqSource, frames: Sequence[bytes], seed: bytes) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
-            self.metrics.kv_events_skipped.inc(("malformed",))
-            self._lost(source, f"a message of {len(frames)} frames")
+            sizes = [len(f) for f in frames[:4]]
+            self._malformed(source, "frames", f"{len(frames)} of {sizes} bytes, not [topic, 8-byte seq, batch]")
             return
         seq = int.from_bytes(frames[1], "big")
         last = self._last_seq.get(source.endpoint)
@@ -478,22 +480,23 @@ class ZmqSubscriber(KVEventSubscriber):
                 await self._catch_up(source, last + 1, seed)
                 if seq <= self._last_seq.get(source.endpoint, -1):
                     return  # the replay brought this batch too
-        await self._apply_batch(source, seq, frames[2], seed)
-        self._set_live(True)
+        if await self._apply_batch(source, seq, frames[2], seed):
+            self._set_live(True)
 
-    async def _apply_batch(self, source: ZmqSource, seq: int, payload: bytes, seed: bytes) -> None:
+    async def _apply_batch(self, source: ZmqSource, seq: int, payload: bytes, seed: bytes) -> bool:
+        """Apply one batch; False when it could not be read (its events are lost)."""
         self._last_seq[source.endpoint] = seq
         try:
             batch = decode_vllm_batch(payload)
-        except KVEventError as exc:
-            self.metrics.kv_events_skipped.inc(("malformed",))
-            self._lost(source, str(exc))
-            return
+        except MalformedBatch as exc:
+            self._malformed(source, exc.kind, exc.detail)
+            return False
         if batch.num_unsupported:
             self.metrics.kv_events_skipped.inc(("unsupported",), batch.num_unsupported)
         await self._apply(
             [(e, seed if adapter is None else self._adapter_seed(adapter)) for e, adapter in batch.events]
         )
+        return True
 
     async def _catch_up(self, source: ZmqSource, first_seq: int, seed: bytes) -> None:
         """Apply the batches from `first_seq` on that the publisher still buffers; demote the replica's entries
@@ -534,17 +537,35 @@ class ZmqSubscriber(KVEventSubscriber):
         finally:
             dealer.close(linger=0)
 
-    def _lost(self, source: ZmqSource, detail: str) -> None:
+    def _malformed(self, source: ZmqSource, kind: str, detail: str) -> None:
+        """A message Shoal cannot read: skipped and counted, its events lost (`_lost`); logged in one line the
+        first time the replica sends one of this `kind`, and only counted after."""
+        self.metrics.kv_events_skipped.inc(("malformed",))
+        is_new = kind not in self._malformed_kinds
+        if is_new:
+            self._malformed_kinds.add(kind)
+            log.warning(
+                "KV events of %s: skipping a malformed message from %s (%s: %s); its entries are kept as "
+                "approximate until the next good batch (further messages of this kind are only counted)",
+                self.replica.id,
+                source.endpoint,
+                kind,
+                detail[:300],
+            )
+        self._lost(source, detail, is_logged=False)
+
+    def _lost(self, source: ZmqSource, detail: str, *, is_logged: bool = True) -> None:
         """Events went missing for good: what the index holds of the replica becomes approximate, and the router
         records its own decisions again until the next good batch."""
         num_demoted = self.index.demote(self.replica.id, now=self._clock())
-        log.info(
-            "KV events of %s: events lost from %s (%s): %d entries kept as approximate",
-            self.replica.id,
-            source.endpoint,
-            detail,
-            num_demoted,
-        )
+        if is_logged:
+            log.info(
+                "KV events of %s: events lost from %s (%s): %d entries kept as approximate",
+                self.replica.id,
+                source.endpoint,
+                detail,
+                num_demoted,
+            )
         self._set_live(False)
 
 

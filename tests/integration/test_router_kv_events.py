@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import socket
 from collections.abc import AsyncIterator
@@ -477,3 +478,49 @@ async def test_a_replay_socket_that_never_answers_costs_one_wait_not_the_stream(
     await publisher.send(2, ["BlockRemoved", [2], "GPU"])  # a gap: not asked of the silent socket again
     await eventually(lambda: exact_depth(router, replica_id, tokens) == 0, what="the gap's demotion, then the removal")
     assert await counter(router, "shoal_router_kv_events_gaps_total") == 1
+
+
+async def test_malformed_zmq_messages_are_skipped_counted_and_logged_once_per_kind(
+    start_fakes: StartFakes,
+    start_router: StartRouter,
+    vllm_publisher: tuple[VllmPublisher, int],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    publisher, port = vllm_publisher
+    fakes = await start_fakes(1)
+    router = await start_router(fakes, kv_events=kv_settings("zmq", zmq_port=port, zmq_topic="kv-events"))
+    replica_id = f"{fakes[0].host}:{fakes[0].port}"
+    await asyncio.wait_for(publisher.xpub.recv(), timeout=10)  # subscribed
+    caplog.set_level(logging.INFO, logger="shoal.router")
+    topic = publisher.topic
+
+    def batch(*events: Any) -> bytes:
+        return bytes(msgpack.packb([1_700_000_000.0, list(events), 0]))
+
+    tokens = prompt(random.Random(9), 1)
+    bad_frames = [
+        [topic, batch(["AllBlocksCleared"])],  # no seq frame
+        [topic, (0).to_bytes(4, "big"), batch(["AllBlocksCleared"])],  # a 4-byte seq
+        [topic, (0).to_bytes(8, "big"), b"\xc1"],  # a byte msgpack never uses
+        [topic, (1).to_bytes(8, "big"), b"\x81\x91\x01\x02"],  # a map keyed by an array
+        [topic, (2).to_bytes(8, "big"), msgpack.packb(5)],  # msgpack, no batch
+        [topic, (3).to_bytes(8, "big"), batch({"type": ["BlockStored"]})],  # a tag that is no string
+        [topic, (4).to_bytes(8, "big"), batch(["BlockStored", [1], None, [2**40] * BLOCK, BLOCK, None, "GPU"])],
+        [topic, (5).to_bytes(8, "big"), batch(["BlockShuffled", [1]])],
+    ]
+    for frames in bad_frames:
+        await publisher.xpub.send_multipart(frames)
+    await publisher.send(6, ["BlockStored", [7], None, tokens, BLOCK, None, "GPU"])
+    await eventually(lambda: exact_depth(router, replica_id, tokens) == 1, what="the good batch after the bad ones")
+    assert num_live(router) == 1  # the same connection reads on, in sync again
+
+    assert await counter(router, "shoal_router_kv_events_skipped_total", {"reason": "malformed"}) == len(bad_frames)
+    assert await counter(router, "shoal_router_kv_events_reconnects_total") == 0
+    assert await counter(router, "shoal_router_task_failures_total", {"task": "kv_events"}) == 0
+    records = [r for r in caplog.records if r.name.startswith("shoal.router")]
+    skipped = [r.getMessage() for r in records if "skipping a malformed message" in r.getMessage()]
+    kinds = ["(frames: ", "(not msgpack: ", "(not a batch: ", "(bad event: "]
+    assert len(skipped) == len(kinds) and all(k in line for k, line in zip(kinds, skipped, strict=True)), skipped
+    assert all(r.exc_info is None for r in records)  # no traceback for any of them
+    assert not [r for r in records if "events lost" in r.getMessage()]  # one line per kind, not one per message
+    assert len([r for r in records if r.getMessage().endswith(": in sync")]) == 1  # live again with the good batch

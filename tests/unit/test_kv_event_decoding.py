@@ -17,7 +17,7 @@ from aiohttp import StreamReader
 from aiohttp.base_protocol import BaseProtocol
 
 from router.policy.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent, KVEventError, to_dict
-from router.service.kv_event_wire import decode_vllm_batch, parse_sse_message
+from router.service.kv_event_wire import MalformedBatch, decode_vllm_batch, parse_sse_message
 from router.service.kv_events import Pacer, backoff_s, sse_data
 from router.service.settings import KVEventSettings
 
@@ -121,21 +121,28 @@ def test_events_the_prefix_index_cannot_use_are_counted_not_applied(event: objec
 
 
 @pytest.mark.parametrize(
-    "payload",
+    ("payload", "kind"),
     [
-        b"\xc1",  # never used in msgpack
-        msgpack.packb("not a batch"),
-        msgpack.packb([1.0]),
-        batch(["Mystery", [1]]),
-        batch([17]),
-        batch(["BlockStored", [1], None, TOKENS[:15], 16, None, "GPU"]),  # tokens do not fill the block
-        batch(["BlockStored", ["h"], None, TOKENS[:16], 16, None, "GPU"]),
-        batch(["BlockRemoved", 5, "GPU"]),
+        (b"\xc1", "not msgpack"),  # never used in msgpack
+        (b"\x81\x91\x01\x02", "not msgpack"),  # a map keyed by an array: no Python dict holds it
+        (b"\x91" * 100_000 + b"\xc0", "not msgpack"),  # nested past msgpack's stack
+        (msgpack.packb("not a batch"), "not a batch"),
+        (msgpack.packb([1.0]), "not a batch"),
+        (msgpack.packb([1.0, {"a": 1}]), "not a batch"),
+        (batch(["Mystery", [1]]), "bad event"),
+        (batch([17]), "bad event"),
+        (batch({"type": ["BlockStored"]}), "bad event"),  # a tag that is no string (no dict key either)
+        (batch(["BlockStored", [1], None, TOKENS[:15], 16, None, "GPU"]), "bad event"),  # tokens do not fill the block
+        (batch(["BlockStored", ["h"], None, TOKENS[:16], 16, None, "GPU"]), "bad event"),
+        (batch(["BlockStored", [1], None, [2**32] * 16, 16, None, "GPU"]), "bad event"),  # no uint32 token id
+        (batch(["BlockStored", [1], None, [-1] * 16, 16, None, "GPU"]), "bad event"),
+        (batch(["BlockRemoved", 5, "GPU"]), "bad event"),
     ],
 )
-def test_malformed_batches_raise(payload: bytes) -> None:
-    with pytest.raises(KVEventError):
+def test_malformed_batches_raise_and_say_which_kind(payload: bytes, kind: str) -> None:
+    with pytest.raises(MalformedBatch) as raised:
         decode_vllm_batch(payload)
+    assert raised.value.kind == kind
 
 
 def test_sse_message_parses_shoal_events() -> None:
@@ -146,7 +153,18 @@ def test_sse_message_parses_shoal_events() -> None:
     assert parse_sse_message(b'{"seq": 5, "replica": "r", "events": []}').is_snapshot is False
 
 
-@pytest.mark.parametrize("data", [b"{", b"[]", b'{"events": []}', b'{"seq": 1, "events": [1]}'])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"{",
+        b"[]",
+        b'{"events": []}',
+        b'{"seq": 1, "events": [1]}',
+        b'{"seq": 1, "events": [{"type": ["stored"]}]}',
+        b'{"seq": 1, "events": [{"type": "stored", "block_hashes": [1], "parent_hash": null, "token_ids": [%b], '
+        b'"block_size": 1}]}' % str(2**32).encode(),
+    ],
+)
 def test_malformed_sse_messages_raise(data: bytes) -> None:
     with pytest.raises(KVEventError):
         parse_sse_message(data)
