@@ -705,6 +705,51 @@ async def test_close_pool_fails_in_flight_requests() -> None:
         assert pool.stats()["open"] == 0
 
 
+async def test_close_at_any_point_of_a_request_fails_it_cleanly_under_a_busy_loop() -> None:
+    """Close races every stage of a request (entering the pool, connecting, writing, waiting for the head, reading
+    the body) while other tasks keep the loop busy: each request either completes or fails with an UpstreamError,
+    none hangs, and no connection outlives close."""
+    outcomes: dict[str, int] = {}
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        while (request := await read_request(reader)) is not None:
+            await asyncio.sleep(0)
+            writer.write(ok(request[2]))
+
+    async def busy(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            time.sleep(0.0002)  # holds the loop, as a parse or a decision does
+            await asyncio.sleep(0)
+
+    async with RawServer(serve) as server:
+        stop = asyncio.Event()
+        busy_tasks = [asyncio.create_task(busy(stop)) for _ in range(2)]
+        try:
+            for i in range(150):
+                pool = UpstreamPool()
+                if i % 2:
+                    await (await get(pool, server.port)).read()  # a kept-alive connection to reuse
+                tasks = [asyncio.create_task(get(pool, server.port)) for _ in range(3)]
+                for _ in range(i % 12):  # close after a varying number of loop turns
+                    await asyncio.sleep(0)
+                await pool.close()
+                for task in tasks:
+                    try:
+                        response = await asyncio.wait_for(task, timeout=5)
+                        await asyncio.wait_for(response.read(), timeout=5)
+                        kind = "completed"
+                    except UpstreamError as exc:
+                        kind = type(exc).__name__
+                    outcomes[kind] = outcomes.get(kind, 0) + 1
+                assert pool.stats()["open"] == 0, f"iteration {i}: a connection outlived close"
+                with pytest.raises(UpstreamError):
+                    await get(pool, server.port)
+        finally:
+            stop.set()
+            await asyncio.gather(*busy_tasks)
+    assert outcomes.get("UpstreamError", 0) and outcomes.get("UpstreamDisconnected", 0), outcomes  # both stages raced
+
+
 # --- uvloop --------------------------------------------------------------------------------------------------
 
 
