@@ -7,9 +7,10 @@ guard the router's port; there is no second server to hand a connection to. `Fro
 
 What the server does:
 - Framing and hostile input are llhttp's, in its strict mode: Content-Length or chunked (never both, never a
-  repeated length), no obs-fold, bare CR or LF, or invalid characters. A request it rejects is answered 400 (or 413,
-  415, 417, 431, 505 by the rule it broke) with `Connection: close` at once, after the answers to every valid request
-  pipelined before it; no malformed request waits for a timeout, and none logs more than one line.
+  repeated length), no obs-fold, bare CR or LF, or invalid characters. One Host header, as RFC 9112 3.2 asks: none
+  in an HTTP/1.1 request, or two in any, is a 400. A request it rejects is answered 400 (or 413, 415, 417, 431, 505
+  by the rule it broke) with `Connection: close` at once, after the answers to every valid request pipelined before
+  it; no malformed request waits for a timeout, and none logs more than one line.
 - Bodies: at most `limits.max_body_bytes` (413 beyond, before the body is read when a length says so); gzip and
   deflate content codings are decoded within the same bound; `Expect: 100-continue` gets its interim answer.
 - Keep-alive, with pipelined requests answered in order; reading pauses while one is served and more than
@@ -349,6 +350,10 @@ class _Connection(asyncio.Protocol):
         )
         if len(self._url) + sum(len(name) + len(value) + 4 for name, value in self._fields) > _MAX_HEAD_BYTES:
             raise _Refusal(431, f"request head larger than {_MAX_HEAD_BYTES} bytes", "head_too_large")
+        num_hosts = len(headers.getall("Host", ()))
+        if num_hosts > 1 or (num_hosts == 0 and version == "1.1"):  # RFC 9112 3.2: 400 to either
+            detail = "several Host headers" if num_hosts else "no Host header"
+            raise _Refusal(400, f"{detail}: an HTTP/1.1 request carries exactly one", "invalid_request")
         self._fields = []
         limit = self.limits.max_body_bytes
         length = headers.get("Content-Length")

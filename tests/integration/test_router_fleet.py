@@ -248,7 +248,7 @@ async def raw_post(router: RouterHandle, body: bytes, extra_head: bytes) -> tupl
     reader, writer = await asyncio.open_connection(host, port)
     try:
         writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\nConnection: close\r\n"
             b"Content-Length: %d\r\n%b\r\n%b" % (len(body), extra_head, body)
         )
         head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)).decode("latin-1").lower()

@@ -169,9 +169,9 @@ async def test_chunked_and_expect_continue_bodies_are_routed(
 @pytest.mark.parametrize(
     "head",
     [
-        b"POST /v1/completions HTTP/1.1\r\nContent-Length: abc\r\n\r\n",
-        b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
-        b"POST /v1/completions HTTP/1.1\r\nBad Header: x\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: abc\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+        b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nBad Header: x\r\n\r\n",
     ],
     ids=["length-not-a-number", "two-lengths", "space-in-a-name"],
 )

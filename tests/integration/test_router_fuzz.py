@@ -155,6 +155,8 @@ def requests(draw: st.DrawFn) -> bytes:
         (draw(header_names).encode(), draw(header_values).encode("utf-8", "surrogateescape"))
         for _ in range(draw(st.integers(0, 4)))
     ]
+    if draw(st.sampled_from([True] * 9 + [False])):  # mostly the one Host an HTTP/1.1 request needs
+        fields.insert(0, (b"Host", b"r"))
     framing = draw(st.sampled_from(["length", "length", "chunked", "none", "as-drawn"]))
     if framing == "length":
         fields.append((b"Content-Length", str(len(body)).encode()))

@@ -69,7 +69,7 @@ def inference_count(fake: FakeReplica) -> int:
 
 CLOSE_AT_ONCE = [
     ("non-ascii-path", b"GET /v1/mod\xc3\xa9ls HTTP/1.1\r\nHost: r\r\n\r\n", 400),
-    ("long-length", b"POST /v1/completions HTTP/1.1\r\nContent-Length: " + b"7" * 4000 + b"\r\n\r\n{}", 400),
+    ("long-length", b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: " + b"7" * 4000 + b"\r\n\r\n{}", 400),
     ("bare-lf", b"POST /v1/completions HTTP/1.1\nHost: r\nContent-Length: 2\n\n{}", 400),
     ("tls-hello", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(64), 400),
     ("http-0.9", b"GET /v1/models\r\n", 400),
@@ -144,7 +144,7 @@ async def test_a_valid_request_pipelined_before_a_malformed_one_is_answered(
 ) -> None:
     fake, router = fake_and_router
     good = post("/v1/completions", json.dumps({"model": MODEL, "prompt": "first"}).encode())
-    got = await answers(router, good + b"POST /v1/completions HTTP/1.1\r\nContent-Length: 1 2\r\n\r\n")
+    got = await answers(router, good + b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 1 2\r\n\r\n")
     assert [(s, h.get("connection")) for s, h, _ in got] == [(200, None), (400, "close")]
     assert inference_count(fake) == 1
 
@@ -175,7 +175,10 @@ async def test_malformed_requests_log_one_line_each(
 async def test_chunked_trailers_are_bounded_as_a_head_is(fake_and_router: tuple[FakeReplica, RouterHandle]) -> None:
     fake, router = fake_and_router
     body = json.dumps({"model": MODEL, "prompt": "x"}).encode()
-    head = b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    )
     chunked = b"%x\r\n%b\r\n0\r\n" % (len(body), body)
     # One small trailer is legal and served; 8 MB of them is refused at the head's limit, long before its end.
     got = await answers(router, head + chunked + b"X-Check: 1\r\n\r\n" + head + chunked + b"X-Pad: " + b"a" * (8 << 20))
@@ -199,7 +202,7 @@ async def test_a_zero_padded_content_length_is_read_as_its_value(
 ) -> None:
     fake, router = fake_and_router
     body = json.dumps({"model": MODEL, "prompt": "padded"}).encode()
-    head = b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\nConnection: close\r\n"
     got = await answers(router, head + b"Content-Length: %b%d\r\n\r\n%b" % (b"0" * 5000, len(body), body))
     assert [s for s, _, _ in got] == [200]  # 5,000 zeros once made int() refuse the digits: a 500
     assert inference_count(fake) == 1

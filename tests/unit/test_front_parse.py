@@ -98,8 +98,8 @@ async def test_connection_close_and_defaults(served: tuple[FrontServer, Recorder
     answers = await exchange(
         server,
         b"GET /v1/models HTTP/1.1\r\nHost: r\r\n\r\n"
-        b"POST /v1/completions HTTP/1.1\r\nContent-Length: 0\r\nConnection: keep-alive, Close\r\n\r\n"
-        b"GET /never HTTP/1.1\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 0\r\nConnection: keep-alive, Close\r\n\r\n"
+        b"GET /never HTTP/1.1\r\nHost: r\r\n\r\n",
     )
     assert [(status, headers.get("connection")) for status, headers, _ in answers] == [(200, None), (200, "close")]
     (get, _), (post, _) = recorder.seen
@@ -107,7 +107,10 @@ async def test_connection_close_and_defaults(served: tuple[FrontServer, Recorder
     assert not post.keep_alive
 
 
-CHUNKED = b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3;ext=1\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+CHUNKED = (
+    b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"3;ext=1\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+)
 
 
 @pytest.mark.parametrize(
@@ -115,19 +118,19 @@ CHUNKED = b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3
     [
         (CHUNKED, b"abcde"),
         (b"POST /v1/completions HTTP/1.0\r\nContent-Length: 2\r\n\r\n{}", b"{}"),
-        (b"POST /v1/completions HTTP/1.1\r\n\r\n", b""),  # no length: an empty body (RFC 9112 6.3)
-        (b"POST /v1/embeddings HTTP/1.1\r\nContent-Length: 2\r\n\r\nhi", b"hi"),  # the fallback's
+        (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\n\r\n", b""),  # no length: an empty body (RFC 9112 6.3)
+        (b"POST /v1/embeddings HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\n\r\nhi", b"hi"),  # the fallback's
         (
-            b"POST /v1/completions HTTP/1.1\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n%b"
+            b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n%b"
             % (len(gzip.compress(b"zipped")), gzip.compress(b"zipped")),
             b"zipped",
         ),
         (
-            b"POST /v1/completions HTTP/1.1\r\nContent-Encoding: deflate\r\nContent-Length: %d\r\n\r\n%b"
+            b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Encoding: deflate\r\nContent-Length: %d\r\n\r\n%b"
             % (len(zlib.compress(b"deflated")), zlib.compress(b"deflated")),
             b"deflated",
         ),
-        (b"POST /v1/completions HTTP/1.1\r\nUpgrade: websocket\r\nContent-Length: 2\r\n\r\n{}", b"{}"),
+        (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nUpgrade: websocket\r\nContent-Length: 2\r\n\r\n{}", b"{}"),
     ],
     ids=["chunked", "http-1.0", "no-length", "fallback", "gzip", "deflate", "upgrade-ignored"],
 )
@@ -144,7 +147,7 @@ async def test_expect_100_continue_gets_its_interim_answer(served: tuple[FrontSe
     server, recorder = served
     reader, writer = await asyncio.open_connection(*server.addresses[0])
     try:
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n")
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n")
         assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2) == b"HTTP/1.1 100 Continue\r\n\r\n"
         writer.write(b"{}")
         assert (await asyncio.wait_for(reader.readuntil(b"\r\n"), 2)).startswith(b"HTTP/1.1 200")
@@ -155,36 +158,42 @@ async def test_expect_100_continue_gets_its_interim_answer(served: tuple[FrontSe
 
 REFUSED = [
     # (request, status): each is refused at once, with Connection: close, and reaches no handler.
-    (b"post /v1/completions HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}", 400),  # methods are case-sensitive
-    (b"POST http://router/v1/completions HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}", 400),  # absolute-form
-    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400),
-    (b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n", 501),
-    (b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked, identity\r\n\r\n", 400),
-    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}", 400),
-    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: +2\r\n\r\n{}", 400),
-    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2 3\r\n\r\n{}", 400),
-    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: \xef\xbc\x92\r\n\r\n{}", 400),  # a full-width digit
-    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: " + b"9" * 3000 + b"\r\n\r\n", 400),
-    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 1001\r\n\r\n", 413),  # over max_body_bytes
-    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nBad Name: x\r\n\r\n{}", 400),
-    (b"POST /v1/completions HTTP/1.1\r\nContent-Length : 2\r\n\r\n{}", 400),
-    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nX: folded\r\n continued\r\n\r\n{}", 400),  # obs-fold
-    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nX: bare\nLF\r\n\r\n{}", 400),
-    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nX: bare\rCR\r\n\r\n{}", 400),
-    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nX: nul\x00\r\n\r\n{}", 400),
-    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nno colon\r\n\r\n{}", 400),
-    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\n: no name\r\n\r\n{}", 400),
-    (b"POST /v1/completions HTTP/1.1\nContent-Length: 2\n\n{}", 400),  # bare LF line ends
-    (b"GET /v1/caf\xc3\xa9 HTTP/1.1\r\n\r\n", 400),  # a non-ASCII byte in the path
+    (b"post /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\n\r\n{}", 400),  # methods are case-sensitive
+    (b"POST http://router/v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\n\r\n{}", 400),  # absolute-form
+    (
+        b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        400,
+    ),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n", 501),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked, identity\r\n\r\n", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: +2\r\n\r\n{}", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 2 3\r\n\r\n{}", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: \xef\xbc\x92\r\n\r\n{}", 400),  # a full-width digit
+    (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: " + b"9" * 3000 + b"\r\n\r\n", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 1001\r\n\r\n", 413),  # over max_body_bytes
+    (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\nBad Name: x\r\n\r\n{}", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length : 2\r\n\r\n{}", 400),
+    (
+        b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\nX: folded\r\n continued\r\n\r\n{}",
+        400,
+    ),  # obs-fold
+    (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\nX: bare\nLF\r\n\r\n{}", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\nX: bare\rCR\r\n\r\n{}", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\nX: nul\x00\r\n\r\n{}", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\nno colon\r\n\r\n{}", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\n: no name\r\n\r\n{}", 400),
+    (b"POST /v1/completions HTTP/1.1\nHost: r\nContent-Length: 2\n\n{}", 400),  # bare LF line ends
+    (b"GET /v1/caf\xc3\xa9 HTTP/1.1\r\nHost: r\r\n\r\n", 400),  # a non-ASCII byte in the path
     (b"GET /\r\n", 400),  # HTTP/0.9
     (b"GET / HTTP/2.0\r\n\r\n", 505),
     (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 400),  # an HTTP/2 preface
     (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03", 400),  # a TLS ClientHello
-    (b"CONNECT router:443 HTTP/1.1\r\n\r\n", 400),
-    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nExpect: 200-ok\r\n\r\n{}", 417),
-    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nExpect: \xff\r\n\r\n{}", 417),
-    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nContent-Encoding: br\r\n\r\n{}", 415),
-    (b"POST /v1/completions HTTP/1.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", 431),
+    (b"CONNECT router:443 HTTP/1.1\r\nHost: r\r\n\r\n", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\nExpect: 200-ok\r\n\r\n{}", 417),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\nExpect: \xff\r\n\r\n{}", 417),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\nContent-Encoding: br\r\n\r\n{}", 415),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", 431),
 ]
 
 
@@ -205,6 +214,40 @@ async def test_malformed_requests_are_refused_at_once(
 
 
 @pytest.mark.parametrize(
+    ("request_bytes", "message"),
+    [
+        (b"GET /v1/models HTTP/1.1\r\n\r\n", "no Host header"),
+        (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}", "no Host header"),
+        (b"GET /v1/models HTTP/1.1\r\nHost: r\r\nHost: r\r\n\r\n", "several Host headers"),
+        (b"GET /v1/models HTTP/1.1\r\nHost: a\r\nX: y\r\nhost: b\r\n\r\n", "several Host headers"),
+        (b"GET /v1/models HTTP/1.0\r\nHost: a\r\nHost: b\r\n\r\n", "several Host headers"),
+    ],
+)
+async def test_a_host_header_is_required_once(
+    served: tuple[FrontServer, Recorder], request_bytes: bytes, message: str
+) -> None:
+    """RFC 9112 3.2: a server answers 400 to an HTTP/1.1 request without Host, and to any request with two."""
+    server, recorder = served
+    answers = await exchange(server, request_bytes)
+    assert [(answer[0], answer[1].get("connection")) for answer in answers] == [(400, "close")]
+    assert json.loads(answers[0][2])["error"]["message"].startswith(message)
+    assert recorder.seen == []
+
+
+async def test_one_host_even_empty_or_none_in_http_1_0_is_served(served: tuple[FrontServer, Recorder]) -> None:
+    server, recorder = served
+    requests = [
+        b"GET /a HTTP/1.1\r\nHost: router.example:8000\r\n\r\n",
+        b"GET /b HTTP/1.1\r\nHost:\r\n\r\n",  # empty: a target with no authority (RFC 9112 3.2)
+        b"GET /c HTTP/1.0\r\nConnection: keep-alive\r\n\r\n",
+        b"GET /d HTTP/1.1\r\nHost: r\r\nConnection: close\r\n\r\n",
+    ]
+    answers = await exchange(server, b"".join(requests))
+    assert [answer[0] for answer in answers] == [200, 200, 200, 200]
+    assert [request.path for request, _ in recorder.seen] == ["/a", "/b", "/c", "/d"]
+
+
+@pytest.mark.parametrize(
     ("body", "status"),
     [(b"not gzip at all", 400), (gzip.compress(b"x")[:-6], 400), (gzip.compress(b"x" * (MAX_BODY + 1)), 413)],
     ids=["not-gzip", "truncated", "bomb"],
@@ -213,19 +256,21 @@ async def test_bad_encoded_bodies_are_refused_and_the_connection_kept(
     served: tuple[FrontServer, Recorder], body: bytes, status: int
 ) -> None:
     server, recorder = served
-    request = b"POST /v1/completions HTTP/1.1\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n%b" % (
+    request = b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n%b" % (
         len(body),
         body,
     )
-    answers = await exchange(server, request + b"GET /after HTTP/1.1\r\nConnection: close\r\n\r\n")
+    answers = await exchange(server, request + b"GET /after HTTP/1.1\r\nHost: r\r\nConnection: close\r\n\r\n")
     assert [answer[0] for answer in answers] == [status, 200]
     assert [request.path for request, _ in recorder.seen] == ["/after"]
 
 
 async def test_valid_requests_before_a_malformed_one_are_answered(served: tuple[FrontServer, Recorder]) -> None:
     server, recorder = served
-    good = b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}"
-    answers = await exchange(server, good + good + b"POST /v1/completions HTTP/1.1\r\nContent-Length: x\r\n\r\n")
+    good = b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\n\r\n{}"
+    answers = await exchange(
+        server, good + good + b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: x\r\n\r\n"
+    )
     assert [(answer[0], answer[1].get("connection")) for answer in answers] == [
         (200, None),
         (200, None),
@@ -237,7 +282,9 @@ async def test_valid_requests_before_a_malformed_one_are_answered(served: tuple[
 async def test_a_body_over_the_limit_while_chunked_is_413(served: tuple[FrontServer, Recorder]) -> None:
     server, recorder = served
     piece = b"%x\r\n%b\r\n" % (600, b"x" * 600)
-    answers = await exchange(server, b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + piece * 2)
+    answers = await exchange(
+        server, b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n" + piece * 2
+    )
     assert [answer[0] for answer in answers] == [413]
     assert recorder.seen == []
 
@@ -248,7 +295,7 @@ def test_a_request_log_line_is_not_a_traceback(caplog: pytest.LogCaptureFixture)
         await server.start("127.0.0.1", 0)
         try:
             for _ in range(3):
-                await exchange(server, b"GET / HTTP/1.1\r\nContent-Length: x\r\n\r\n")
+                await exchange(server, b"GET / HTTP/1.1\r\nHost: r\r\nContent-Length: x\r\n\r\n")
         finally:
             await server.shutdown(1.0)
 
