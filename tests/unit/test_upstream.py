@@ -718,7 +718,9 @@ async def test_close_at_any_point_of_a_request_fails_it_cleanly_under_a_busy_loo
 
     async def busy(stop: asyncio.Event) -> None:
         while not stop.is_set():
-            time.sleep(0.0002)  # holds the loop, as a parse or a decision does
+            held_until = time.perf_counter() + 0.0002
+            while time.perf_counter() < held_until:  # holds the loop, as a parse or a decision does
+                pass
             await asyncio.sleep(0)
 
     async with RawServer(serve) as server:
