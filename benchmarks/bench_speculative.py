@@ -12,6 +12,12 @@ minutes.
     .venv/bin/python -m benchmarks.bench_speculative --breakdown  # per-step time by part, batch 1 and 16
     .venv/bin/python -m benchmarks.bench_speculative --adaptive --batches 1,4,16,32   # adaptive k, fixed k, off
     .venv/bin/python -m benchmarks.bench_speculative --adaptive --untrained-drafter   # ... with a useless drafter
+    .venv/bin/python -m benchmarks.bench_speculative --http     # as a client sees it: two `shoal replica` servers
+
+`--http` starts `shoal replica` twice on the demo model, as it ships (speculating at its defaults) and with
+`--num-speculative-tokens 0`, and sends both the same held-out chats through `/v1/chat/completions` (greedy,
+max_tokens 96, stopping at the end of the answer), alternating request by request at batch 1 and wave by wave at
+batch 16 (16 at once). Tokens/s is completion tokens over the client's wall time, prefill and HTTP included.
 
 The grid's `on` is what `shoal replica` serves by default: the demo model's block drafter, k = its block size (8),
 adaptive.
@@ -25,9 +31,17 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `shoal replica` serves: replica.cli.sleeping_omp_threads
 
 import argparse
+import json
+import signal
+import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -293,6 +307,102 @@ def adaptive_sweep(args: argparse.Namespace, path: Path, tokenizer: Tokenizer, d
         )
 
 
+@dataclass
+class Server:
+    process: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+
+def start_server(name: str, options: list[str], threads: int | None, logs: Path) -> Server:
+    port = free_port()
+    log = logs / f"{name}.log"
+    command = [sys.executable, "-c", "from router.cli import main; raise SystemExit(main())", "replica",
+               f"--port={port}", *options, *([f"--threads={threads}"] if threads else [])]  # fmt: skip
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    server = Server(process, f"http://127.0.0.1:{port}", log)
+    deadline = time.monotonic() + 300
+    while '"event": "ready"' not in log.read_text(errors="replace"):
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"{name} did not start:\n{log.read_text(errors='replace')[-2000:]}")
+        time.sleep(0.2)
+    return server
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def post_chat(server: Server, body: dict[str, Any]) -> int:
+    """-> completion tokens of one greedy chat request."""
+    data = json.dumps({**body, "model": "shoal-demo", "max_tokens": 96, "temperature": 0}).encode()
+    request = urllib.request.Request(
+        f"{server.url}/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return int(json.loads(response.read())["usage"]["completion_tokens"])
+
+
+def spec_counters(server: Server) -> tuple[float, float]:
+    """(drafts, accepted draft tokens) so far, from the replica's vLLM-named counters."""
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+
+    def total(name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+    return total("vllm:spec_decode_num_drafts_total"), total("vllm:spec_decode_num_accepted_tokens_total")
+
+
+def http(args: argparse.Namespace) -> None:
+    bodies = [{"messages": b["messages"]} for b in chat_requests(max(args.prompts, 16 * args.waves), seed=BENCH_SEED)]
+    threads = args.threads[0] if args.threads != [1, 2] else None  # default: what `shoal replica` picks
+    with tempfile.TemporaryDirectory() as tmp:
+        servers = {
+            "on": start_server("on", [], threads, Path(tmp)),
+            "off": start_server("off", ["--num-speculative-tokens=0"], threads, Path(tmp)),
+        }
+        try:
+            for server in servers.values():  # warm both: first requests pay allocations
+                for body in bodies[:2]:
+                    post_chat(server, body)
+            print(f"\n## Speculation through HTTP, as a client sees it (demo model, greedy chats, max_tokens 96, "
+                  f"threads {threads or 'default'}, {args.rounds} rounds, median)")  # fmt: skip
+            print(f"{'batch':>5} {'off tok/s':>10} {'on tok/s':>9} {'x':>6} {'accept len':>10} {'tokens':>7}")
+            for batch in args.batches:
+                rates: dict[str, list[float]] = {"on": [], "off": []}
+                drafts_before = spec_counters(servers["on"])
+                tokens = 0
+                for r in range(args.rounds):
+                    seconds = {"on": 0.0, "off": 0.0}
+                    counts = {"on": 0, "off": 0}
+                    for start in range(0, len(bodies) - batch + 1, batch):
+                        wave = bodies[start : start + batch]
+                        order = ("on", "off") if (r + start // batch) % 2 == 0 else ("off", "on")
+                        for name in order:
+                            began = time.perf_counter()
+                            with ThreadPoolExecutor(batch) as pool:
+                                counts[name] += sum(pool.map(partial(post_chat, servers[name]), wave))
+                            seconds[name] += time.perf_counter() - began
+                    for name in rates:
+                        rates[name].append(counts[name] / seconds[name])
+                    tokens = counts["on"]
+                drafts, accepted = (b - a for a, b in zip(drafts_before, spec_counters(servers["on"]), strict=True))
+                ratios = [on / off for on, off in zip(rates["on"], rates["off"], strict=True)]
+                print(
+                    f"{batch:>5} {statistics.median(rates['off']):>10.0f} {statistics.median(rates['on']):>9.0f} "
+                    f"{statistics.median(ratios):>5.2f}x {1 + accepted / drafts if drafts else 1.0:>10.2f} {tokens:>7}",
+                    flush=True,
+                )
+        finally:
+            for server in servers.values():
+                os.killpg(server.process.pid, signal.SIGTERM)
+                server.process.wait(timeout=30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, help="checkpoint folder (default: the demo model)")
@@ -310,10 +420,15 @@ def main() -> None:
     mode.add_argument("--drafters", action="store_true", help="compare drafters at each --k")
     mode.add_argument("--breakdown", action="store_true", help="time the parts of a step")
     mode.add_argument("--adaptive", action="store_true", help="adaptive k against fixed k and off, by batch")
+    mode.add_argument("--http", action="store_true", help="`shoal replica` with and without speculation, over HTTP")
     parser.add_argument(
         "--untrained-drafter", action="store_true", help="--adaptive with a drafter whose drafts are rejected"
     )
     args = parser.parse_args()
+    if args.http:
+        print(f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs")
+        http(args)
+        return
     path = args.model or ensure_demo_model()
     drafter_path = args.drafter or path / "drafter"
     tokenizer = Tokenizer.from_file(path / "tokenizer.json")
