@@ -54,12 +54,12 @@ from benchmarks import command_argv
 from replica.demo.build import ensure_demo_model
 from replica.demo.corpus import TOOLS
 from replica.demo.toolcheck import tool_prompts
+from replica.drafters.checkpoint import DrafterModel, default_num_speculative_tokens, drafter_runtime, load_drafter
 from replica.engine.engine import EngineConfig, LLMEngine
 from replica.grammar.matcher import GrammarCompiler
 from replica.model.loader import load_model
 from replica.model.model import MoEForCausalLM
 from replica.server.protocol import parse_chat
-from replica.spec.checkpoint import DrafterModel, default_num_speculative_tokens, drafter_runtime, load_drafter
 from replica.tokenizer import Tokenizer
 
 SUITE_PATH = Path(__file__).parents[1] / "tests" / "data" / "schema_suite.json"

@@ -33,9 +33,9 @@ from benchmarks.bench_speculative import shown
 from replica.capture import CaptureSource
 from replica.demo.build import ensure_demo_model
 from replica.demo.traffic import generate_traffic
+from replica.drafters.build import build_drafter
+from replica.drafters.train import DrafterRecipe, Example, load_capture_examples, measure_acceptance
 from replica.model.loader import load_model
-from replica.spec.build import build_drafter
-from replica.spec.train import DrafterRecipe, Example, load_capture_examples, measure_acceptance
 from replica.tokenizer import Tokenizer
 
 TOOL_CALL_TOKEN = "<tool_call>"

@@ -28,11 +28,11 @@ import torch
 
 from benchmarks.bench_speculative import prompts_for
 from replica.demo.build import ensure_demo_model
+from replica.drafters.checkpoint import DrafterModel, drafter_runtime, load_drafter
 from replica.engine.engine import EngineConfig, LLMEngine
 from replica.engine.sampling import SamplingParams
 from replica.model.loader import load_model
 from replica.model.model import MoEForCausalLM
-from replica.spec.checkpoint import DrafterModel, drafter_runtime, load_drafter
 from replica.tokenizer import Tokenizer
 
 

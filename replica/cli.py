@@ -286,8 +286,8 @@ def _run_train_drafter(args: argparse.Namespace) -> int:
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s %(message)s")
     from dataclasses import replace
 
-    from replica.spec.build import TrainDrafterError, train_drafter_command
-    from replica.spec.train import DrafterRecipe
+    from replica.drafters.build import TrainDrafterError, train_drafter_command
+    from replica.drafters.train import DrafterRecipe
 
     recipe = DrafterRecipe(kind=args.kind)
     for name in ("max_steps", "max_seconds", "block_size", "eval_prompts"):

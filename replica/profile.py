@@ -285,9 +285,9 @@ def run_profile(settings: Any, *, out: Path, grid: ProfileGrid, threads: int | N
     if threads:
         torch.set_num_threads(threads)
     model, _tokenizer = load_for_serving(settings)
+    from replica.drafters.checkpoint import default_num_speculative_tokens, drafter_runtime
     from replica.model.model import MoEForCausalLM
     from replica.server.serve import checkpoint_dir, load_drafter_for_serving
-    from replica.spec.checkpoint import default_num_speculative_tokens, drafter_runtime
 
     assert isinstance(model, MoEForCausalLM)
     drafter = load_drafter_for_serving(settings, model, checkpoint_dir(settings))

@@ -69,7 +69,7 @@ class DemoRecipe:
     """Demo chat requests the trained model answers (half greedy, half sampled) to make the drafter's training
     traffic (`replica.demo.traffic`); 0 builds no drafter."""
     drafter_steps: int = 1200
-    """Training steps of the demo's block drafter (`replica.spec.train`)."""
+    """Training steps of the demo's block drafter (`replica.drafters.train`)."""
     save_dtype: str = "bfloat16"
     """Dtype of the saved weights: BF16 halves the package (the model still serves in its configured dtype, and
     the drafter is trained against the model as loaded back from these weights)."""
@@ -251,10 +251,10 @@ def _build_drafter(tokenizer: Any, folder: Path, recipe: DemoRecipe, progress: C
 
     from replica.capture import CaptureSource, fingerprint_model, fingerprint_tokenizer
     from replica.demo.traffic import generate_traffic
+    from replica.drafters.build import build_drafter
+    from replica.drafters.checkpoint import target_fingerprint
+    from replica.drafters.train import DrafterRecipe, load_capture_examples
     from replica.model.loader import load_model
-    from replica.spec.build import build_drafter
-    from replica.spec.checkpoint import target_fingerprint
-    from replica.spec.train import DrafterRecipe, load_capture_examples
 
     traffic = folder / "traffic"
     source = CaptureSource(

@@ -32,6 +32,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from replica.capture import CaptureSource, CaptureWriter, fingerprint_model, fingerprint_tokenizer
+from replica.drafters.checkpoint import DrafterModel, default_num_speculative_tokens, drafter_runtime
 from replica.engine.decide import TokenLogprob
 from replica.engine.engine import LLMEngine, RequestError, RequestOutput, StepResult
 from replica.grammar.matcher import GrammarCompiler
@@ -50,7 +51,6 @@ from replica.server.protocol import (
 )
 from replica.server.tool_stream import ToolCallStream, split_tool_calls
 from replica.settings import ReplicaSettings
-from replica.spec.checkpoint import DrafterModel, default_num_speculative_tokens, drafter_runtime
 from replica.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 from replica.settings import ReplicaSettings
 
 if TYPE_CHECKING:
-    from replica.spec.checkpoint import DrafterModel
+    from replica.drafters.checkpoint import DrafterModel
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +59,13 @@ def drafter_dir(settings: ReplicaSettings, checkpoint: Path) -> Path | None:
 
 def load_drafter_for_serving(settings: ReplicaSettings, model: object, checkpoint: Path) -> DrafterModel | None:
     """The drafter model to speculate with, or None; logs what was loaded and how it was measured."""
-    from replica.model.model import MoEForCausalLM
-    from replica.spec.checkpoint import (
+    from replica.drafters.checkpoint import (
         default_num_speculative_tokens,
         load_drafter,
         read_drafter_meta,
         target_fingerprint,
     )
+    from replica.model.model import MoEForCausalLM
 
     folder = drafter_dir(settings, checkpoint)
     if folder is None:

@@ -116,7 +116,7 @@ async def test_a_speculating_replica_answers_as_one_that_does_not(
 async def test_a_drafter_that_does_not_fit_is_refused_with_a_reason(
     start_replica: StartReplica, checkpoint_with_drafter: Path, tmp_path: Path
 ) -> None:
-    from replica.spec.checkpoint import DrafterError
+    from replica.drafters.checkpoint import DrafterError
 
     with pytest.raises(DrafterError, match=r"no drafter\.json"):
         await start_replica(model=str(checkpoint_with_drafter), drafter=str(tmp_path))

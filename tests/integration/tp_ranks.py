@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
+from replica.drafters.dense import ModelDrafter
 from replica.engine.engine import EngineConfig, LLMEngine
 from replica.engine.sampling import SamplingParams
 from replica.model.model import MoEForCausalLM
-from replica.spec.dense import ModelDrafter
 
 NOISE_STD = 1.0
 """Of the logits' noise; the random model's logits spread about as much, so noise flips many choices."""

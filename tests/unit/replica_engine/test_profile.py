@@ -133,9 +133,9 @@ def test_a_decode_batch_whose_prompts_take_several_steps_to_prefill(model: MoEFo
 
 
 def test_with_a_drafter_the_command_times_speculative_steps_the_simulator_fits(tmp_path: Path) -> None:
+    from replica.drafters.checkpoint import save_drafter
+    from replica.drafters.train import DrafterRecipe, new_drafter
     from replica.model.loader import load_model
-    from replica.spec.checkpoint import save_drafter
-    from replica.spec.train import DrafterRecipe, new_drafter
     from tests.replica_checkpoint import build_tiny_checkpoint
 
     ckpt = build_tiny_checkpoint(tmp_path / "tiny")

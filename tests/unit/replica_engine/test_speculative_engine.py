@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 import torch
 
+from replica.drafters.block import BlockDrafter, BlockDrafterConfig, BlockDrafterModel
+from replica.drafters.dense import DenseDrafterConfig, DenseDrafterModel, ModelDrafter
 from replica.engine.drafting import Drafter
 from replica.engine.engine import EngineConfig, LLMEngine
 from replica.engine.sampling import SamplingParams
 from replica.model.model import MoEForCausalLM
 from replica.quant.experts import quantize_model_experts
-from replica.spec.block import BlockDrafter, BlockDrafterConfig, BlockDrafterModel
-from replica.spec.dense import DenseDrafterConfig, DenseDrafterModel, ModelDrafter
 from router.policy.kv_events import BlockStored
 from tests.unit.replica_engine.conftest import TINY, Run, drive, greedy
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
+from replica.drafters.block import BlockDrafter, BlockDrafterConfig, BlockDrafterModel
+from replica.drafters.dense import DenseDrafterConfig, DenseDrafterModel, ModelDrafter
 from replica.engine.drafting import Drafter
 from replica.model.model import MoEForCausalLM
-from replica.spec.block import BlockDrafter, BlockDrafterConfig, BlockDrafterModel
-from replica.spec.dense import DenseDrafterConfig, DenseDrafterModel, ModelDrafter
 
 log = logging.getLogger(__name__)
 

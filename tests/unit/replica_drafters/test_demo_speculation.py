@@ -10,12 +10,12 @@ import pytest
 
 from replica.demo.build import ensure_demo_model
 from replica.demo.corpus import chat_requests
+from replica.drafters.checkpoint import DrafterModel, default_num_speculative_tokens, drafter_runtime, load_drafter
 from replica.engine.engine import EngineConfig, LLMEngine
 from replica.engine.sampling import SamplingParams
 from replica.model.loader import load_model
 from replica.model.model import MoEForCausalLM
 from replica.quant.experts import quantize_model_experts
-from replica.spec.checkpoint import DrafterModel, default_num_speculative_tokens, drafter_runtime, load_drafter
 from replica.tokenizer import Tokenizer
 
 NUM_PROMPTS = 200

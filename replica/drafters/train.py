@@ -29,10 +29,10 @@ from typing import Literal
 import torch
 
 from replica.capture import CaptureRecord, iter_captures
+from replica.drafters.block import BlockDrafterConfig, BlockDrafterModel
+from replica.drafters.checkpoint import DrafterModel
+from replica.drafters.dense import DenseDrafterConfig, DenseDrafterModel
 from replica.model.model import MoEForCausalLM
-from replica.spec.block import BlockDrafterConfig, BlockDrafterModel
-from replica.spec.checkpoint import DrafterModel
-from replica.spec.dense import DenseDrafterConfig, DenseDrafterModel
 
 DrafterKind = Literal["dense", "block"]
 
@@ -389,9 +389,9 @@ def measure_acceptance(
     seed: int = 0,
 ) -> float:
     """Mean acceptance length (tokens per verifying step, 1 + accepted / drafts) of the engine on `prompts`."""
+    from replica.drafters.checkpoint import drafter_runtime
     from replica.engine.engine import EngineConfig, LLMEngine
     from replica.engine.sampling import SamplingParams
-    from replica.spec.checkpoint import drafter_runtime
 
     longest = max(len(p) for p in prompts) + max_tokens + num_speculative_tokens + 2
     block_size = 16

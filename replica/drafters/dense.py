@@ -8,7 +8,7 @@ its own embeddings and LM head. `ModelDrafter` runs any causal LM with the targe
 - `propose` drafts k tokens autoregressively: a forward pass over each sequence's anchor, then over each draft, k
   passes of one token per sequence, batched. Positions and slots are computed on the device from the anchors'
   positions (they depend on this step's acceptance), so proposing needs no host transfer.
-The cost is k + 1 drafter passes per step, which is why the block drafter (`replica.spec.block`), one pass for k
+The cost is k + 1 drafter passes per step, which is why the block drafter (`replica.drafters.block`), one pass for k
 tokens, is the faster one.
 
 H = hidden size, T = tokens, S = sequences, k = drafts.

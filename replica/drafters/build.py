@@ -13,9 +13,8 @@ from pathlib import Path
 
 import torch
 
-from replica.model.model import MoEForCausalLM
-from replica.spec.checkpoint import DrafterModel, save_drafter, target_fingerprint
-from replica.spec.train import (
+from replica.drafters.checkpoint import DrafterModel, save_drafter, target_fingerprint
+from replica.drafters.train import (
     DrafterRecipe,
     Example,
     TrainReport,
@@ -23,6 +22,7 @@ from replica.spec.train import (
     measure_acceptance,
     train_drafter,
 )
+from replica.model.model import MoEForCausalLM
 from replica.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ position j's hidden state (DFlash2's candidate selector is of this kind). Drafti
 q_j = the request's sampling transform of s_j (temperature, top-k, top-p), d_j ~ q_j, then j + 1. Each step is one
 small matmul, not a transformer pass; d_j is drawn with the key of its position (`sampler.draw`), so it agrees
 with the target's token there as often as q_j resembles p_j; greedy drafting takes the argmax path. Training
-(`replica.spec.train`) fits s_j, with the true previous token, to the target's distribution at each position.
+(`replica.drafters.train`) fits s_j, with the true previous token, to the target's distribution at each position.
 
 The embeddings and the LM head are the target's, shared and not saved with the drafter. The pass always runs the
 block size the drafter was trained with; fewer drafts use its first positions.

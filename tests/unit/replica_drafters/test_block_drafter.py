@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from replica.drafters.block import BlockDrafter, BlockDrafterConfig, BlockDrafterModel
 from replica.engine.engine import EngineConfig, LLMEngine
 from replica.engine.sampler import noise_keys, sample
 from replica.engine.sampling import SamplingParams
 from replica.model.model import MoEForCausalLM
-from replica.spec.block import BlockDrafter, BlockDrafterConfig, BlockDrafterModel
 
 
 def random_block_drafter(model: MoEForCausalLM, k: int) -> BlockDrafterModel:
