@@ -5,7 +5,7 @@ and again: the replica (or router) that answers garbage once, then well, at a mo
 from __future__ import annotations
 
 import collections
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -34,7 +34,7 @@ REPLICA_ANSWERS: dict[str, Sequence[Answer]] = {
 
 
 class ScriptedPeer:
-    def __init__(self, answers: dict[str, Sequence[Answer]]) -> None:
+    def __init__(self, answers: Mapping[str, Sequence[Answer]]) -> None:
         self.answers = {path: collections.deque(given) for path, given in answers.items()}
         self.num_requests: collections.Counter[str] = collections.Counter()
         self.after: dict[str, Callable[[], None]] = {}
@@ -61,7 +61,7 @@ class ScriptedPeer:
 
 
 @asynccontextmanager
-async def scripted_peer(answers: dict[str, Sequence[Answer]]) -> AsyncIterator[ScriptedPeer]:
+async def scripted_peer(answers: Mapping[str, Sequence[Answer]]) -> AsyncIterator[ScriptedPeer]:
     peer = ScriptedPeer(answers)
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", peer._handle)
