@@ -130,7 +130,9 @@ def run(demo: Demo, parsed: list[Any], *, speculate: bool) -> Outcome:
         num_blocks=num_blocks, max_num_seqs=64, max_num_batched_tokens=4096, num_speculative_tokens=k,
         adaptive_speculation=False,
     )  # fmt: skip
-    runtime = drafter_runtime(demo.drafter, num_blocks=num_blocks, block_size=16, max_tokens=k) if k else None
+    runtime = (
+        drafter_runtime(demo.drafter, num_blocks=num_blocks, block_size=16, num_speculative_tokens=k) if k else None
+    )
     engine = LLMEngine(
         demo.model, config, eos_token_ids=demo.tokenizer.eos_token_ids, drafter=runtime, grammar=demo.grammars
     )

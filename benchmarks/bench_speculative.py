@@ -119,7 +119,9 @@ def run_waves(
         num_speculative_tokens=k if drafter is not None else 0,
         adaptive_speculation=adaptive,
     )
-    runtime = drafter_runtime(drafter, num_blocks=num_blocks, block_size=16, max_tokens=k) if drafter else None
+    runtime = (
+        drafter_runtime(drafter, num_blocks=num_blocks, block_size=16, num_speculative_tokens=k) if drafter else None
+    )
     engine = LLMEngine(model, config, eos_token_ids=tokenizer.eos_token_ids, drafter=runtime)
     measured = Measured()
     step_parts: dict[str, float] = {}

@@ -310,7 +310,7 @@ def run_profile(settings: Any, *, out: Path, grid: ProfileGrid, threads: int | N
                 drafter,
                 num_blocks=config.num_blocks,
                 block_size=config.block_size,
-                max_tokens=k,
+                num_speculative_tokens=k,
             )
             profiler = Profiler(LLMEngine(model, spec_config, drafter=runtime), seed=seed, progress=progress)
             for seqs, context in profiler.decode_points(grid):

@@ -254,10 +254,12 @@ class BlockDrafter:
     lookahead_tokens = 0
     """Proposing writes nothing to the cache: the block's own keys are never stored."""
 
-    def __init__(self, model: BlockDrafterModel, *, num_blocks: int, block_size: int, max_tokens: int) -> None:
-        if max_tokens > model.config.block_size:
+    def __init__(
+        self, model: BlockDrafterModel, *, num_blocks: int, block_size: int, num_speculative_tokens: int
+    ) -> None:
+        if num_speculative_tokens > model.config.block_size:
             raise ValueError(
-                f"num_speculative_tokens={max_tokens} is more than this block drafter drafts "
+                f"num_speculative_tokens={num_speculative_tokens} is more than this block drafter drafts "
                 f"({model.config.block_size} per pass)"
             )
         c = model.config
@@ -295,9 +297,9 @@ class BlockDrafter:
         mask = mask.masked_fill_(~visible, -torch.inf)[:, None, None, :]  # [S, 1, 1, L]
         context_kv = [(gather_slots(k, slots), gather_slots(v, slots)) for k, v in self.kv_caches]
         hidden, unary = self.model.block_forward(
-            request.anchor_tokens, request.anchor_positions, context_kv, mask, request.num_tokens
+            request.anchor_tokens, request.anchor_positions, context_kv, mask, request.num_drafts
         )
         tokens = self.model.draft(
-            hidden, unary, request.anchor_tokens, request.num_tokens, request.sampling, request.keys, request
+            hidden, unary, request.anchor_tokens, request.num_drafts, request.sampling, request.keys, request
         )
         return Proposal(tokens)

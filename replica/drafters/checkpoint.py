@@ -115,7 +115,11 @@ def default_num_speculative_tokens(model: DrafterModel) -> int:
     return model.config.block_size if isinstance(model, BlockDrafterModel) else DENSE_DEFAULT_TOKENS
 
 
-def drafter_runtime(model: DrafterModel, *, num_blocks: int, block_size: int, max_tokens: int) -> Drafter:
+def drafter_runtime(model: DrafterModel, *, num_blocks: int, block_size: int, num_speculative_tokens: int) -> Drafter:
     if isinstance(model, BlockDrafterModel):
-        return BlockDrafter(model, num_blocks=num_blocks, block_size=block_size, max_tokens=max_tokens)
-    return ModelDrafter.of(model, num_blocks=num_blocks, block_size=block_size, max_tokens=max_tokens)
+        return BlockDrafter(
+            model, num_blocks=num_blocks, block_size=block_size, num_speculative_tokens=num_speculative_tokens
+        )
+    return ModelDrafter.of(
+        model, num_blocks=num_blocks, block_size=block_size, num_speculative_tokens=num_speculative_tokens
+    )

@@ -147,14 +147,14 @@ class ModelDrafter:
         head_dim: int,
         num_blocks: int,
         block_size: int,
-        max_tokens: int,
+        num_speculative_tokens: int,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         self.model = model
         self.vocab_size = vocab_size
         self.block_size = block_size
-        self.lookahead_tokens = max_tokens
+        self.lookahead_tokens = num_speculative_tokens
         """It writes the anchor's and k - 1 drafts' keys: k positions from the anchor."""
         self.kv_caches = allocate_kv_caches(
             num_layers, num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype, device=device
@@ -162,7 +162,9 @@ class ModelDrafter:
         self._dtype = dtype
 
     @classmethod
-    def of(cls, model: DenseDrafterModel, *, num_blocks: int, block_size: int, max_tokens: int) -> ModelDrafter:
+    def of(
+        cls, model: DenseDrafterModel, *, num_blocks: int, block_size: int, num_speculative_tokens: int
+    ) -> ModelDrafter:
         c = model.config
         weight = model.embed_tokens.weight
         return cls(
@@ -173,7 +175,7 @@ class ModelDrafter:
             head_dim=c.head_dim,
             num_blocks=num_blocks,
             block_size=block_size,
-            max_tokens=max_tokens,
+            num_speculative_tokens=num_speculative_tokens,
             dtype=weight.dtype,
             device=weight.device,
         )
@@ -186,7 +188,7 @@ class ModelDrafter:
     def propose(self, request: ProposeRequest) -> Proposal:
         tokens, positions = request.anchor_tokens, request.anchor_positions
         drafts = []
-        for j in range(request.num_tokens):
+        for j in range(request.num_drafts):
             batch = AttentionBatch(
                 slot_mapping=slots_at(request.block_tables, positions, self.block_size),
                 parts=(

@@ -404,7 +404,9 @@ def measure_acceptance(
         adaptive_speculation=False,
         seed=seed,
     )
-    runtime = drafter_runtime(drafter, num_blocks=num_blocks, block_size=block_size, max_tokens=num_speculative_tokens)
+    runtime = drafter_runtime(
+        drafter, num_blocks=num_blocks, block_size=block_size, num_speculative_tokens=num_speculative_tokens
+    )
     engine = LLMEngine(target, config, eos_token_ids=eos_token_ids, drafter=runtime)
     for prompt in prompts:
         engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature))

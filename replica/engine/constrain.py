@@ -156,22 +156,22 @@ def propose_constrained(
     drafter: Drafter,
     compiler: GrammarCompiler,
     seqs: list[Sequence],
-    num_next: list[int],
+    num_next_drafts: list[int],
     device: torch.device,
     max_forced: Seq[int] | None = None,
 ) -> list[tuple[list[int], torch.Tensor]]:
     """Drafts for constrained sequences after their tokens of this step are appended (and consumed by their
-    matchers): `num_next[i]` at most for `seqs[i]`, fewer where the grammar ends, then up to `max_forced[i]`
+    matchers): `num_next_drafts[i]` at most for `seqs[i]`, fewer where the grammar ends, then up to `max_forced[i]`
     forced ones (module docstring). -> per sequence (drafts, the grammar's bitmasks [1 + len(drafts), W] on the
     host to verify them with)."""
-    k = max(num_next)
+    k = max(num_next_drafts)
     walk = DraftWalk(compiler, [s.grammar for s in seqs if s.grammar is not None], device)
     assert len(walk.matchers) == len(seqs), "every sequence here has a grammar"
     tables = [s.block_table for s in seqs]
     width = max(len(t) for t in tables)
     proposal = drafter.propose(
         ProposeRequest(
-            num_tokens=k,
+            num_drafts=k,
             anchor_tokens=torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long, device=device),
             anchor_positions=torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.long, device=device),
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device),
@@ -184,7 +184,7 @@ def propose_constrained(
         )
     )
     tokens = proposal.tokens.tolist()  # the last position's drafts (and the rest again), in one transfer
-    drafts = [tokens[row][: min(n, walk.num_valid[row])] for row, n in enumerate(num_next)]
+    drafts = [tokens[row][: min(n, walk.num_valid[row])] for row, n in enumerate(num_next_drafts)]
     ends = walk.end(drafts, max_forced or [0] * len(seqs))
     walk.finish()
     return [(own + extra, bitmask) for own, (extra, bitmask) in zip(drafts, ends, strict=True)]

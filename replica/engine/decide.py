@@ -3,10 +3,10 @@
 After the target's forward pass every sampled sequence gets the outcome of its drafts and the token after them
 (`verification.verify`; without drafts that is plain sampling), then, for the sequences that speculate in the next
 step, the drafter's proposal following that token. Emitted tokens, their counts and the new drafts reach the host
-in a single `.tolist()`: one device-to-host synchronisation per step for the whole batch, whatever its size and k,
-so the same code keeps a GPU busy (tests/unit/replica_engine/test_speculative_engine.py counts them). The
-proposal's probabilities stay on the device for the next step's acceptance test. Constrained sequences are masked
-here and draft after the transfer, once their grammars have consumed this step's tokens (`replica.engine.constrain`).
+in a single `.tolist()`: one device-to-host synchronisation per step for the whole batch, whatever its size and its
+drafts, so the same code keeps a GPU busy (tests/unit/replica_engine/test_speculative_engine.py counts them).
+Constrained sequences are masked here and draft after the transfer, once their grammars have consumed this step's
+tokens (`replica.engine.constrain`).
 
 Every draw is keyed by the sequence's seed and the position it decides (`sampler.noise_keys`), the target's and the
 drafter's alike, so a seeded request's output is a function of the request: the same whatever else is in the
@@ -22,7 +22,7 @@ draft's logprob is the target's at its verified row, so the values are those of 
 chosen tokens' logprobs and a top-k of each row travel in the same single transfer as the tokens (everything cast
 to float64 for it, exact for token ids).
 
-S = sampled sequences, k = most drafts verified by any, k' = most drafts proposed for any, V = vocabulary.
+S = sampled sequences, V = vocabulary.
 """
 
 from __future__ import annotations
@@ -71,44 +71,44 @@ class Decided:
 def decide(
     seqs: list[Sequence],
     num_drafts: list[int],
-    num_next: list[int],
+    num_next_drafts: list[int],
     out: RunnerOutput,
     drafter: Drafter | None,
     allowed: torch.Tensor | None = None,
 ) -> list[Decided]:
     """seqs: the step's sampled sequences (`out.sampled` order), each verifying `num_drafts[i]` drafts and to
-    propose `num_next[i]` (0: none; needs a drafter). `allowed` [R, V] bool: grammar masks of the sampled rows
+    propose `num_next_drafts[i]` (0: none; needs a drafter). `allowed` [R, V] bool: grammar masks of the sampled rows
     (`constrain.target_allowed`), applied to the logits before anything is drawn or verified; constrained
     sequences propose later (`Decided.num_constrained_next`)."""
     assert out.logits is not None
     device = out.logits.device
     num_seqs, vocab = len(seqs), out.logits.shape[-1]
-    k, k_next = max(num_drafts), max(num_next)
+    max_drafts, max_next_drafts = max(num_drafts), max(num_next_drafts)
     sampling = SamplingTensors.build([s.params for s in seqs], device)
     penalties = row_penalties(seqs, out.num_rows, vocab, device)
     logits = apply_allowed(apply_penalties(out.logits, penalties), allowed)
     probs = probabilities(logits, sampling.repeat(out.num_rows))  # [R, V]
-    # Each sequence's rows, padded to k + 1 by repeating its last one (verify never reads past a row's drafts).
+    # Each sequence's rows, padded to max_drafts + 1 by repeating its last one (verify never reads past a row's drafts).
     index: list[int] = []
     first = 0
     for rows in out.num_rows:
-        index.extend(first + min(j, rows - 1) for j in range(k + 1))
+        index.extend(first + min(j, rows - 1) for j in range(max_drafts + 1))
         first += rows
     row_index = torch.tensor(index, device=device)
-    target = probs[row_index].view(num_seqs, k + 1, vocab)
+    target = probs[row_index].view(num_seqs, max_drafts + 1, vocab)
     draft_tokens = torch.tensor(
-        [s.draft_token_ids[:d] + [0] * (k - d) for s, d in zip(seqs, num_drafts, strict=True)],
+        [s.draft_token_ids[:d] + [0] * (max_drafts - d) for s, d in zip(seqs, num_drafts, strict=True)],
         dtype=torch.long,
         device=device,
-    ).view(num_seqs, k)
+    ).view(num_seqs, max_drafts)
     seeds = torch.tensor([s.sample_seed for s in seqs], dtype=torch.long, device=device)
     decided_at = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long, device=device)  # row 0's position
     keys = None
     if not sampling.is_all_greedy:
-        keys = noise_keys(seeds, decided_at.unsqueeze(-1) + torch.arange(k + 1, device=device))
+        keys = noise_keys(seeds, decided_at.unsqueeze(-1) + torch.arange(max_drafts + 1, device=device))
     tokens, num_emitted = verify(target, draft_tokens, torch.tensor(num_drafts, dtype=torch.long, device=device), keys)
     parts = [tokens.flatten(), num_emitted]
-    proposing = [row for row, n in enumerate(num_next) if n and seqs[row].grammar is None]
+    proposing = [row for row, n in enumerate(num_next_drafts) if n and seqs[row].grammar is None]
     if proposing:
         assert drafter is not None
         picked = torch.tensor(proposing, dtype=torch.long, device=device)
@@ -117,14 +117,14 @@ def decide(
         width = max(len(t) for t in tables)
         proposal = drafter.propose(
             ProposeRequest(
-                num_tokens=k_next,
+                num_drafts=max_next_drafts,
                 anchor_tokens=last[picked],
                 anchor_positions=torch.tensor(out.first_positions, device=device)[picked] + num_emitted[picked],
                 block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device),
                 sampling=sampling.select(picked),
                 keys=noise_keys(
                     seeds[picked],
-                    (decided_at + num_emitted)[picked].unsqueeze(-1) + torch.arange(k_next, device=device),
+                    (decided_at + num_emitted)[picked].unsqueeze(-1) + torch.arange(max_next_drafts, device=device),
                 ),
             )
         )
@@ -132,7 +132,7 @@ def decide(
     wanted = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
     num_top = max(wanted, default=0)
     if wanted:
-        lp = raw_logprobs(out.logits)[row_index].view(num_seqs, k + 1, vocab)
+        lp = raw_logprobs(out.logits)[row_index].view(num_seqs, max_drafts + 1, vocab)
         chosen, top_values, top_ids = gather_logprobs(lp, tokens, num_top)
         num_ints = sum(p.numel() for p in parts)
         host = torch.cat(
@@ -144,13 +144,13 @@ def decide(
     else:
         ints = torch.cat(parts).tolist()  # the step's one device-to-host transfer
         floats = []
-    split = num_seqs * (k + 1)
+    split = num_seqs * (max_drafts + 1)
     flat_tokens, emitted, drafted = (
         ints[:split],
         ints[split : split + num_seqs],
         ints[split + num_seqs : num_ints if wanted else None],
     )
-    num_cells = num_seqs * (k + 1)
+    num_cells = num_seqs * (max_drafts + 1)
     chosen_lp = floats[:num_cells]
     top_lp = floats[num_cells : num_cells + num_cells * num_top]
     top_tok = floats[num_cells + num_cells * num_top :]
@@ -159,22 +159,22 @@ def decide(
     for row in range(num_seqs):
         n = emitted[row]
         i = proposal_row.get(row)
-        nexts = [] if i is None else drafted[i * k_next : i * k_next + num_next[row]]
+        nexts = [] if i is None else drafted[i * max_next_drafts : i * max_next_drafts + num_next_drafts[row]]
         logprobs = None
         asked = seqs[row].params.logprobs
         if asked is not None:
             logprobs = []
             for j in range(n):
-                cell = row * (k + 1) + j
+                cell = row * (max_drafts + 1) + j
                 first_top = cell * num_top
                 top = [(int(top_tok[first_top + t]), top_lp[first_top + t]) for t in range(asked)]
                 logprobs.append(TokenLogprob(chosen_lp[cell], top))
         decided.append(
             Decided(
-                tokens=flat_tokens[row * (k + 1) : row * (k + 1) + n],
+                tokens=flat_tokens[row * (max_drafts + 1) : row * (max_drafts + 1) + n],
                 logprobs=logprobs,
                 next_drafts=nexts,
-                num_constrained_next=num_next[row] if seqs[row].grammar is not None else 0,
+                num_constrained_next=num_next_drafts[row] if seqs[row].grammar is not None else 0,
             )
         )
     return decided

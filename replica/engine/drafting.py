@@ -29,8 +29,8 @@ from replica.engine.sampler import SamplingTensors
 
 @dataclass(frozen=True)
 class ProposeRequest:
-    num_tokens: int
-    """k: drafts to propose for every sequence (a sequence that wants fewer uses the first ones)."""
+    num_drafts: int
+    """Drafts to propose for every sequence (a sequence that wants fewer uses the first ones)."""
     anchor_tokens: torch.Tensor
     """[S] int64: each sequence's last token, which the drafts follow; its keys are not cached yet."""
     anchor_positions: torch.Tensor

@@ -37,7 +37,7 @@ from replica.engine.sampler import gather_logprobs, raw_logprobs
 from replica.engine.sampling import SamplingParams
 from replica.engine.scheduler import ScheduledBatch, Scheduler
 from replica.engine.sequence import FinishReason, Sequence, SequenceStatus
-from replica.engine.speculation import SpeculationConfig, SpeculationPolicy
+from replica.engine.speculation import SpeculationPolicy, SpeculationPolicyConfig
 from replica.model.model import MoEForCausalLM
 from router.policy.kv_events import KVEvent
 
@@ -144,7 +144,7 @@ class LLMEngine:
         self.grammar = grammar
         self.tokenizer = tokenizer
         self.policy = SpeculationPolicy(
-            SpeculationConfig(max_tokens=config.num_speculative_tokens, adaptive=config.adaptive_speculation)
+            SpeculationPolicyConfig(config.num_speculative_tokens, adaptive=config.adaptive_speculation)
         )
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
@@ -430,7 +430,7 @@ class LLMEngine:
         num_drafts = [batch.num_draft_tokens[i] for i in out.sampled]
         speculate = self.drafter is not None and self.policy.should_speculate(len(self.scheduler.running))
         room = self.max_model_len - self.config.num_speculative_tokens - 1
-        num_next = [
+        num_next_drafts = [
             self.policy.num_drafts(s) if speculate and s.has_draft_room and s.num_tokens + d < room else 0
             for s, d in zip(seqs, num_drafts, strict=True)
         ]
@@ -438,7 +438,7 @@ class LLMEngine:
         if bitmasks:
             assert out.logits is not None
             allowed = target_allowed(seqs, out.num_rows, bitmasks, out.logits.shape[-1], out.logits.device)
-        decided = decide(seqs, num_drafts, num_next, out, self.drafter, allowed)
+        decided = decide(seqs, num_drafts, num_next_drafts, out, self.drafter, allowed)
         constrained_next: list[tuple[Sequence, int, int]] = []
         stats = result.speculation
         now = self.clock()
@@ -495,16 +495,18 @@ class LLMEngine:
             result.outputs.append(self._output(seq, appended, logprobs))
         if constrained_next:
             self._propose_constrained(constrained_next)
-        return num_emitted, any(num_next)
+        return num_emitted, any(num_next_drafts)
 
     def _propose_constrained(self, pending: list[tuple[Sequence, int, int]]) -> None:
         """Drafts of constrained sequences, drawn under their grammars now that this step's tokens are consumed
         (`pending`: sequence, drafts, forced drafts allowed after them)."""
         assert self.drafter is not None and self.grammar is not None
         seqs = [seq for seq, _, _ in pending]
-        num_next = [n for _, n, _ in pending]
+        num_next_drafts = [n for _, n, _ in pending]
         max_forced = [f for _, _, f in pending]
-        proposals = propose_constrained(self.drafter, self.grammar, seqs, num_next, self.model.device, max_forced)
+        proposals = propose_constrained(
+            self.drafter, self.grammar, seqs, num_next_drafts, self.model.device, max_forced
+        )
         for seq, (drafts, bitmasks) in zip(seqs, proposals, strict=True):
             if drafts:
                 seq.draft_token_ids = drafts

@@ -4,8 +4,9 @@ Two rules, both on the host and both fed by measurements:
 - Per sequence: the chance that its next draft is accepted, alpha, is estimated from its own recent verifications
   (accepted drafts over accepted drafts plus rejections, counts decayed by `recency` per round, with
   `prior_trials` trials' worth of the replica-wide estimate added, so one unlucky round does not halve its k).
-  The j-th draft of a round survives with probability alpha^j, so a sequence drafts the largest k <= `max_tokens`
-  with alpha^k >= `min_draft_acceptance`, and at least one, so that its estimate keeps learning.
+  The j-th draft of a round survives with probability alpha^j, so a sequence drafts the largest
+  k <= `num_speculative_tokens` with alpha^k >= `min_draft_acceptance`, and at least one, so that its estimate
+  keeps learning.
 - Per batch: speculation pays only while verifying and drafting cost less than the steps they save, and that depends
   on the batch size and the machine. The policy measures tokens emitted per second of step time with and without
   speculation, per batch-size bucket (powers of two), on pure decode steps (no prefill in them), and speculates in a
@@ -27,12 +28,12 @@ from replica.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)
-class SpeculationConfig:
-    max_tokens: int = 0
-    """k: tokens drafted per sequence per step at most; 0 turns speculation off."""
+class SpeculationPolicyConfig:
+    num_speculative_tokens: int = 0
+    """Drafts per sequence per step, at most (k); 0 turns speculation off."""
     adaptive: bool = True
     """Shrink k per sequence with its acceptance and turn speculation off for batch sizes where it does not pay;
-    off: every decoding sequence drafts `max_tokens` every step."""
+    off: every decoding sequence drafts `num_speculative_tokens` every step."""
     min_draft_acceptance: float = 0.1
     """A draft is proposed only while its estimated chance of acceptance is at least this. One more drafted and
     verified position of the demo's block drafter costs about a tenth of the time a speculative step spends per
@@ -52,8 +53,8 @@ class SpeculationConfig:
     """Per-step decay of the measured token and second counts, so old load fades within a few hundred steps."""
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be 0 (off) or positive, got {self.max_tokens}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be 0 (off) or positive, got {self.num_speculative_tokens}")
         if not 0.0 < self.min_draft_acceptance < 1.0:
             raise ValueError(f"min_draft_acceptance must be in (0, 1), got {self.min_draft_acceptance}")
 
@@ -94,7 +95,7 @@ class _Bucket:
 
 
 class SpeculationPolicy:
-    def __init__(self, config: SpeculationConfig) -> None:
+    def __init__(self, config: SpeculationPolicyConfig) -> None:
         self.config = config
         self.acceptance_rate = 0.5
         """Replica-wide estimate: new sequences start from it. The mean of the first rounds, then a running
@@ -115,7 +116,7 @@ class SpeculationPolicy:
 
     def should_speculate(self, num_decoding: int) -> bool:
         """Whether the next step verifies drafts, for a batch of `num_decoding` decoding sequences."""
-        if self.config.max_tokens == 0:
+        if self.config.num_speculative_tokens == 0:
             return False
         if not self.config.adaptive:
             return True
@@ -137,15 +138,15 @@ class SpeculationPolicy:
 
     def num_drafts(self, seq: Sequence) -> int:
         """Drafts to propose for `seq` in a speculative step."""
-        k = self.config.max_tokens
+        most = self.config.num_speculative_tokens
         if not self.config.adaptive:
-            return k
+            return most
         alpha = self.estimate(seq)
         if alpha >= 1.0:
-            return k
+            return most
         if alpha <= self.config.min_draft_acceptance:
             return 1
-        return max(1, min(k, math.floor(math.log(self.config.min_draft_acceptance) / math.log(alpha))))
+        return max(1, min(most, math.floor(math.log(self.config.min_draft_acceptance) / math.log(alpha))))
 
     def estimate(self, seq: Sequence) -> float:
         """alpha of `seq`: its decayed counts, plus `prior_trials` of the replica-wide estimate."""

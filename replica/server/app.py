@@ -730,7 +730,9 @@ def create_app(
     config = settings.engine_config(num_speculative_tokens=k)
     runtime = None
     if drafter is not None and k:
-        runtime = drafter_runtime(drafter, num_blocks=config.num_blocks, block_size=config.block_size, max_tokens=k)
+        runtime = drafter_runtime(
+            drafter, num_blocks=config.num_blocks, block_size=config.block_size, num_speculative_tokens=k
+        )
     grammars = GrammarCompiler(
         tokenizer.to_json(), vocab_size=model.config.vocab_size, eos_token_ids=tokenizer.eos_token_ids
     )

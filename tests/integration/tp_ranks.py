@@ -91,7 +91,7 @@ def self_drafter(checkpoint: Path) -> ModelDrafter:
         head_dim=c.head_dim,
         num_blocks=ENGINE.num_blocks,
         block_size=ENGINE.block_size,
-        max_tokens=SPECULATIVE_K,
+        num_speculative_tokens=SPECULATIVE_K,
         dtype=model.dtype,
         device=model.device,
     )

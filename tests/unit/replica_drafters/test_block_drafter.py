@@ -27,7 +27,9 @@ def test_engine_drafts_equal_the_training_forward(model: MoEForCausalLM) -> None
     k = 4
     drafter = random_block_drafter(model, k)
     config = EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=16, num_speculative_tokens=k)
-    engine = LLMEngine(model, config, drafter=BlockDrafter(drafter, num_blocks=64, block_size=4, max_tokens=k))
+    engine = LLMEngine(
+        model, config, drafter=BlockDrafter(drafter, num_blocks=64, block_size=4, num_speculative_tokens=k)
+    )
     prompt = [7, 3, 99, 12, 5, 64, 2, 31, 8, 40, 11, 13, 90, 17, 6, 1, 77, 23, 4]  # two prefill chunks
     engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.9, seed=3, ignore_eos=True))
     first = []

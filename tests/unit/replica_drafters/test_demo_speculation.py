@@ -40,7 +40,9 @@ def generate(
     num_blocks = 16 * ((max(len(p) for p in prompts) + MAX_TOKENS) // 16 + 3)
     k = default_num_speculative_tokens(drafter) if drafter is not None else 0
     config = EngineConfig(num_blocks=num_blocks, max_num_seqs=16, max_num_batched_tokens=2048, num_speculative_tokens=k)
-    runtime = drafter_runtime(drafter, num_blocks=num_blocks, block_size=16, max_tokens=k) if drafter else None
+    runtime = (
+        drafter_runtime(drafter, num_blocks=num_blocks, block_size=16, num_speculative_tokens=k) if drafter else None
+    )
     engine = LLMEngine(model, config, eos_token_ids=tokenizer.eos_token_ids, drafter=runtime)
     ids = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)) for p in prompts]
     out: dict[int, list[int]] = {i: [] for i in ids}

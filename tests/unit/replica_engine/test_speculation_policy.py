@@ -6,7 +6,7 @@ import pytest
 
 from replica.engine.sampling import SamplingParams
 from replica.engine.sequence import Sequence
-from replica.engine.speculation import SpeculationConfig, SpeculationPolicy
+from replica.engine.speculation import SpeculationPolicy, SpeculationPolicyConfig
 
 
 def seq(acceptance: float | None, trials: float = 1e6) -> Sequence:
@@ -23,14 +23,14 @@ def seq(acceptance: float | None, trials: float = 1e6) -> Sequence:
 )
 def test_a_sequence_drafts_while_its_next_draft_is_likely_enough(acceptance: float, expected: int) -> None:
     """alpha^k >= 0.1: 0.7^6 = 0.118 but 0.7^7 = 0.082; 0.5^3 = 0.125; never fewer than one draft."""
-    policy = SpeculationPolicy(SpeculationConfig(max_tokens=8))
+    policy = SpeculationPolicy(SpeculationPolicyConfig(num_speculative_tokens=8))
     assert policy.num_drafts(seq(acceptance)) == expected
-    fixed = SpeculationPolicy(SpeculationConfig(max_tokens=8, adaptive=False))
+    fixed = SpeculationPolicy(SpeculationPolicyConfig(num_speculative_tokens=8, adaptive=False))
     assert fixed.num_drafts(seq(acceptance)) == 8
 
 
 def test_acceptance_estimates_follow_verifications() -> None:
-    policy = SpeculationPolicy(SpeculationConfig(max_tokens=8))
+    policy = SpeculationPolicy(SpeculationPolicyConfig(num_speculative_tokens=8))
     s = seq(None)
     assert policy.estimate(s) == 0.5  # nothing seen yet: the replica's prior
     for _ in range(20):
@@ -47,13 +47,13 @@ def test_acceptance_estimates_follow_verifications() -> None:
     assert policy.num_drafts(steady) >= 6
     # A round of 4 drafts with 2 accepted is 3 trials: 2 successes and the rejection.
     t = seq(None)
-    SpeculationPolicy(SpeculationConfig(max_tokens=4)).observe_verification(t, 4, 2)
+    SpeculationPolicy(SpeculationPolicyConfig(num_speculative_tokens=4)).observe_verification(t, 4, 2)
     assert (t.draft_accepted, t.draft_trials) == (2, 3)
 
 
 def fraction_speculating(spec_tokens_per_s: float, plain_tokens_per_s: float, steps: int = 400) -> float:
     """Drive the policy with steps whose measured rates are given; -> share of steps that speculated."""
-    policy = SpeculationPolicy(SpeculationConfig(max_tokens=4, explore_interval=32, explore_steps=3))
+    policy = SpeculationPolicy(SpeculationPolicyConfig(num_speculative_tokens=4, explore_interval=32, explore_steps=3))
     batch = 16
     speculated = 0
     for _ in range(steps):
@@ -74,7 +74,7 @@ def test_a_batch_size_where_speculation_costs_more_than_it_saves_stops_speculati
 
 
 def test_buckets_are_measured_apart() -> None:
-    policy = SpeculationPolicy(SpeculationConfig(max_tokens=4))
+    policy = SpeculationPolicy(SpeculationPolicyConfig(num_speculative_tokens=4))
     for _ in range(5):
         policy.observe_step(1, 40, 0.01, speculative=True)  # batch 1: speculation fast
         policy.observe_step(1, 10, 0.01, speculative=False)
@@ -88,9 +88,9 @@ def test_buckets_are_measured_apart() -> None:
 
 
 def test_no_speculation_without_tokens_to_draft() -> None:
-    assert not SpeculationPolicy(SpeculationConfig(max_tokens=0)).should_speculate(1)
+    assert not SpeculationPolicy(SpeculationPolicyConfig(num_speculative_tokens=0)).should_speculate(1)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        SpeculationConfig(max_tokens=-1)
+        SpeculationPolicyConfig(num_speculative_tokens=-1)
 
 
 def test_the_summary_line_reports_vllms_mean_acceptance_length() -> None:

@@ -44,7 +44,7 @@ def model_drafter(model: MoEForCausalLM, k: int, config: EngineConfig = CONFIG) 
         head_dim=c.head_dim,
         num_blocks=config.num_blocks,
         block_size=config.block_size,
-        max_tokens=k,
+        num_speculative_tokens=k,
         dtype=model.dtype,
         device=model.device,
     )
@@ -65,7 +65,9 @@ def random_dense(k: int, config: EngineConfig = CONFIG) -> ModelDrafter:
     d = DenseDrafterModel(DenseDrafterConfig(vocab_size=128, hidden_size=32, head_dim=8, intermediate_size=32))
     for p in d.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    return ModelDrafter.of(d.eval(), num_blocks=config.num_blocks, block_size=config.block_size, max_tokens=k)
+    return ModelDrafter.of(
+        d.eval(), num_blocks=config.num_blocks, block_size=config.block_size, num_speculative_tokens=k
+    )
 
 
 def random_block(model: MoEForCausalLM, k: int, config: EngineConfig = CONFIG) -> BlockDrafter:
@@ -76,7 +78,7 @@ def random_block(model: MoEForCausalLM, k: int, config: EngineConfig = CONFIG) -
     d = BlockDrafterModel(cfg, model)
     for p in d.parameters():
         torch.nn.init.normal_(p, std=0.2)
-    return BlockDrafter(d.eval(), num_blocks=config.num_blocks, block_size=config.block_size, max_tokens=k)
+    return BlockDrafter(d.eval(), num_blocks=config.num_blocks, block_size=config.block_size, num_speculative_tokens=k)
 
 
 def run(
