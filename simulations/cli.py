@@ -9,7 +9,10 @@ A scenario file sets everything (see `scenario.Scenario`); flags override it. Wi
 `scenario.DEFAULT_POLICIES` run on 16 replicas of the LLaMA-70B preset.
 Prints one table row per policy (per fleet variant and policy when the scenario has `variants`), then a line per
 row whose fleet speculates, writes `results.json` and, unless `--no-plots`, `ttft_cdf.png` and `timeseries.png`
-into `--out`. Runs go one after the other on the same requests; a progress bar per run goes to stderr.
+into `--out`. Every run replays the same requests; runs go to worker processes, `--jobs` at once (default: every
+core; `simulations.sweep`), with the same results as one after the other. Stderr shows runs done / total and the
+time left; a run that fails is named there and in results.json's `failures`, the others' results are kept, and the
+exit status is 1.
 `--matrix FILE` runs every policy on every (engine, trace) cell of a matrix file (`simulations.matrix`) and prints
 one table of TTFT mean and p99 per cell with each policy's ratios to the cell's best; `--set KEY=VALUE` changes a
 field of the file for the run.
@@ -26,9 +29,12 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router.policy.config import POLICY_NAMES
+
+if TYPE_CHECKING:
+    from simulations.sweep import Outcome
 
 _INDEX_MODES = ("approximate", "exact", "exact_predicted")
 
@@ -115,6 +121,13 @@ def add_simulate_command(subparsers: Any) -> None:
         action="store_true",
         help="skip the floor row (each request alone, every shareable prefix cached): it keeps every distinct block "
         "of the trace, so its memory grows with the trace, where a run's follows the requests in flight",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        metavar="N",
+        help="runs at once, each in its own process (default: every core); 1 runs them one after the other here. "
+        "Results are the same either way",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run_simulate)
@@ -258,7 +271,6 @@ def resolve_scenario(args: argparse.Namespace) -> Any:
 
 def run_simulate(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
-    from tqdm import tqdm  # type: ignore[import-untyped]
 
     from simulations.floor import floor_ttfts
     from simulations.report import (
@@ -269,7 +281,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         write_results,
     )
     from simulations.scenario import TRACES_DIR_ENV, build_workload
-    from simulations.simulation import RunResult, Simulation
+    from simulations.simulation import RunResult
+    from simulations.sweep import run_sweep, scenario_runs
 
     if not args.out:
         print("shoal simulate: give --out DIR (or run `shoal simulate fetch-traces`)", file=sys.stderr)
@@ -278,10 +291,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         return run_matrix_command(args)
     traces_dir = args.traces_dir or os.environ.get(TRACES_DIR_ENV) or None
     try:
+        jobs = _jobs(args)
         scenario = resolve_scenario(args)
         workload = build_workload(scenario, traces_dir=Path(traces_dir) if traces_dir else None)
-        runs = scenario.runs()
-        for variant_scenario, _ in runs:
+        for variant_scenario, _ in scenario.runs():
             variant_scenario.fleet.resolve()  # a bad override fails now, not after the runs before it
     except (ValidationError, ValueError, OSError) as exc:
         print(f"shoal simulate: {exc}", file=sys.stderr)
@@ -298,11 +311,11 @@ def run_simulate(args: argparse.Namespace) -> int:
 
         print(f"step model: {load_preset(scenario.fleet.preset).description}", file=sys.stderr)
     floor = None if args.no_floor else floor_summary(*floor_ttfts(workload, engine, step_model))
-    results: list[RunResult] = []
-    for run_scenario, entry in runs:
-        with tqdm(total=total, desc=f"{entry.label:>20}", unit="req", file=sys.stderr, disable=args.no_progress) as bar:
-            simulation = Simulation(run_scenario, entry, workload, on_finished=bar.update)
-            results.append(simulation.run())
+    runs = scenario_runs(scenario, traces_dir=Path(traces_dir) if traces_dir else None)
+    with SweepProgress(len(runs), requests_per_run=total, is_disabled=args.no_progress) as progress:
+        outcomes = run_sweep(runs, jobs=jobs, on_done=progress.done, on_progress=progress.start)
+    results: list[RunResult] = [o.result for o in outcomes if o.result is not None]
+    failures = [o.record() for o in outcomes if not o.is_ok]
     command = command_line(args)
     print(
         f"{scenario.name}: {workload.name}, {scenario.fleet.num_replicas} x {scenario.fleet.preset}, "
@@ -320,12 +333,77 @@ def run_simulate(args: argparse.Namespace) -> int:
     if speculation:
         print(speculation)
     document = results_document(scenario, results, command=command, floor=floor)
+    document["failures"] = failures
     write_results(out_dir / "results.json", document)
-    if not args.no_plots:
+    if not args.no_plots and results:
         from simulations.plots import write_plots
 
         write_plots(out_dir, document)
-    return 0
+    return report_failures(failures, len(outcomes))
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    jobs: int = args.jobs if args.jobs is not None else os.cpu_count() or 1
+    if jobs < 1:
+        raise ValueError(f"--jobs must be at least 1, got {jobs}")
+    return jobs
+
+
+class SweepProgress:
+    """Progress of a sweep on stderr: runs done / total with the time left, and, for a run done in this process, its
+    requests."""
+
+    def __init__(self, num_runs: int, *, requests_per_run: int | None, is_disabled: bool) -> None:
+        from tqdm import tqdm  # type: ignore[import-untyped]
+
+        self._tqdm = tqdm
+        self.requests_per_run = requests_per_run
+        self.is_disabled = is_disabled
+        self.runs = tqdm(total=num_runs, desc="runs", unit="run", file=sys.stderr, disable=is_disabled)
+        self._requests: Any = None
+
+    def __enter__(self) -> SweepProgress:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._close_requests()
+        self.runs.close()
+
+    def start(self, label: str) -> Any:
+        """A run starts in this process: a bar of its requests; returns its update callback."""
+        self._close_requests()
+        self._requests = self._tqdm(
+            total=self.requests_per_run,
+            desc=label,
+            unit="req",
+            file=sys.stderr,
+            disable=self.is_disabled,
+            leave=False,
+            position=1,
+        )
+        return self._requests.update
+
+    def done(self, outcome: Outcome[Any]) -> None:
+        self._close_requests()
+        if not outcome.is_ok:
+            self._tqdm.write(f"shoal simulate: run failed: {outcome.label}: {outcome.error}", file=sys.stderr)
+        self.runs.set_postfix_str(outcome.label, refresh=False)
+        self.runs.update(1)
+
+    def _close_requests(self) -> None:
+        if self._requests is not None:
+            self._requests.close()
+            self._requests = None
+
+
+def report_failures(failures: list[dict[str, Any]], num_runs: int) -> int:
+    """Name the failed runs (`Outcome.record`s) on stderr after the results; the exit status: 1 when any failed."""
+    if not failures:
+        return 0
+    print(f"shoal simulate: {len(failures)} of {num_runs} runs failed; the others' results are above:", file=sys.stderr)
+    for failure in failures:
+        print(f"  {failure['run']}: {failure['error']}", file=sys.stderr)
+    return 1
 
 
 _NOT_MATRIX_FLAGS = (
@@ -351,7 +429,6 @@ def run_matrix_command(args: argparse.Namespace) -> int:
 
     import yaml
     from pydantic import ValidationError
-    from tqdm import tqdm
 
     from simulations.matrix import format_matrix, load_matrix, run_matrix
     from simulations.scenario import TRACES_DIR_ENV
@@ -374,19 +451,21 @@ def run_matrix_command(args: argparse.Namespace) -> int:
         if args.seed is not None:
             overrides["seeds"] = [args.seed]
         matrix = load_matrix(args.matrix, overrides)
+        jobs = _jobs(args)
     except (ValidationError, ValueError, OSError, yaml.YAMLError) as exc:
         print(f"shoal simulate: {exc}", file=sys.stderr)
         return 2
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with tqdm(total=matrix.num_runs, unit="run", file=sys.stderr, disable=args.no_progress) as bar:
-
-        def advance(label: str) -> None:
-            bar.set_postfix_str(label)
-            bar.update(1)
-
+    with SweepProgress(matrix.num_runs, requests_per_run=None, is_disabled=args.no_progress) as progress:
         try:
-            document = run_matrix(matrix, traces_dir=Path(traces_dir) if traces_dir else None, on_run=advance)
+            document = run_matrix(
+                matrix,
+                traces_dir=Path(traces_dir) if traces_dir else None,
+                jobs=jobs,
+                on_done=progress.done,
+                on_progress=progress.start,
+            )
         except (ValidationError, ValueError, OSError) as exc:
             print(f"shoal simulate: {exc}", file=sys.stderr)
             return 2
@@ -395,7 +474,7 @@ def run_matrix_command(args: argparse.Namespace) -> int:
     print(f"{matrix.name}: {sizes}")
     print(format_matrix(document))
     (out_dir / "results.json").write_text(json.dumps(document, indent=1, allow_nan=True) + "\n")
-    return 0
+    return report_failures(document["failures"], matrix.num_runs)
 
 
 def command_line(args: argparse.Namespace) -> str:

@@ -9,7 +9,8 @@ ratio is its figure over that best. `goal_policy` meets the goal in a cell when 
 `goal_ratio`.
 
 `format_matrix` prints one Markdown table: a row per cell, a column per policy with `mean / p99` in seconds, the
-goal column, then a row of each policy's worst ratios over all cells. `shoal simulate --matrix FILE` runs it.
+goal column, then a row of each policy's worst ratios over all cells. `shoal simulate --matrix FILE` runs it, its
+runs in worker processes (`simulations.sweep`); a run that fails is left out of its cell's figures and listed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ from simulations.scenario import (
     policy_entry,
 )
 from simulations.simulation import Simulation
+from simulations.sweep import Outcome, Progress, Run, run_sweep
 from simulations.workload import Request, Workload
 
 GOAL_POLICY = "estimated_ttft"
@@ -179,27 +182,65 @@ def cell_workload(
     return _Window(build_workload(scenario, traces_dir=traces_dir), limit, engine.arrival_speed)
 
 
-def run_matrix(
-    matrix: Matrix, *, traces_dir: Path | None, on_run: Callable[[str], None] | None = None
-) -> dict[str, Any]:
-    """Every cell's runs; `on_run(label)` after each (engine, trace, seed, policy) run. Returns the results
-    document (`format_matrix` prints it)."""
-    cells: list[dict[str, Any]] = []
+def matrix_runs(matrix: Matrix, *, traces_dir: Path | None) -> list[Run[dict[str, Any]]]:
+    """Every (engine, trace, seed, policy) run, cell by cell; each gives its summary. Builds every cell's workload
+    once here, so that a missing trace file fails before any run."""
+    runs: list[Run[dict[str, Any]]] = []
     for engine, trace in matrix.cells():
-        per_policy: dict[str, list[dict[str, Any]]] = {p.label: [] for p in matrix.policies}
         for seed in matrix.seeds:
             scenario = matrix.scenario(engine, trace, seed)
-            workload = cell_workload(matrix, engine, trace, scenario, traces_dir)
-            for _, entry in scenario.runs():
-                summary = Simulation(scenario, entry, workload).run().summary
-                per_policy[entry.label].append({"seed": seed, **summary})
-                if on_run is not None:
-                    on_run(f"{engine.label} x {trace.label}: {entry.label}")
+            cell_workload(matrix, engine, trace, scenario, traces_dir)
+            fleet = scenario.fleet
+            for entry in scenario.policies:
+                label = f"{scenario.name}, seed {seed}: {entry.label} ({fleet.num_replicas} x {fleet.preset})"
+                runs.append(Run(label, partial(_run_cell, matrix, engine, trace, seed, entry, traces_dir)))
+    return runs
+
+
+def _run_cell(
+    matrix: Matrix,
+    engine: MatrixEngine,
+    trace: MatrixTrace,
+    seed: int,
+    entry: PolicyEntry,
+    traces_dir: Path | None,
+    progress: Progress | None,
+) -> dict[str, Any]:
+    scenario = matrix.scenario(engine, trace, seed)
+    workload = cell_workload(matrix, engine, trace, scenario, traces_dir)
+    return Simulation(scenario, entry, workload, on_finished=progress).run().summary
+
+
+def run_matrix(
+    matrix: Matrix,
+    *,
+    traces_dir: Path | None,
+    jobs: int = 1,
+    on_done: Callable[[Outcome[dict[str, Any]]], None] | None = None,
+    on_progress: Callable[[str], Progress | None] | None = None,
+) -> dict[str, Any]:
+    """Every cell's runs, `jobs` at once (`sweep.run_sweep`: `on_done` after each run, `on_progress` for a run in
+    this process). Returns the results document (`format_matrix` prints it); a failed run is left out of its cell's
+    figures and listed under `failures`."""
+    runs = matrix_runs(matrix, traces_dir=traces_dir)
+    outcomes = iter(run_sweep(runs, jobs=jobs, on_done=on_done, on_progress=on_progress))
+    cells: list[dict[str, Any]] = []
+    failures: list[dict[str, Any]] = []
+    for engine, trace in matrix.cells():  # in matrix_runs' order
+        per_policy: dict[str, list[dict[str, Any]]] = {p.label: [] for p in matrix.policies}
+        for seed in matrix.seeds:
+            for entry in matrix.policies:
+                outcome = next(outcomes)
+                if outcome.result is not None:
+                    per_policy[entry.label].append({"seed": seed, **outcome.result})
+                else:
+                    failures.append(outcome.record())
         cells.append(_cell(matrix, engine, trace, per_policy))
     return {
         "matrix": matrix.model_dump(mode="json"),
         "cells": cells,
         "worst_ratios": _worst_ratios(matrix, cells),
+        "failures": failures,
     }
 
 
@@ -215,14 +256,17 @@ def _cell(
         }
         for label, runs in per_policy.items()
     }
-    best = {key: min(f[key] for f in figures.values()) for key in _KEYS}
+    # A policy whose every run in the cell failed has nan figures, which are nobody's best.
+    best = {key: min((f[key] for f in figures.values() if not math.isnan(f[key])), default=math.nan) for key in _KEYS}
     ratios = {label: {key: f[key] / best[key] for key in best} for label, f in figures.items()}
     goal = ratios.get(matrix.goal_policy)
     return {
         "engine": engine.label,
         "trace": trace.label,
         "figures": figures,
-        "best": {key: next(label for label, f in figures.items() if f[key] == value) for key, value in best.items()},
+        "best": {
+            key: next((label for label, f in figures.items() if f[key] == value), None) for key, value in best.items()
+        },
         "ratios": ratios,
         "goal_met": None if goal is None else all(r <= matrix.goal_ratio for r in goal.values()),
         "runs": per_policy,
@@ -231,11 +275,17 @@ def _cell(
 
 def _mean(values: Iterator[float]) -> float:
     xs = list(values)
-    return sum(xs) / len(xs)
+    return sum(xs) / len(xs) if xs else math.nan
 
 
 def _worst_ratios(matrix: Matrix, cells: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    return {p.label: {key: max(c["ratios"][p.label][key] for c in cells) for key in _KEYS} for p in matrix.policies}
+    return {
+        p.label: {
+            key: max((r for c in cells if not math.isnan(r := c["ratios"][p.label][key])), default=math.nan)
+            for key in _KEYS
+        }
+        for p in matrix.policies
+    }
 
 
 def _seconds(x: float) -> str:
