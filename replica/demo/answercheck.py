@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from replica.demo.corpus import CLOSING, TOOLS, Exchange, Message, generate_annotated_conversations, uses_tools
-from replica.demo.phrasebook import PHRASEBOOKS, Scenario
+from replica.demo.phrasebook import PHRASEBOOKS, Situation
 from replica.demo.toolcheck import LEVELS as TOOL_CALL_LEVELS
 from replica.demo.toolcheck import ToolPrompt
 from replica.demo.toolcheck import score as score_tool_call
@@ -41,7 +41,7 @@ HELDOUT_SEED = 31_415
 
 _JAPANESE = re.compile(r"[\u3040-\u30ff\u4e00-\u9fff]")
 _TOOL_CALL = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
-_SCENARIOS: dict[tuple[str, str], Scenario] = {
+_SCENARIOS: dict[tuple[str, str], Situation] = {
     (book.language, scenario.name): scenario for book in PHRASEBOOKS for scenario in book.scenarios
 }
 _WELCOMES = {book.language: book.welcomes for book in PHRASEBOOKS}

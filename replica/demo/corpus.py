@@ -3,7 +3,7 @@
 A conversation is a list of OpenAI chat messages: a system prompt (one of a handful, two of them shared by both
 languages, so conversations share long prefixes), then one to three exchanges. An exchange is a user ask answered
 either in plain text or, in a tool conversation (exactly one exchange of it), by an assistant tool call, the tool's
-JSON result and an assistant summary. Each exchange fills one `phrasebook.Scenario` with slots drawn for it. The
+JSON result and an assistant summary. Each exchange fills one `phrasebook.Situation` with slots drawn for it. The
 tool arguments are the slots the ask mentions, and the result carries an outcome drawn from those the scenario can
 summarize, so the ask, the arguments, the JSON result and the summary always agree: structure a ~5M parameter model
 can learn, varied by hundreds of template and slot combinations.
@@ -29,7 +29,7 @@ from datetime import date, timedelta
 from pathlib import Path
 from typing import Any, Final
 
-from replica.demo.phrasebook import DELAY_CODES, ENGLISH, JAPANESE, Phrasebook, Scenario
+from replica.demo.phrasebook import DELAY_CODES, ENGLISH, JAPANESE, Phrasebook, Situation
 
 Message = dict[str, Any]
 
@@ -145,7 +145,7 @@ class Exchange:
     """Index of the exchange's user message in the conversation."""
     language: str
     scenario: str
-    """A `Scenario` name of the phrasebook of `language`, or `CLOSING`."""
+    """A `Situation` name of the phrasebook of `language`, or `CLOSING`."""
     ask: str
     """The ask's template (its `{slot}` names are the values the user gave)."""
     slots: dict[str, Any]
@@ -307,7 +307,7 @@ def _draw_slots(rng: random.Random, book: Phrasebook, company: str, person: str)
     }
 
 
-def _plain_exchange(rng: random.Random, scenario: Scenario, slots: dict[str, Any]) -> tuple[str, list[Message]]:
+def _plain_exchange(rng: random.Random, scenario: Situation, slots: dict[str, Any]) -> tuple[str, list[Message]]:
     """-> (the ask's template, the exchange's messages)."""
     ask = rng.choice(scenario.asks)
     if "{duration}" not in ask:
@@ -319,7 +319,7 @@ def _plain_exchange(rng: random.Random, scenario: Scenario, slots: dict[str, Any
 
 
 def _tool_exchange(
-    rng: random.Random, book: Phrasebook, scenario: Scenario, slots: dict[str, Any]
+    rng: random.Random, book: Phrasebook, scenario: Situation, slots: dict[str, Any]
 ) -> tuple[str, list[Message]]:
     """-> (the ask's template, the exchange's messages)."""
     assert scenario.tool is not None

@@ -27,7 +27,7 @@ from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
-class Scenario:
+class Situation:
     """One business situation in one language."""
 
     name: str
@@ -71,7 +71,7 @@ class Phrasebook:
     warehouses: tuple[str, ...]
     delay_reasons: tuple[str, ...]
     """Aligned with `DELAY_CODES`."""
-    scenarios: tuple[Scenario, ...]
+    scenarios: tuple[Situation, ...]
     thanks: tuple[str, ...]
     """A user's closing turn."""
     welcomes: tuple[str, ...]
@@ -108,11 +108,11 @@ def _phrasebook(data: dict[str, Any]) -> Phrasebook:
     return Phrasebook(**fields)
 
 
-def _scenario(data: dict[str, Any]) -> Scenario:
+def _scenario(data: dict[str, Any]) -> Situation:
     fields: dict[str, Any] = {key: tuple(value) if isinstance(value, list) else value for key, value in data.items()}
     summaries = {outcome: tuple(texts) for outcome, texts in data.get("summaries", {}).items()}
     fields["summaries"] = MappingProxyType(summaries)
-    return Scenario(**fields)
+    return Situation(**fields)
 
 
 DELAY_CODES, PHRASEBOOKS = load_phrasebooks()

@@ -22,8 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -33,85 +32,32 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from replica.capture import CaptureSource, CaptureWriter, fingerprint_model, fingerprint_tokenizer
 from replica.drafters.checkpoint import DrafterModel, default_num_speculative_tokens, drafter_runtime
-from replica.engine.decide import TokenLogprob
-from replica.engine.engine import LLMEngine, RequestError, RequestOutput, StepResult
+from replica.engine.engine import LLMEngine, RequestError
 from replica.grammar.matcher import GrammarCompiler
 from replica.model.model import MoEForCausalLM
-from replica.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from replica.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from replica.server.generation import Generation, Piece, collect, merged, usage_of
 from replica.server.kv_events import KVEventHub
-from replica.server.metrics import ReplicaMetrics, SpeculationSummary
+from replica.server.metrics import ReplicaMetrics
 from replica.server.protocol import (
-    ParsedRequest,
     ProtocolError,
+    chat_logprobs,
+    completion_logprobs,
+    joined_logprobs,
     new_id,
     now_s,
     parse_chat,
     parse_completion,
-    usage,
 )
+from replica.server.state import STATE, ServerState
 from replica.server.tool_stream import ToolCallStream, split_tool_calls
 from replica.settings import ReplicaSettings
-from replica.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from replica.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-SUMMARY_INTERVAL_S = 10.0
-"""Seconds between two speculative-decoding summary lines in the log, while drafts are being verified."""
 _CAPTURE_CLOSE_TIMEOUT_S = 5.0
 """Shutdown waits at most this long for queued capture records to be written: a stuck disk must not hold the exit."""
-
-
-@dataclass
-class ReplicaState:
-    settings: ReplicaSettings
-    tokenizer: Tokenizer
-    engine: AsyncEngine
-    metrics: ReplicaMetrics
-    events: KVEventHub
-    model_name: str
-    grammars: GrammarCompiler | None = None
-    capture: CaptureWriter | None = None
-    capture_source: CaptureSource | None = None
-    created_s: int = field(default_factory=now_s)
-    _last_queries: int = 0
-    _last_hits: int = 0
-    _last_preemptions: int = 0
-    speculation: SpeculationSummary = field(default_factory=SpeculationSummary)
-    _last_summary_s: float = field(default_factory=time.monotonic)
-
-    def on_step(self, result: StepResult) -> None:
-        core = self.engine.engine
-        bm = core.block_manager
-        m, name = self.metrics, self.model_name
-        m.num_running.labels(name).set(core.num_running)
-        m.num_waiting.labels(name).set(self.engine.num_waiting)
-        m.kv_usage.labels(name).set(bm.usage)
-        m.prefix_queries.labels(name).inc(bm.prefix_queried_tokens - self._last_queries)
-        m.prefix_hits.labels(name).inc(bm.prefix_hit_tokens - self._last_hits)
-        m.preemptions.labels(name).inc(core.num_preemptions - self._last_preemptions)
-        self._last_queries, self._last_hits = bm.prefix_queried_tokens, bm.prefix_hit_tokens
-        self._last_preemptions = core.num_preemptions
-        spec = result.speculation
-        if spec.num_drafts:
-            m.spec_drafts.labels(name).inc(spec.num_drafts)
-            m.spec_draft_tokens.labels(name).inc(spec.num_draft_tokens)
-            m.spec_accepted_tokens.labels(name).inc(spec.num_accepted_tokens)
-            for position, n in enumerate(spec.accepted_per_position):
-                m.spec_accepted_per_pos.labels(name, str(position)).inc(n)
-            self.speculation.add(spec.num_drafts, spec.num_accepted_tokens, spec.accepted_per_position)
-            now = time.monotonic()
-            if now - self._last_summary_s >= SUMMARY_INTERVAL_S:
-                self._last_summary_s = now
-                self.log_speculation()
-        self.events.publish(result.events)
-
-    def log_speculation(self) -> None:
-        line = self.speculation.line()
-        if line is not None:
-            log.info("%s", line)
-
-
-STATE = web.AppKey("state", ReplicaState)
 
 
 def _error(
@@ -127,6 +73,11 @@ def _error(
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return web.json_response(body, status=status, headers=headers, dumps=lambda o: orjson.dumps(o).decode())
+
+
+def _error_event(message: str, code: str) -> dict[str, Any]:
+    """An error inside an event stream that already answered 200: the same body as a 5xx response's."""
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
 
 
 @web.middleware
@@ -181,7 +132,7 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
     return False
 
 
-def _check_model(state: ReplicaState, body: Any) -> web.Response | None:
+def _check_model(state: ServerState, body: Any) -> web.Response | None:
     model = body.get("model") if isinstance(body, dict) else None
     if model not in (None, state.model_name):
         return _error(
@@ -193,137 +144,7 @@ def _check_model(state: ReplicaState, body: Any) -> web.Response | None:
     return None
 
 
-@dataclass
-class _Piece:
-    """A text delta of one choice and the logprobs of the tokens that produced it (with `logprobs` asked)."""
-
-    text: str
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-
-
-class _Generation:
-    """One choice: detokenises its outputs, applies stop strings, records per-request metrics and captures it."""
-
-    def __init__(
-        self,
-        state: ReplicaState,
-        parsed: ParsedRequest,
-        stream: RequestStream,
-        arrival_s: float,
-        *,
-        index: int = 0,
-    ) -> None:
-        self.index = index
-        self.state = state
-        self.parsed = parsed
-        self.stream = stream
-        self.arrival_s = arrival_s
-        self.detok = IncrementalDetokenizer(state.tokenizer)
-        self.stops = StopChecker(list(parsed.params.stop)) if parsed.params.stop else None
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-        """With finish_reason "error": why the engine ended the request."""
-        self.num_prompt_tokens = len(parsed.prompt_token_ids)
-        self.num_cached_tokens = 0
-        self.num_output_tokens = 0
-        self.output_token_ids: list[int] = []
-        self.prompt_logprobs: list[TokenLogprob] | None = None
-        """With echo and logprobs: the prompt tokens' from the second on (they come with the first output)."""
-        source = state.capture_source
-        self.output_texts: list[str] | None = [] if source is not None and source.keep_text else None
-        self.e2e_s: float | None = None
-        self._first_token_s: float | None = None
-        self._last_token_s: float | None = None
-
-    def _observe(self, out: RequestOutput) -> None:
-        m, name = self.state.metrics, self.state.model_name
-        now = time.monotonic()
-        if self._last_token_s is None:
-            self._first_token_s = now
-            m.ttft.labels(name).observe(now - self.arrival_s)
-            if self.index == 0:  # the choices share the prompt
-                m.prompt_tokens.labels(name).inc(out.num_prompt_tokens)
-        else:
-            m.itl.labels(name).observe(now - self._last_token_s)
-        self._last_token_s = now
-        m.generation_tokens.labels(name).inc(len(out.new_token_ids))
-        self.output_token_ids.extend(out.new_token_ids)
-        self.num_cached_tokens = out.num_cached_tokens
-        self.num_output_tokens = out.num_output_tokens
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
-        if out.error is not None:
-            self.error = out.error
-
-    def _finish(self, reason: str) -> None:
-        self.finish_reason = reason
-        m, name = self.state.metrics, self.state.model_name
-        self.e2e_s = time.monotonic() - self.arrival_s
-        m.e2e.labels(name).observe(self.e2e_s)
-        m.request_success.labels(name, reason).inc()
-
-    async def texts(self) -> AsyncIterator[str]:
-        """Yields text deltas (possibly empty); `finish_reason` is set when it ends."""
-        async for piece in self.pieces():
-            yield piece.text
-
-    async def pieces(self) -> AsyncIterator[_Piece]:
-        """Yields text deltas (possibly empty) with their tokens' logprobs; `finish_reason` is set when it ends."""
-        try:
-            async for out in self.stream:
-                self._observe(out)
-                text = "".join(self.detok.push(t) for t in out.new_token_ids)
-                piece = _Piece("", out.logprobs or [], out.new_token_ids)
-                if out.finished:
-                    text += self.detok.flush()
-                if self.stops is not None:
-                    text, stopped = self.stops.check(text)
-                    if stopped:
-                        self.stream.close()
-                        self._finish("stop")
-                        if self.output_texts is not None:
-                            self.output_texts.append(text)
-                        piece.text = text
-                        yield piece
-                        return
-                    if out.finished:
-                        text += self.stops.flush()
-                if out.finished:
-                    assert out.finish_reason is not None
-                    self._finish(out.finish_reason.value)
-                if self.output_texts is not None:
-                    self.output_texts.append(text)
-                piece.text = text
-                yield piece
-        finally:
-            self.stream.close()
-
-    def capture(self, request_id: str, *, chat: bool) -> None:
-        """Hand the request to the capture writer, if there is one; a request that did not finish is an abort."""
-        writer, source = self.state.capture, self.state.capture_source
-        if writer is None or source is None:
-            return
-        now = time.monotonic()
-        writer.record(
-            source.record(
-                request_id=request_id,
-                endpoint="chat" if chat else "completions",
-                prompt_token_ids=self.parsed.prompt_token_ids,
-                output_token_ids=self.output_token_ids,
-                params=self.parsed.params,
-                finish_reason=self.finish_reason or "abort",
-                num_cached_tokens=self.num_cached_tokens,
-                arrival_unix_s=time.time() - (now - self.arrival_s),
-                ttft_s=None if self._first_token_s is None else self._first_token_s - self.arrival_s,
-                e2e_s=self.e2e_s if self.e2e_s is not None else now - self.arrival_s,
-                prompt_text=self.parsed.prompt_text,
-                output_text=None if self.output_texts is None else "".join(self.output_texts),
-            )
-        )
-
-
-def _check_context(state: ReplicaState, parsed: Any, body: Any, *, chat: bool) -> web.Response | None:
+def _check_context(state: ServerState, parsed: Any, body: Any, *, chat: bool) -> web.Response | None:
     """A 400 naming both numbers when the prompt and the max_tokens the client asked for do not fit the context, as
     vLLM answers; without an explicit max_tokens, generation stops where the context ends."""
     asked = body.get("max_completion_tokens", body.get("max_tokens")) if isinstance(body, dict) else None
@@ -373,7 +194,7 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
         )
     except EngineDeadError as exc:
         return _error(503, str(exc), code="engine_unavailable")
-    gens = [_Generation(state, parsed, s, arrival_s, index=i) for i, s in enumerate(streams)]
+    gens = [Generation(state, parsed, s, arrival_s, index=i) for i, s in enumerate(streams)]
     request_id = new_id("chatcmpl" if chat else "cmpl")
     try:
         if parsed.stream:
@@ -388,94 +209,8 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
             gen.capture(request_id if gen.index == 0 else f"{request_id}-{gen.index}", chat=chat)
 
 
-def _usage(gens: list[_Generation]) -> dict[str, Any]:
-    """The prompt counted once, the choices' outputs summed."""
-    return usage(gens[0].num_prompt_tokens, sum(g.num_output_tokens for g in gens), gens[0].num_cached_tokens)
-
-
-def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-_MIN_LOGPROB = -9999.0
-"""What a logprob of -inf is reported as (JSON has no infinity; OpenAI reports -9999.0 likewise)."""
-
-
-def _chat_logprobs(tokenizer: Tokenizer, pieces: list[TokenLogprob], token_ids: list[int]) -> dict[str, Any]:
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = _token_text(tokenizer, token_id)
-        return {"token": text, "logprob": max(logprob, _MIN_LOGPROB), "bytes": list(text.encode())}
-
-    content = []
-    for token_id, lp in zip(token_ids, pieces, strict=True):
-        item = entry(token_id, lp.logprob)
-        item["top_logprobs"] = [entry(t, v) for t, v in lp.top]
-        content.append(item)
-    return {"content": content, "refusal": None}
-
-
-def _completion_logprobs(
-    tokenizer: Tokenizer, pieces: list[TokenLogprob], token_ids: list[int], offset: int
-) -> tuple[dict[str, Any], int]:
-    """The completions API's logprobs object, text offsets counted from `offset`; -> (it, the offset after it)."""
-    tokens, values, tops, offsets = [], [], [], []
-    for token_id, lp in zip(token_ids, pieces, strict=True):
-        text = _token_text(tokenizer, token_id)
-        tokens.append(text)
-        values.append(max(lp.logprob, _MIN_LOGPROB))
-        top: dict[str, float] = {}
-        for t, v in lp.top:
-            top.setdefault(_token_text(tokenizer, t), max(v, _MIN_LOGPROB))
-        tops.append(top)
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset
-
-
-def _echo_logprobs(gen: _Generation) -> tuple[dict[str, Any] | None, int]:
-    """The echoed prompt's part of the completions logprobs object (its first token's logprob and alternatives
-    null, as OpenAI reports them) and the text offset after it; None without echo, logprobs or the prompt's."""
-    ids, lps = gen.parsed.prompt_token_ids, gen.prompt_logprobs
-    if not gen.parsed.echo or lps is None:
-        return None, 0
-    tokenizer = gen.state.tokenizer
-    first = _token_text(tokenizer, ids[0])
-    rest, offset = _completion_logprobs(tokenizer, lps, ids[1:], len(first))
-    out: dict[str, Any] = {
-        "tokens": [first, *rest["tokens"]],
-        "token_logprobs": [None, *rest["token_logprobs"]],
-        "top_logprobs": [None, *rest["top_logprobs"]],
-        "text_offset": [0, *rest["text_offset"]],
-    }
-    return out, offset
-
-
-def _joined(first: dict[str, Any] | None, second: dict[str, Any]) -> dict[str, Any]:
-    return second if first is None else {key: first[key] + second[key] for key in second}
-
-
-def _echo_text(gen: _Generation) -> str:
-    parsed = gen.parsed
-    if not parsed.echo:
-        return ""
-    if parsed.prompt_text is not None:
-        return parsed.prompt_text
-    return gen.state.tokenizer.decode(parsed.prompt_token_ids)
-
-
-async def _collect(gen: _Generation) -> tuple[str, list[TokenLogprob], list[int]]:
-    texts: list[str] = []
-    logprobs: list[TokenLogprob] = []
-    token_ids: list[int] = []
-    async for piece in gen.pieces():
-        texts.append(piece.text)
-        logprobs.extend(piece.logprobs)
-        token_ids.extend(piece.token_ids)
-    return "".join(texts), logprobs, token_ids
-
-
-async def _complete(gens: list[_Generation], request_id: str, *, chat: bool) -> web.Response:
-    results = await asyncio.gather(*(_collect(g) for g in gens))
+async def _complete(gens: list[Generation], request_id: str, *, chat: bool) -> web.Response:
+    results = await asyncio.gather(*(collect(g) for g in gens))
     state = gens[0].state
     failed = next((g for g in gens if g.finish_reason == "error"), None)
     if failed is not None:
@@ -493,14 +228,14 @@ async def _complete(gens: list[_Generation], request_id: str, *, chat: bool) -> 
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     if finish == "stop":  # as streamed: a call cut short by max_tokens stays `length`
                         finish = "tool_calls"
-            lp = _chat_logprobs(state.tokenizer, logprobs, token_ids) if wants_logprobs else None
+            lp = chat_logprobs(state.tokenizer, logprobs, token_ids) if wants_logprobs else None
             choice = {"index": gen.index, "message": message, "finish_reason": finish, "logprobs": lp}
         else:
-            echo = _echo_text(gen)
+            echo = gen.echo_text()
             lp = None
             if wants_logprobs:
-                prompt_lp, _ = _echo_logprobs(gen)
-                lp = _joined(prompt_lp, _completion_logprobs(state.tokenizer, logprobs, token_ids, len(echo))[0])
+                prompt_lp, _ = gen.echo_logprobs()
+                lp = joined_logprobs(prompt_lp, completion_logprobs(state.tokenizer, logprobs, token_ids, len(echo))[0])
             choice = {"index": gen.index, "text": echo + text, "finish_reason": gen.finish_reason, "logprobs": lp}
         choices.append(choice)
     body = {
@@ -509,43 +244,16 @@ async def _complete(gens: list[_Generation], request_id: str, *, chat: bool) -> 
         "created": now_s(),
         "model": state.model_name,
         "choices": choices,
-        "usage": _usage(gens),
+        "usage": usage_of(gens),
     }
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
-async def _merged(gens: list[_Generation]) -> AsyncGenerator[tuple[int, _Piece | None]]:
-    """The choices' pieces as they come, tagged with the choice's index; (index, None) when a choice ends."""
-    queue: asyncio.Queue[tuple[int, _Piece | BaseException | None]] = asyncio.Queue()
-
-    async def pump(gen: _Generation) -> None:
-        try:
-            async for piece in gen.pieces():
-                await queue.put((gen.index, piece))
-            await queue.put((gen.index, None))
-        except Exception as exc:  # the engine failed: handed to the writer, which reports it
-            await queue.put((gen.index, exc))
-
-    tasks = [asyncio.get_running_loop().create_task(pump(g)) for g in gens]
-    try:
-        remaining = len(gens)
-        while remaining:
-            index, item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item is None:
-                remaining -= 1
-            yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def _stream(request: web.Request, gens: list[_Generation], request_id: str, *, chat: bool) -> web.StreamResponse:
+async def _stream(request: web.Request, gens: list[Generation], request_id: str, *, chat: bool) -> web.StreamResponse:
     # Nothing is sent before the first token: a router reads the first body byte as the time to first token
     # (it learns each replica's prefill rate from it), and an engine failure before it is still a plain 503.
-    merged = _merged(gens)
-    first = await anext(merged, None)
+    pieces = merged(gens)
+    first = await anext(pieces, None)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     created = now_s()
@@ -555,7 +263,7 @@ async def _stream(request: web.Request, gens: list[_Generation], request_id: str
     parsed = gens[0].parsed
     wants_logprobs = parsed.params.logprobs is not None
     calls = {g.index: ToolCallStream() for g in gens} if chat and parsed.has_tools else {}
-    offsets = {g.index: len(_echo_text(g)) for g in gens}
+    offsets = {g.index: len(g.echo_text()) for g in gens}
 
     def chunk(
         index: int,
@@ -579,15 +287,15 @@ async def _stream(request: web.Request, gens: list[_Generation], request_id: str
         body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": [choice]}
         return b"data: " + orjson.dumps(body) + b"\n\n"
 
-    def logprobs_of(index: int, piece: _Piece) -> Any:
+    def logprobs_of(index: int, piece: Piece) -> Any:
         if not wants_logprobs or not piece.token_ids:
             return None
         if chat:
-            return _chat_logprobs(state.tokenizer, piece.logprobs, piece.token_ids)
-        lp, offsets[index] = _completion_logprobs(state.tokenizer, piece.logprobs, piece.token_ids, offsets[index])
+            return chat_logprobs(state.tokenizer, piece.logprobs, piece.token_ids)
+        lp, offsets[index] = completion_logprobs(state.tokenizer, piece.logprobs, piece.token_ids, offsets[index])
         return lp
 
-    async def write_piece(index: int, piece: _Piece) -> None:
+    async def write_piece(index: int, piece: Piece) -> None:
         logprobs = logprobs_of(index, piece)
         if not piece.text and logprobs is None:
             return
@@ -601,7 +309,7 @@ async def _stream(request: web.Request, gens: list[_Generation], request_id: str
         for i, delta in enumerate(deltas):
             await response.write(chunk(index, None, None, delta=delta, logprobs=logprobs if i == 0 else None))
 
-    async def end_choice(gen: _Generation) -> None:
+    async def end_choice(gen: Generation) -> None:
         finish = gen.finish_reason
         tool_calls = calls.get(gen.index)
         if tool_calls is not None:
@@ -610,9 +318,7 @@ async def _stream(request: web.Request, gens: list[_Generation], request_id: str
             if tool_calls.num_calls and finish == "stop":
                 finish = "tool_calls"
         if finish == "error":
-            error = {
-                "error": {"message": f"generation failed: {gen.error}", "type": "InternalServerError", "code": 500}
-            }
+            error = _error_event(f"generation failed: {gen.error}", "generation_failed")
             await response.write(b"data: " + orjson.dumps(error) + b"\n\n")
         else:
             await response.write(chunk(gen.index, None, finish))
@@ -624,8 +330,8 @@ async def _stream(request: web.Request, gens: list[_Generation], request_id: str
             elif parsed.echo:
                 # The choices share the prompt: its logprobs are whichever first output brought them.
                 echoed = next((g for g in gens if g.prompt_logprobs is not None), gen)
-                prompt_lp = _echo_logprobs(echoed)[0] if wants_logprobs else None
-                await response.write(chunk(gen.index, _echo_text(gen), None, logprobs=prompt_lp))
+                prompt_lp = echoed.echo_logprobs()[0] if wants_logprobs else None
+                await response.write(chunk(gen.index, gen.echo_text(), None, logprobs=prompt_lp))
         item = first
         while item is not None:
             index, piece = item
@@ -633,7 +339,7 @@ async def _stream(request: web.Request, gens: list[_Generation], request_id: str
                 await end_choice(gens[index])
             else:
                 await write_piece(index, piece)
-            item = await anext(merged, None)
+            item = await anext(pieces, None)
         if parsed.include_usage:
             body = {
                 "id": request_id,
@@ -641,14 +347,13 @@ async def _stream(request: web.Request, gens: list[_Generation], request_id: str
                 "created": created,
                 "model": model,
                 "choices": [],
-                "usage": _usage(gens),
+                "usage": usage_of(gens),
             }
             await response.write(b"data: " + orjson.dumps(body) + b"\n\n")
     except EngineDeadError as exc:
-        error = {"error": {"message": str(exc), "type": "ServiceUnavailableError", "code": 503}}
-        await response.write(b"data: " + orjson.dumps(error) + b"\n\n")
+        await response.write(b"data: " + orjson.dumps(_error_event(str(exc), "engine_unavailable")) + b"\n\n")
     finally:
-        await merged.aclose()
+        await pieces.aclose()
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
@@ -743,9 +448,9 @@ def create_app(
     metrics_.cache_config.labels(model_name, str(settings.block_size), str(settings.num_blocks)).set(1)
     metrics_.max_num_seqs.labels(model_name).set(config.max_num_seqs)
     hub = KVEventHub(settings.replica_id or f"{settings.host}:{settings.port}")
-    state_holder: list[ReplicaState] = []
+    state_holder: list[ServerState] = []
     async_engine = AsyncEngine(engine, max_waiting=settings.max_waiting, on_step=lambda r: state_holder[0].on_step(r))
-    state = ReplicaState(
+    state = ServerState(
         settings=settings,
         tokenizer=tokenizer,
         engine=async_engine,

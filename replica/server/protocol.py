@@ -28,6 +28,7 @@ from typing import Any
 
 import llguidance
 
+from replica.engine.decide import TokenLogprob
 from replica.engine.sampling import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingError, SamplingParams
 from replica.grammar.formats import json_object_grammar, json_schema_grammar, tool_call_grammar
 from replica.grammar.matcher import GrammarCompiler, GrammarError
@@ -406,3 +407,50 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens:
 
 def now_s() -> int:
     return int(time.time())
+
+
+# --- logprob bodies ---------------------------------------------------------------------------------------
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+MIN_LOGPROB = -9999.0
+"""What a logprob of -inf is reported as (JSON has no infinity; OpenAI reports -9999.0 likewise)."""
+
+
+def chat_logprobs(tokenizer: Tokenizer, pieces: list[TokenLogprob], token_ids: list[int]) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(tokenizer, token_id)
+        return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(text.encode())}
+
+    content = []
+    for token_id, lp in zip(token_ids, pieces, strict=True):
+        item = entry(token_id, lp.logprob)
+        item["top_logprobs"] = [entry(t, v) for t, v in lp.top]
+        content.append(item)
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(
+    tokenizer: Tokenizer, pieces: list[TokenLogprob], token_ids: list[int], offset: int
+) -> tuple[dict[str, Any], int]:
+    """The completions API's logprobs object, text offsets counted from `offset`; -> (it, the offset after it)."""
+    tokens, values, tops, offsets = [], [], [], []
+    for token_id, lp in zip(token_ids, pieces, strict=True):
+        text = token_text(tokenizer, token_id)
+        tokens.append(text)
+        values.append(max(lp.logprob, MIN_LOGPROB))
+        top: dict[str, float] = {}
+        for t, v in lp.top:
+            top.setdefault(token_text(tokenizer, t), max(v, MIN_LOGPROB))
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def joined_logprobs(first: dict[str, Any] | None, second: dict[str, Any]) -> dict[str, Any]:
+    """Two completions logprobs objects end to end (the echoed prompt's, then the output's)."""
+    return second if first is None else {key: first[key] + second[key] for key in second}

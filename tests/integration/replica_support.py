@@ -22,7 +22,7 @@ class ReplicaHandle:
 
     @property
     def state(self) -> Any:
-        from replica.server.app import STATE
+        from replica.server.state import STATE
 
         return self.app[STATE]
 
