@@ -56,8 +56,8 @@ def requests_of(num_sessions: int, num_turns: int, seed: int) -> list[list[list[
 
 
 async def start_replica(num_blocks: int) -> tuple[web.AppRunner, str]:
+    from replica.loading import load_for_serving
     from replica.server.app import create_app as create_replica
-    from replica.server.serve import load_for_serving
     from replica.settings import ReplicaSettings
 
     settings = ReplicaSettings(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `shoal replica` serves: replica.cli.sleeping_omp_threads
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `shoal replica` serves: replica.loading.sleeping_omp_threads
 
 import argparse
 import json

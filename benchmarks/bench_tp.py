@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `shoal replica` serves: replica.cli.sleeping_omp_threads
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `shoal replica` serves: replica.loading.sleeping_omp_threads
 
 import argparse
 import datetime
@@ -101,8 +101,8 @@ def _run(model: MoEForCausalLM, prompts: list[list[int]], group: Any) -> dict[st
 
 
 def _rank(rank: int, port: int, path: str, threads: int, count: int, out: str) -> None:
-    from replica.engine.parallel import TensorParallel, follow_steps, initial_capacity
-    from replica.engine.runner import ModelRunner
+    from replica.engine.parallel import TensorParallel, initial_capacity
+    from replica.engine.runner import ModelRunner, follow_steps
     from replica.model.shard import shard_model
 
     torch.set_num_threads(threads)

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from replica.loading import sleeping_omp_threads
 
 _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--config", {"metavar": "FILE", "help": "YAML file of settings (SHOAL_REPLICA_CONFIG_FILE)"}),
@@ -149,16 +150,6 @@ def add_replica_command(subparsers: Any) -> None:
     train.set_defaults(run=_run_train_drafter)
 
 
-def sleeping_omp_threads() -> None:
-    """Idle OpenMP threads sleep instead of spinning (`OMP_WAIT_POLICY=PASSIVE`), unless the environment already says.
-
-    On shared or quota-limited CPUs (a busy 2-core machine, a pod with a CPU limit) a spinning worker takes the
-    cycles the working thread needs, and a short prefill can take tens of times longer than with passive threads.
-    OpenMP reads the variable once, when torch loads it, so this runs before anything imports torch.
-    """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 def _settings_help(model: Any) -> str:
     lines = ["settings (environment variable, default):"]
     for name, info in model.model_fields.items():
@@ -293,9 +284,15 @@ def _run_train_drafter(args: argparse.Namespace) -> int:
     for name in ("max_steps", "max_seconds", "block_size", "eval_prompts"):
         if getattr(args, name) is not None:
             recipe = replace(recipe, **{name: getattr(args, name)})
+    if args.model == "demo":
+        from replica.demo.build import ensure_demo_model
+
+        checkpoint = ensure_demo_model()
+    else:
+        checkpoint = Path(args.model)
     try:
         train_drafter_command(
-            model=args.model,
+            checkpoint=checkpoint,
             traces=args.traces,
             out=args.out,
             recipe=recipe,

@@ -280,14 +280,14 @@ def profile_document(engine: LLMEngine, samples: list[StepSample], *, meta: dict
 def run_profile(settings: Any, *, out: Path, grid: ProfileGrid, threads: int | None, seed: int = 0) -> dict[str, Any]:
     """Load the model `settings` (a ReplicaSettings) names, profile an engine configured as `shoal replica` would
     serve it, and write the JSON to `out`."""
-    from replica.server.serve import load_for_serving
+    from replica.loading import load_for_serving
 
     if threads:
         torch.set_num_threads(threads)
     model, _tokenizer = load_for_serving(settings)
     from replica.drafters.checkpoint import default_num_speculative_tokens, drafter_runtime
+    from replica.loading import checkpoint_dir, load_drafter_for_serving
     from replica.model.model import MoEForCausalLM
-    from replica.server.serve import checkpoint_dir, load_drafter_for_serving
 
     assert isinstance(model, MoEForCausalLM)
     drafter = load_drafter_for_serving(settings, model, checkpoint_dir(settings))

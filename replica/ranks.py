@@ -62,9 +62,9 @@ def _free_port() -> int:
 
 
 def _check_shardable(settings: ReplicaSettings) -> None:
+    from replica.loading import checkpoint_dir
     from replica.model.config import ModelConfig
     from replica.model.shard import check_shardable
-    from replica.server.serve import checkpoint_dir
 
     config = ModelConfig.from_file(checkpoint_dir(settings) / "config.json")
     check_shardable(config, settings.tensor_parallel_size, is_nvfp4=settings.quantization != "none")
@@ -162,10 +162,10 @@ def run_rank(settings: ReplicaSettings, *, rank: int, master_port: int, threads:
     """A rank other than 0: load, shard, join, follow rank 0's steps until it says stop."""
     import torch
 
-    from replica.engine.parallel import TensorParallel, TensorParallelError, follow_steps, initial_capacity
-    from replica.engine.runner import ModelRunner
+    from replica.engine.parallel import TensorParallel, TensorParallelError, initial_capacity
+    from replica.engine.runner import ModelRunner, follow_steps
+    from replica.loading import load_for_serving
     from replica.model.shard import shard_model
-    from replica.server.serve import load_for_serving
 
     torch.set_num_threads(threads)
     settings = settings.model_copy(update={"device": rank_device(settings.device, rank)})
@@ -196,7 +196,7 @@ def run_rank(settings: ReplicaSettings, *, rank: int, master_port: int, threads:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from replica.cli import sleeping_omp_threads
+    from replica.loading import sleeping_omp_threads
 
     sleeping_omp_threads()
     parser = argparse.ArgumentParser(prog="python -m replica.ranks", description="a tensor-parallel rank > 0")

@@ -86,18 +86,13 @@ def build_drafter(
 
 
 def train_drafter_command(
-    *, model: str, traces: Path, out: Path, recipe: DrafterRecipe, threads: int | None
+    *, checkpoint: Path, traces: Path, out: Path, recipe: DrafterRecipe, threads: int | None
 ) -> TrainReport:
+    """`checkpoint`: the target's folder (`shoal replica train-drafter` resolves `demo` to the packaged one)."""
     from replica.model.loader import load_model
 
     if threads:
         torch.set_num_threads(threads)
-    if model == "demo":
-        from replica.demo.build import ensure_demo_model
-
-        checkpoint = ensure_demo_model()
-    else:
-        checkpoint = Path(model)
     try:
         target = load_model(checkpoint)
         tokenizer = Tokenizer.from_file(checkpoint / "tokenizer.json")

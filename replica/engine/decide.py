@@ -37,6 +37,7 @@ from replica.engine.runner import RunnerOutput
 from replica.engine.sampler import (
     Penalties,
     SamplingTensors,
+    TokenLogprob,
     apply_penalties,
     gather_logprobs,
     noise_keys,
@@ -45,15 +46,6 @@ from replica.engine.sampler import (
 )
 from replica.engine.sequence import Sequence
 from replica.engine.verification import verify
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """An emitted token's log-probability under the model, and the most likely tokens at its position."""
-
-    logprob: float
-    top: list[tuple[int, float]]
-    """(token id, logprob), most likely first; as many as the request asked for."""
 
 
 @dataclass(frozen=True)

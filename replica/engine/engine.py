@@ -30,10 +30,10 @@ import torch
 
 from replica.engine.block_manager import BlockManager
 from replica.engine.constrain import propose_constrained, target_allowed, verification_bitmasks
-from replica.engine.decide import TokenLogprob, decide
+from replica.engine.decide import decide
 from replica.engine.drafting import Drafter
 from replica.engine.runner import ModelRunner, RunnerOutput
-from replica.engine.sampler import gather_logprobs, raw_logprobs
+from replica.engine.sampler import TokenLogprob, gather_logprobs, raw_logprobs
 from replica.engine.sampling import SamplingParams
 from replica.engine.scheduler import ScheduledBatch, Scheduler
 from replica.engine.sequence import FinishReason, Sequence, SequenceStatus

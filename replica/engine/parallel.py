@@ -26,15 +26,10 @@ the same experts without rank 0 having to broadcast its routing.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from replica.engine.runner import ModelRunner
 
 _STEP, _STOP, _RESIZE = 1, 2, 3
 _HEADER = 6  # kind, T, B, W (block-table width), R (sampled rows), capacity (resize only)
@@ -212,19 +207,3 @@ class TensorParallel:
 
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def follow_steps(
-    runner: ModelRunner,
-    group: TensorParallel,
-    on_step: Callable[[StepPlan, torch.Tensor], None] | None = None,
-) -> int:
-    """A rank other than 0: run every step rank 0 broadcasts until it says stop; -> the number of steps run.
-    `on_step(plan, hidden [T, H])` sees each step's final hidden states (tests compute this rank's own logits)."""
-    num_steps = 0
-    while (plan := group.receive_step()) is not None:
-        _, hidden, _ = runner.execute(plan)
-        if on_step is not None:
-            on_step(plan, hidden)
-        num_steps += 1
-    return num_steps

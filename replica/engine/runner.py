@@ -14,6 +14,7 @@ rank 0 of a tensor-parallel group broadcasts before running; `execute` runs a pl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -190,3 +191,19 @@ class ModelRunner:
             logits = self.model.compute_logits(rows)
         prompt_logits = self.model.compute_logits(hidden[prompt_rows]) if prompt_rows else None
         return RunnerOutput(inputs, sampled, num_rows, first_positions, logits, features, prompt_spans, prompt_logits)
+
+
+def follow_steps(
+    runner: ModelRunner,
+    group: TensorParallel,
+    on_step: Callable[[StepPlan, torch.Tensor], None] | None = None,
+) -> int:
+    """A rank other than 0: run every step rank 0 broadcasts until it says stop; -> the number of steps run.
+    `on_step(plan, hidden [T, H])` sees each step's final hidden states (tests compute this rank's own logits)."""
+    num_steps = 0
+    while (plan := group.receive_step()) is not None:
+        _, hidden, _ = runner.execute(plan)
+        if on_step is not None:
+            on_step(plan, hidden)
+        num_steps += 1
+    return num_steps

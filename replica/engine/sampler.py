@@ -75,6 +75,15 @@ class SamplingTensors:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the model, and the most likely tokens at its position."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+    """(token id, logprob), most likely first; as many as the request asked for."""
+
+
+@dataclass(frozen=True)
 class Penalties:
     """Per-row penalty inputs on the device: what each row's history holds, and the three penalties."""
 

@@ -11,7 +11,7 @@ from replica.engine.sampling import SamplingParams
 if TYPE_CHECKING:
     import torch
 
-    from replica.engine.decide import TokenLogprob
+    from replica.engine.sampler import TokenLogprob
     from replica.grammar.matcher import GrammarMatcher
     from replica.tokenizer import IncrementalDetokenizer, StopChecker
 

@@ -9,8 +9,8 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from replica.engine.decide import TokenLogprob
 from replica.engine.engine import RequestOutput
+from replica.engine.sampler import TokenLogprob
 from replica.server.async_engine import RequestStream
 from replica.server.protocol import ParsedRequest, completion_logprobs, token_text, usage
 from replica.server.state import ServerState

@@ -28,7 +28,7 @@ from typing import Any
 
 import llguidance
 
-from replica.engine.decide import TokenLogprob
+from replica.engine.sampler import TokenLogprob
 from replica.engine.sampling import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingError, SamplingParams
 from replica.grammar.formats import json_object_grammar, json_schema_grammar, tool_call_grammar
 from replica.grammar.matcher import GrammarCompiler, GrammarError

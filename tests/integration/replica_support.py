@@ -52,8 +52,8 @@ async def start_any_replica() -> AsyncIterator[StartReplica]:
 
 @contextlib.asynccontextmanager
 async def _replicas(default_model: Path | None) -> AsyncIterator[StartReplica]:
+    from replica.loading import checkpoint_dir, load_drafter_for_serving, load_for_serving
     from replica.server.app import create_app
-    from replica.server.serve import checkpoint_dir, load_drafter_for_serving, load_for_serving
     from replica.settings import ReplicaSettings
 
     handles: list[ReplicaHandle] = []

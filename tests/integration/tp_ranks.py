@@ -109,8 +109,8 @@ def run_engine(model: MoEForCausalLM, drafter: ModelDrafter | None = None) -> di
 
 
 def rank_main(rank: int, master_port: int, checkpoint: str, out_dir: str, nvfp4: bool, speculate: bool) -> None:
-    from replica.engine.parallel import TensorParallel, follow_steps, initial_capacity
-    from replica.engine.runner import ModelRunner
+    from replica.engine.parallel import TensorParallel, initial_capacity
+    from replica.engine.runner import ModelRunner, follow_steps
     from replica.model.shard import shard_model
 
     torch.set_num_threads(1)
