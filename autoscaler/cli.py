@@ -146,7 +146,7 @@ async def run_autoscaler(settings: AutoscalerSettings) -> None:
     from aiohttp import web
 
     from autoscaler.controller import Controller
-    from autoscaler.observe import RouterFleet, RouterSource, static_routers
+    from autoscaler.observe import RouterClient, RouterSource, static_routers
     from autoscaler.service import AutoscalerMetrics, create_app
 
     if settings.admin_token is None and not settings.dry_run:
@@ -169,7 +169,7 @@ async def run_autoscaler(settings: AutoscalerSettings) -> None:
             actuator = LocalActuator(settings.local, session, num_slots=settings.policy.max_replicas)
         if not settings.routers and settings.kubernetes.router_service is None:
             raise SetupError("no router to observe: set routers (--router URL) or kubernetes.router_service")
-        fleet = RouterFleet(
+        router_client = RouterClient(
             session,
             routers,
             admin_token=token,
@@ -180,7 +180,7 @@ async def run_autoscaler(settings: AutoscalerSettings) -> None:
         )
         controller = Controller(
             actuator=actuator,
-            fleet=fleet,
+            routers=router_client,
             config=settings.policy,
             metrics=metrics,
             interval_s=settings.interval_s,

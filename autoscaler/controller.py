@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from autoscaler.actuators.base import Actuator, ActuatorError, ReplicaInfo
-from autoscaler.observe import FleetView, ReplicaLoad, RouterError, RouterFleet
+from autoscaler.observe import ReplicaLoad, RouterClient, RouterError, RoutersReading
 from autoscaler.policy import (
     Action,
     Observation,
@@ -96,7 +96,7 @@ class _Removal:
 @dataclass
 class Controller:
     actuator: Actuator
-    fleet: RouterFleet
+    routers: RouterClient
     config: ScalingPolicyConfig
     metrics: AutoscalerMetrics
     interval_s: float = 2.0
@@ -107,7 +107,7 @@ class Controller:
     """Register ready replicas with the routers and deregister removed ones (local replicas; in Kubernetes the
     routers discover pods themselves)."""
     clock: Callable[[], float] = time.monotonic
-    """The decisions' clock; must be the one `fleet` stamps its views with."""
+    """The decisions' clock; must be the one `routers` stamps its readings with."""
     wall_clock: Callable[[], float] = time.time
     """The actuator's clock (`ReplicaInfo.created_s`)."""
     state: ScalerState = field(default_factory=ScalerState)
@@ -167,7 +167,7 @@ class Controller:
         # A removal that ends while this step observes must not bring its victim back as live capacity.
         removing = set(self._pending)
         replicas = await self.actuator.observe()
-        view = await self.fleet.observe()
+        reading = await self.routers.observe()
         now = self.clock()
         wall_now = self.wall_clock()
 
@@ -184,14 +184,14 @@ class Controller:
             for replica in failed:
                 await self._remove_failed(replica)
             if self.register_replicas:
-                await self._sync_registrations(replicas, view)
+                await self._sync_registrations(replicas, reading)
         removed = set() if self.dry_run else {r.name for r in failed}
         live = [r for r in present if r.phase in ("ready", "starting") and r.name not in removed]
         ready = [r for r in live if r.phase == "ready"]
         starting = [r for r in live if r.phase == "starting"]
         observation = Observation(
-            demand=view.demand,
-            metrics_age_s=max(0.0, now - view.measured_at),
+            demand=reading.demand,
+            metrics_age_s=max(0.0, now - reading.measured_at),
             num_ready=len(ready),
             starting_since=tuple(since(r) for r in starting),
         )
@@ -202,12 +202,12 @@ class Controller:
             starting=len(starting),
             draining=len(self._pending),
             failed=len(failed),
-            metrics_age_s=observation.metrics_age_s if view.demand is not None else None,
+            metrics_age_s=observation.metrics_age_s if reading.demand is not None else None,
         )
         self._log(decision)
         self.last_decision = decision
         if not self.dry_run:
-            await self._actuate(decision, [r for r in live if r.name not in {f.name for f in failed}], view)
+            await self._actuate(decision, [r for r in live if r.name not in {f.name for f in failed}], reading)
         return decision
 
     def _log(self, decision: ScaleDecision) -> None:
@@ -224,7 +224,7 @@ class Controller:
             decision.detail,
         )
 
-    async def _actuate(self, decision: ScaleDecision, live: list[ReplicaInfo], view: FleetView) -> None:
+    async def _actuate(self, decision: ScaleDecision, live: list[ReplicaInfo], reading: RoutersReading) -> None:
         change = decision.target_replicas - decision.current_replicas
         if change > 0:
             for removal in sorted(self._pending.values(), key=lambda r: -r.started_at):
@@ -238,7 +238,7 @@ class Controller:
                     if target > desired:
                         await self.actuator.scale_up(target)
         elif change < 0:
-            for victim in choose_victims(live, view.replicas, -change):
+            for victim in choose_victims(live, reading.replicas, -change):
                 removal = _Removal(victim, started_at=self.clock())
                 self._pending[victim.name] = removal
                 removal.task = asyncio.create_task(self._remove(removal), name=f"remove {victim.name}")
@@ -247,12 +247,12 @@ class Controller:
         victim = removal.replica
         outcome = "drained"
         try:
-            if victim.url is not None and await self.fleet.drain(victim.url):
+            if victim.url is not None and await self.routers.drain(victim.url):
                 outcome = await self._wait_drained(removal, victim.url)
             removal.is_committed = True
             async with self._lock:
                 if self.register_replicas and victim.url is not None:
-                    await self.fleet.deregister(victim.url)
+                    await self.routers.deregister(victim.url)
                     self._registered.pop(victim.name, None)
                 desired = await self.actuator.desired_replicas()
                 await self.actuator.scale_down(victim, max(0, desired - 1))
@@ -265,13 +265,13 @@ class Controller:
             self.metrics.errors.labels("scale_down").inc()
             if victim.url is not None:
                 with contextlib.suppress(RouterError):
-                    await self.fleet.undrain(victim.url)
+                    await self.routers.undrain(victim.url)
         except Exception as exc:  # not foreseen: counted and logged as the removal task's failure
             outcome = "error"
             self.metrics.tasks.failed("removal", exc, where=victim.name)
             if victim.url is not None and not removal.is_committed:
                 with contextlib.suppress(Exception):
-                    await self.fleet.undrain(victim.url)
+                    await self.routers.undrain(victim.url)
         finally:
             self._pending.pop(victim.name, None)
             self._record(victim, outcome, removal.in_flight_at_drain, removal.started_at)
@@ -279,7 +279,7 @@ class Controller:
     async def _wait_drained(self, removal: _Removal, url: str) -> str:
         deadline = self.clock() + self.drain_timeout_s
         while True:
-            in_flight = await self.fleet.in_flight(url)
+            in_flight = await self.routers.in_flight(url)
             if removal.in_flight_at_drain is None:
                 removal.in_flight_at_drain = in_flight
             if in_flight == 0:
@@ -304,7 +304,7 @@ class Controller:
             await removal.task
         if removal.replica.url is not None:
             try:
-                await self.fleet.undrain(removal.replica.url)
+                await self.routers.undrain(removal.replica.url)
             except RouterError as exc:
                 log.warning("undraining %s failed: %s", removal.replica.name, exc)
         log.info("kept %s: demand came back while it drained", removal.replica.name)
@@ -315,7 +315,7 @@ class Controller:
         try:
             async with self._lock:
                 if self.register_replicas and replica.url is not None:
-                    await self.fleet.deregister(replica.url)
+                    await self.routers.deregister(replica.url)
                     self._registered.pop(replica.name, None)
                 desired = await self.actuator.desired_replicas()
                 await self.actuator.scale_down(replica, max(0, desired - 1))
@@ -326,17 +326,17 @@ class Controller:
         log.warning("removed %s: %s", replica.name, "it failed" if replica.phase == "failed" else "start deadline")
         self._record(replica, "failed", None, started)
 
-    async def _sync_registrations(self, replicas: Sequence[ReplicaInfo], view: FleetView) -> None:
+    async def _sync_registrations(self, replicas: Sequence[ReplicaInfo], reading: RoutersReading) -> None:
         """Ready replicas join every router (again, if a router lost or drained them); gone ones leave."""
-        if not view.listed:
+        if not reading.listed:
             return
         for replica in replicas:
             if replica.phase != "ready" or replica.url is None or replica.name in self._pending:
                 continue
-            listings = [listed.get(replica.url) for listed in view.listed.values()]
+            listings = [listed.get(replica.url) for listed in reading.listed.values()]
             if any(entry is None or entry.status == "draining" for entry in listings):
                 try:
-                    await self.fleet.register(replica.url, replica.name)
+                    await self.routers.register(replica.url, replica.name)
                 except RouterError as exc:
                     log.warning("registering %s failed: %s", replica.name, exc)
                     self.metrics.errors.labels("register").inc()
@@ -346,7 +346,7 @@ class Controller:
         for name, url in list(self._registered.items()):
             if name not in names:
                 with contextlib.suppress(RouterError):
-                    await self.fleet.deregister(url)
+                    await self.routers.deregister(url)
                 del self._registered[name]
 
     def _record(self, replica: ReplicaInfo, outcome: str, in_flight: int | None, started_at: float) -> None:

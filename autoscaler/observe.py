@@ -12,7 +12,7 @@ Replicas are matched across routers and actuators by base URL, since each router
 
 Demand may come from elsewhere instead (`DemandSource`, e.g. a Prometheus HTTP API in `autoscaler.prometheus`):
 then the routers' /metrics are not scraped, but their admin API still gives the per-replica figures, and a round
-in which a router's admin API or the source fails yields no demand either. The view is then as old as the
+in which a router's admin API or the source fails yields no demand either. The reading is then as old as the
 source's oldest sample.
 """
 
@@ -121,8 +121,8 @@ class RouterFigures:
 
 
 @dataclass(frozen=True, slots=True)
-class FleetView:
-    """The routers' figures at `measured_at` (the caller's clock)."""
+class RoutersReading:
+    """Every router's figures in one round, at `measured_at` (the caller's clock)."""
 
     measured_at: float
     demand: Demand | None
@@ -134,8 +134,10 @@ class FleetView:
     errors: tuple[str, ...] = ()
 
 
-class RouterFleet:
-    """Reads and steers every router. Holds the previous TTFT histograms, so one instance serves one loop."""
+class RouterClient:
+    """The autoscaler's client of every router: reads their figures (`observe`), drains, undrains, registers and
+    deregisters replicas through their admin API. Holds the previous TTFT histograms, so one instance serves one
+    loop."""
 
     def __init__(
         self,
@@ -157,18 +159,18 @@ class RouterFleet:
         self._clock = clock
         self._previous: dict[str, tuple[float, RouterFigures]] = {}
         """Per router, when it last answered and what: TTFT, arrivals and request times are measured since."""
-        self.last_view: FleetView | None = None
+        self.last_reading: RoutersReading | None = None
 
     # Observation ---------------------------------------------------------------------------------------------
 
-    async def observe(self) -> FleetView:
+    async def observe(self) -> RoutersReading:
         measured_at = self._clock()
         try:
             routers = list(await self._routers())
         except Exception as exc:  # discovery is someone else's API: any failure is a missing observation
-            return self._remember(FleetView(measured_at, None, errors=(f"router discovery failed: {exc}",)))
+            return self._remember(RoutersReading(measured_at, None, errors=(f"router discovery failed: {exc}",)))
         if not routers:
-            return self._remember(FleetView(measured_at, None, errors=("no router to observe",)))
+            return self._remember(RoutersReading(measured_at, None, errors=("no router to observe",)))
         reading, answers = await asyncio.gather(
             self._read_source(),
             asyncio.gather(*(self._read_router(url) for url in routers), return_exceptions=True),
@@ -196,14 +198,14 @@ class RouterFleet:
             self._previous[url] = (measured_at, f)
         for gone in set(self._previous) - set(routers):
             del self._previous[gone]
-        return self._remember(FleetView(measured_at, demand, replicas, listed, errors))
+        return self._remember(RoutersReading(measured_at, demand, replicas, listed, errors))
 
     async def _read_source(self) -> DemandReading | None:
         return None if self._demand_source is None else await self._demand_source.read()
 
-    def _remember(self, view: FleetView) -> FleetView:
-        self.last_view = view
-        return view
+    def _remember(self, reading: RoutersReading) -> RoutersReading:
+        self.last_reading = reading
+        return reading
 
     def _demand(
         self, figures: Mapping[str, RouterFigures], replicas: Mapping[str, ReplicaLoad], measured_at: float
@@ -262,9 +264,9 @@ class RouterFleet:
     async def register(self, url: str, name: str) -> None:
         """Add a replica at every router that does not list it, and undrain it where it is listed as draining
         (a drain that was cancelled, or left behind by an autoscaler that stopped mid-drain)."""
-        view = self.last_view
+        reading = self.last_reading
         for router in await self._routers():
-            listed = view.listed.get(router, {}).get(url) if view else None
+            listed = reading.listed.get(router, {}).get(url) if reading else None
             if listed is None:
                 await self._send("POST", router + "/admin/replicas", {"url": url, "name": name}, ok=(200, 201))
                 log.info("registered %s (%s) with %s", name, url, router)

@@ -49,7 +49,7 @@ Sample = tuple[float, float]
 
 
 class PrometheusDemand:
-    """Reads `Demand` from Prometheus with the queries of `settings` (a `DemandSource` for `RouterFleet`)."""
+    """Reads `Demand` from Prometheus with the queries of `settings` (a `DemandSource` for `RouterClient`)."""
 
     def __init__(
         self,

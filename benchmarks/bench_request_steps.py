@@ -1,7 +1,7 @@
 """The routing work of one proxied request, step by step, in-process: what `bench_proxy.py`'s router does per request
 besides HTTP, for the same chat bodies (loadgen.py's, 1 KB by default) and two replicas.
 
-Steps, as `Proxy` runs them: the JSON parse, the routing text, `RoutingCore.prepare` (hashing), `choose` (match and
+Steps, as `Proxy` runs them: the JSON parse, the routing text, `PoolRouting.prepare` (hashing), `choose` (match and
 policy), `begin`, `commit` (the rest of the hashing and the record), `first_byte`, `finish`, and the three metric
 updates. Not a test: it prints p50 microseconds per step (one core: run it under `taskset -c 0`).
 """
@@ -21,7 +21,7 @@ from router.policy.prefix_index import PrefixIndex
 from router.policy.routing_text import chat_routing_key
 from router.service.metrics import RouterMetrics
 from router.service.pool import ReplicaPool
-from router.service.routing import RoutingCore
+from router.service.routing import PoolRouting
 from router.service.settings import RouterSettings
 
 
@@ -34,13 +34,13 @@ def main() -> None:
 
     settings = RouterSettings(replicas=["http://127.0.0.1:9001", "http://127.0.0.1:9002"], policy={"kind": args.policy})
     pool = ReplicaPool()
-    core = RoutingCore(
+    routing = PoolRouting(
         settings, pool, PrefixIndex(settings.index), build_policy(settings.policy, seed=0), settings.prefill_rate
     )
     for url in settings.replicas:
         replica = pool.add(url)
         replica.is_healthy = True
-        core.add_replica(replica)
+        routing.add_replica(replica)
     metrics = RouterMetrics(pool)
     bodies = make_bodies(64, args.prompt_bytes, "m")
     clock = time.monotonic
@@ -54,22 +54,22 @@ def main() -> None:
         stamps.append(tick())
         key = chat_routing_key(body)
         stamps.append(tick())
-        prepared = core.prepare(key, "m", None, None)
+        prepared = routing.prepare(key, "m", None, None)
         stamps.append(tick())
         now = clock()
-        decision = core.choose(prepared, [], now)
+        decision = routing.choose(prepared, [], now)
         stamps.append(tick())
         assert decision is not None
         replica = pool.get(decision.replica)
         assert replica is not None
         stamps.append(tick())
-        ticket = core.begin(replica, decision, prepared, now)
+        ticket = routing.begin(replica, decision, prepared, now)
         stamps.append(tick())
-        core.commit(prepared, decision, now)
+        routing.commit(prepared, decision, now)
         stamps.append(tick())
-        core.first_byte(ticket, clock(), is_stream=False)
+        routing.first_byte(ticket, clock(), is_stream=False)
         stamps.append(tick())
-        core.finish(ticket)
+        routing.finish(ticket)
         stamps.append(tick())
         metrics.decision_seconds.observe(1e-4)
         metrics.request_seconds.observe(1e-3)

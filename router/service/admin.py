@@ -27,7 +27,7 @@ from aiohttp import web
 from router.service.errors import error_response
 from router.service.front import FrontRequest
 from router.service.pool import Replica, ReplicaPool, replica_id, split_url
-from router.service.routing import RoutingCore
+from router.service.routing import PoolRouting
 
 
 def replica_view(replica: Replica) -> dict[str, Any]:
@@ -58,10 +58,12 @@ def replica_view(replica: Replica) -> dict[str, Any]:
 
 
 class AdminApi:
-    def __init__(self, token: str, pool: ReplicaPool, core: RoutingCore, on_changed: Callable[[Replica], None]) -> None:
+    def __init__(
+        self, token: str, pool: ReplicaPool, routing: PoolRouting, on_changed: Callable[[Replica], None]
+    ) -> None:
         self._token = f"Bearer {token}".encode()
         self.pool = pool
-        self.core = core
+        self.routing = routing
         self.on_changed = on_changed
         """Called after an add or an undrain: the replica may take traffic (held requests look again)."""
 
@@ -122,7 +124,7 @@ class AdminApi:
         except ValueError as exc:
             return error_response(409, str(exc), code="conflict")
         if is_new:
-            self.core.add_replica(replica)
+            self.routing.add_replica(replica)
         self.on_changed(replica)
         return web.json_response(replica_view(replica), status=201 if is_new else 200)
 
@@ -134,7 +136,7 @@ class AdminApi:
         if replica is None:
             return self._not_found(name)
         self.pool.remove(replica.id)
-        self.core.remove_replica(replica.id)
+        self.routing.remove_replica(replica.id)
         return web.json_response(replica_view(replica))
 
     def drain_replica(self, name: str) -> web.Response:
@@ -153,6 +155,6 @@ class AdminApi:
         return web.json_response(replica_view(replica))
 
     def index_stats(self) -> web.Response:
-        stats = self.core.index.stats()
+        stats = self.routing.index.stats()
         data = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(vars(stats))
         return web.json_response(data)

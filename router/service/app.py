@@ -33,14 +33,14 @@ from router.service.metrics import RouterMetrics
 from router.service.pool import Replica, ReplicaPool
 from router.service.proxy import Proxy
 from router.service.request_log import RequestLog, open_sink
-from router.service.routing import RoutingCore
+from router.service.routing import PoolRouting
 from router.service.settings import RouterSettings
 from router.service.supervise import supervise
 from router.service.upstream import UpstreamPool
 
 SETTINGS = web.AppKey("settings", RouterSettings)
 POOL = web.AppKey("pool", ReplicaPool)
-CORE = web.AppKey("core", RoutingCore)
+ROUTING = web.AppKey("routing", PoolRouting)
 METRICS = web.AppKey("metrics", RouterMetrics)
 PROXY = web.AppKey("proxy", Proxy)
 HEALTH = web.AppKey("health", HealthChecker)
@@ -60,20 +60,22 @@ def create_app(settings: RouterSettings, *, worker: str | None = None) -> web.Ap
     app = web.Application()
     pool = ReplicaPool()
     index = PrefixIndex(settings.index)
-    core = RoutingCore(settings, pool, index, build_policy(settings.policy, seed=settings.seed), settings.prefill_rate)
+    routing = PoolRouting(
+        settings, pool, index, build_policy(settings.policy, seed=settings.seed), settings.prefill_rate
+    )
     for url in settings.replicas:
-        core.add_replica(pool.add(url))
+        routing.add_replica(pool.add(url))
     app[SETTINGS] = settings
     app[TOKENIZERS] = _load_tokenizers(settings)
     app[POOL] = pool
-    app[CORE] = core
+    app[ROUTING] = routing
     app[METRICS] = RouterMetrics(pool, worker)
     app[SHUTTING_DOWN] = asyncio.Event()
     app.cleanup_ctx.append(_services)
     app.on_shutdown.append(_begin_shutdown)
     if settings.admin_token is not None:
         app[ADMIN] = AdminApi(
-            settings.admin_token.get_secret_value(), pool, core, on_changed=lambda r: _replica_changed(app, r)
+            settings.admin_token.get_secret_value(), pool, routing, on_changed=lambda r: _replica_changed(app, r)
         )
     return app
 
@@ -154,12 +156,12 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     probe_session = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300), skip_auto_headers=("User-Agent",)
     )
-    core = app[CORE]
+    routing = app[ROUTING]
     request_log = _start_request_log(settings, app[METRICS]) if settings.log_requests else None
     app[PROXY] = Proxy(
         settings,
         app[POOL],
-        core,
+        routing,
         app[METRICS],
         upstream,
         on_unreachable=lambda r: _wake(app, r),
@@ -169,10 +171,10 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     proxy = app[PROXY]
     kv_events = None
     if settings.kv_events.source != "none":
-        kv_events = app[KV_EVENTS] = KVEventSubscribers(settings, app[POOL], core.index, app[METRICS], loop.time)
+        kv_events = app[KV_EVENTS] = KVEventSubscribers(settings, app[POOL], routing.index, app[METRICS], loop.time)
 
     def on_down(replica: Replica) -> None:
-        core.drop_cache(replica.id)
+        routing.drop_cache(replica.id)
         if kv_events is not None:
             kv_events.replica_down(replica)
 
@@ -190,18 +192,18 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     def supervised(task: str, run: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
         return asyncio.create_task(supervise(task, run, failures=failures, clock=loop.time), name=task)
 
-    tasks = [supervised("health", health.run), supervised("index_sweep", lambda: _sweep(core, loop))]
+    tasks = [supervised("health", health.run), supervised("index_sweep", lambda: _sweep(routing, loop))]
     if settings.scrape.enabled:
         scraper = MetricsScraper(
             settings.scrape,
             app[POOL],
             probe_session,
-            on_gauges=lambda replica, running, waiting, kv, limit: core.core.set_gauges(
+            on_gauges=lambda replica, running, waiting, kv, limit: routing.core.set_gauges(
                 replica.id, running, waiting, kv, limit
             ),
             clock=loop.time,
             failures=failures,
-            on_kv_capacity=lambda replica, tokens: core.core.set_kv_capacity(replica.id, tokens),
+            on_kv_capacity=lambda replica, tokens: routing.core.set_kv_capacity(replica.id, tokens),
         )
         tasks.append(supervised("scrape", scraper.run))
     discovery = None
@@ -211,7 +213,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
             fleet = app[FLEET] = FleetSharing(
                 settings.redis_url,
                 settings.fleet,
-                core,
+                routing,
                 app[POOL],
                 loop.time,
                 failures=failures,
@@ -219,7 +221,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
             )
             app[METRICS].registry.register(fleet.collector())
             await fleet.start()
-            core.publisher = fleet
+            routing.publisher = fleet
         if kv_events is not None:
             await kv_events.start()
         if settings.discovery.kind == "kubernetes":
@@ -227,13 +229,13 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
             from router.service.discovery import KubernetesDiscovery
 
             discovery = KubernetesDiscovery(
-                settings.discovery, app[POOL], core, on_changed=lambda r: _replica_changed(app, r), failures=failures
+                settings.discovery, app[POOL], routing, on_changed=lambda r: _replica_changed(app, r), failures=failures
             )
             discovery.start()
         yield
     finally:
         if fleet is not None:
-            core.publisher = None
+            routing.publisher = None
             await fleet.stop()
         if discovery is not None:
             await discovery.stop()
@@ -262,10 +264,10 @@ def _start_request_log(settings: RouterSettings, metrics: RouterMetrics) -> Requ
     return request_log
 
 
-async def _sweep(core: RoutingCore, loop: asyncio.AbstractEventLoop) -> None:
+async def _sweep(routing: PoolRouting, loop: asyncio.AbstractEventLoop) -> None:
     while True:
         await asyncio.sleep(_SWEEP_INTERVAL_S)
-        core.index.expire(loop.time())
+        routing.index.expire(loop.time())
 
 
 async def _begin_shutdown(app: web.Application) -> None:

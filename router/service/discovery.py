@@ -39,7 +39,7 @@ from kubernetes import config as k8s_config
 from kubernetes import watch as k8s_watch
 
 from router.service.pool import Replica, ReplicaPool, replica_id
-from router.service.routing import RoutingCore
+from router.service.routing import PoolRouting
 from router.service.settings import DiscoverySettings
 from router.service.supervise import TaskFailures
 
@@ -145,7 +145,7 @@ class KubernetesDiscovery:
         self,
         settings: DiscoverySettings,
         pool: ReplicaPool,
-        core: RoutingCore,
+        routing: PoolRouting,
         on_changed: Callable[[Replica], None],
         *,
         failures: TaskFailures,
@@ -156,7 +156,7 @@ class KubernetesDiscovery:
         self.settings = settings
         self.selector = f"{SERVICE_LABEL}={settings.service}"
         self.pool = pool
-        self.core = core
+        self.routing = routing
         self.on_changed = on_changed
         """Called after discovery added or undrained a replica: probe it now, let held requests look again."""
         self._api_client = api_client
@@ -257,7 +257,7 @@ class KubernetesDiscovery:
         if endpoint.state == "ready":
             if replica is None:
                 replica = self.pool.add(endpoint.url, name=endpoint.id)
-                self.core.add_replica(replica)
+                self.routing.add_replica(replica)
                 self._owned.add(endpoint.id)
                 log.info("replica %s at %s discovered", endpoint.id, endpoint.url)
                 self.on_changed(replica)
@@ -275,7 +275,7 @@ class KubernetesDiscovery:
         if rid not in self._owned:
             return
         self.pool.remove(rid)
-        self.core.remove_replica(rid)
+        self.routing.remove_replica(rid)
         self._owned.discard(rid)
         self._drained.discard(rid)
         log.info("replica %s left the Service", rid)

@@ -8,7 +8,7 @@ must outlive the stream's trimming. The braces are a hash tag: on a Redis Cluste
 publish (XADD and HSET in one pipeline) goes to one node. The URL may name a standalone Redis, Sentinel or Cluster
 (`router.service.redis_url`); every command here is a single-key one that all three serve.
 
-- Publishing is off the request path: `routed`/`pinned` (called by `RoutingCore.commit`) append to a bounded queue,
+- Publishing is off the request path: `routed`/`pinned` (called by `PoolRouting.commit`) append to a bounded queue,
   dropping and counting past `max_queued_records`; a task turns the queue, the router's own load changes and its
   drain changes into one batch every `flush_interval_s` (sooner past `max_batch_records`), with the whole load table
   every `heartbeat_s`.
@@ -53,7 +53,7 @@ from router.policy.sharing import (
 from router.policy.sharing import own_loads as read_own_loads
 from router.service.pool import Replica, ReplicaPool
 from router.service.redis_url import redis_client
-from router.service.routing import RoutingCore
+from router.service.routing import PoolRouting
 from router.service.settings import FleetSettings
 from router.service.supervise import TaskFailures, supervise
 
@@ -84,7 +84,7 @@ class FleetSharing:
         self,
         url: str,
         settings: FleetSettings,
-        core: RoutingCore,
+        routing: PoolRouting,
         pool: ReplicaPool,
         clock: Callable[[], float],
         *,
@@ -94,9 +94,9 @@ class FleetSharing:
         self.url = url
         self.failures = failures
         self.settings = settings
-        self.core = core
+        self.routing = routing
         self.pool = pool
-        self.view = FleetView(core.core, load_ttl_s=settings.load_ttl_s)
+        self.view = FleetView(routing.core, load_ttl_s=settings.load_ttl_s)
         self.router_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self._router_id_bytes = self.router_id.encode()
         self._clock = clock
@@ -206,7 +206,7 @@ class FleetSharing:
         except _ERRORS as exc:
             log.info("closing the Redis clients: %s: %s", type(exc).__name__, exc)
 
-    # --- what the request path calls (RoutingCore.commit) -------------------------------------------------------
+    # --- what the request path calls (PoolRouting.commit) -------------------------------------------------------
 
     def routed(self, replica_id: str, hashes: list[int], is_tokens: bool) -> None:
         if self._num_queued >= self.settings.max_queued_records:
@@ -280,7 +280,7 @@ class FleetSharing:
     def _next_batch(self) -> tuple[bytes, tuple[Drain, ...]] | None:
         """This router's news since the last batch, encoded; None when there is none."""
         now = self._clock()
-        loads = read_own_loads(self.core.core, [r.id for r in self.pool])
+        loads = read_own_loads(self.routing.core, [r.id for r in self.pool])
         is_heartbeat = now - self._last_heartbeat >= self.settings.heartbeat_s
         if is_heartbeat:
             changed = {rid: x for rid, x in loads.items() if x.in_flight or x.waiting}

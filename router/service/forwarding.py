@@ -20,7 +20,7 @@ from router.service.errors import sse_error_event
 from router.service.front import FrontRequest, FrontStream, WholeAnswer
 from router.service.metrics import RouterMetrics
 from router.service.pool import Replica
-from router.service.routing import RoutingCore, Ticket
+from router.service.routing import PoolRouting, ReplicaTicket
 from router.service.settings import RouterSettings
 from router.service.upstream import (
     UpstreamConnectError,
@@ -84,14 +84,14 @@ class Forwarder:
     def __init__(
         self,
         settings: RouterSettings,
-        core: RoutingCore,
+        routing: PoolRouting,
         metrics: RouterMetrics,
         upstream: UpstreamPool,
         clock: Callable[[], float],
         on_unreachable: Callable[[Replica], None],
     ) -> None:
         self.settings = settings
-        self.core = core
+        self.routing = routing
         self.metrics = metrics
         self.upstream = upstream
         self._clock = clock
@@ -101,7 +101,7 @@ class Forwarder:
     async def attempt(
         self,
         request: FrontRequest,
-        ticket: Ticket,
+        ticket: ReplicaTicket,
         headers: list[tuple[str, str]],
         raw: bytes,
         on_sent: Callable[[], object],
@@ -136,7 +136,7 @@ class Forwarder:
         except UpstreamConnectError as exc:
             if replica.mark_unreachable(str(exc)):
                 log.warning("replica %s unreachable, out of rotation: %s", replica.id, exc)
-                self.core.drop_cache(replica.id)
+                self.routing.drop_cache(replica.id)
                 self.on_unreachable(replica)
             raise Retry("connect_error") from exc
         except TimeoutError as exc:  # UpstreamTimeout (silent replica) or the request's total time
@@ -153,7 +153,7 @@ class Forwarder:
                 upstream.close()  # back to the pool when complete; otherwise aborted, which stops the replica
 
     async def _relay_stream(
-        self, request: FrontRequest, ticket: Ticket, upstream: UpstreamResponse, deadline: float
+        self, request: FrontRequest, ticket: ReplicaTicket, upstream: UpstreamResponse, deadline: float
     ) -> FrontStream:
         headers = _response_headers(upstream)
         headers.extend(self._tag(ticket, upstream.status))
@@ -189,18 +189,18 @@ class Forwarder:
 
     # --- bookkeeping -------------------------------------------------------------------------------------
 
-    def _first_byte(self, ticket: Ticket, *, is_stream: bool) -> None:
-        ttfb_s = self.core.first_byte(ticket, self._clock(), is_stream=is_stream)
+    def _first_byte(self, ticket: ReplicaTicket, *, is_stream: bool) -> None:
+        ttfb_s = self.routing.first_byte(ticket, self._clock(), is_stream=is_stream)
         if is_stream:
             self.metrics.ttft_seconds.observe(ttfb_s)
             if ticket.decision.predicted_ttft_s is not None:
                 self.metrics.predicted_ttft_seconds.observe(ticket.decision.predicted_ttft_s)
 
-    def request_failed(self, ticket: Ticket, error: str) -> None:
+    def request_failed(self, ticket: ReplicaTicket, error: str) -> None:
         if ticket.replica.request_failed(self.settings.breaker, self._clock(), error):
             log.warning("circuit opened for replica %s after repeated failures: %s", ticket.replica.id, error)
 
-    def _tag(self, ticket: Ticket, status: int) -> list[tuple[str, str]]:
+    def _tag(self, ticket: ReplicaTicket, status: int) -> list[tuple[str, str]]:
         """Count the answer; the headers that tell the client which replica answered and why."""
         decision = ticket.decision
         branch = decision.branch.value

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.service.metrics import RouterMetrics
-from router.service.routing import RoutingCore
+from router.service.routing import PoolRouting
 from router.service.settings import HoldSettings
 
 
@@ -30,10 +30,10 @@ class HoldLine:
     """The requests waiting for a replica with room; `metrics.held_requests` counts them."""
 
     def __init__(
-        self, settings: HoldSettings, core: RoutingCore, metrics: RouterMetrics, clock: Callable[[], float]
+        self, settings: HoldSettings, routing: PoolRouting, metrics: RouterMetrics, clock: Callable[[], float]
     ) -> None:
         self.settings = settings
-        self.core = core
+        self.routing = routing
         self.metrics = metrics
         self._clock = clock
         self._waiting: collections.deque[_Held] = collections.deque()
@@ -78,7 +78,7 @@ class HoldLine:
         for held in self._waiting:
             free = room.get(held.model)
             if free is None:
-                free = self.core.free_slots(held.model)
+                free = self.routing.free_slots(held.model)
             if free > 0:
                 held.released.set_result(None)
                 free -= 1

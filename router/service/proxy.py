@@ -1,7 +1,7 @@
 """The OpenAI-compatible proxy's HTTP glue: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, other `/v1/*`.
 
 A request, read by the front under its size and time limits, is validated (400s in OpenAI's error shape, never a
-500), routed by `RoutingCore`, and forwarded (`forwarding.Forwarder`). Until a byte has reached the client, a
+500), routed by `PoolRouting`, and forwarded (`forwarding.Forwarder`). Until a byte has reached the client, a
 refused connection or a 5xx moves the request to another replica (never the one that just failed), within
 `retry.max_attempts` and `retry.total_timeout_s`. A client that goes away cancels the handler (the front cancels
 its task), which closes the upstream connection at once, so the replica stops generating for nobody. Requests that
@@ -32,7 +32,7 @@ from router.service.holding import HoldLine
 from router.service.metrics import RouterMetrics
 from router.service.pool import Replica, ReplicaPool
 from router.service.request_log import RequestLog
-from router.service.routing import Prepared, RoutingCore, Ticket
+from router.service.routing import PoolRouting, Prepared, ReplicaTicket
 from router.service.settings import RouterSettings
 from router.service.upstream import UpstreamPool
 
@@ -49,7 +49,7 @@ class Proxy:
         self,
         settings: RouterSettings,
         pool: ReplicaPool,
-        core: RoutingCore,
+        routing: PoolRouting,
         metrics: RouterMetrics,
         upstream: UpstreamPool,
         on_unreachable: Callable[[Replica], None] = lambda replica: None,
@@ -58,12 +58,12 @@ class Proxy:
     ) -> None:
         self.settings = settings
         self.pool = pool
-        self.core = core
+        self.routing = routing
         self.metrics = metrics
         # CLOCK_MONOTONIC at full resolution: uvloop's loop.time() ticks in milliseconds, too coarse for TTFT.
         self._clock = time.monotonic
-        self.forwarder = Forwarder(settings, core, metrics, upstream, self._clock, on_unreachable)
-        self.held = HoldLine(settings.hold, core, metrics, self._clock)
+        self.forwarder = Forwarder(settings, routing, metrics, upstream, self._clock, on_unreachable)
+        self.held = HoldLine(settings.hold, routing, metrics, self._clock)
         self.request_log = request_log
         """Where one line per request goes; None: no request log."""
         self.tokenizers = tokenizers or {}
@@ -157,7 +157,7 @@ class Proxy:
             session_key = session_key.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
         decide_start = time.perf_counter()
-        prepared = self.core.prepare(key, model, session_key, max_tokens if isinstance(max_tokens, int) else None)
+        prepared = self.routing.prepare(key, model, session_key, max_tokens if isinstance(max_tokens, int) else None)
         headers = request_headers(request.headers.items(), request.headers.get("Connection"))
         tried: list[str] = []
         decision_s = 0.0
@@ -171,7 +171,7 @@ class Proxy:
             if is_first and self.held and not was_held:
                 decision = None
             else:
-                decision = self.core.choose(prepared, tried, now, within_limit=is_first)
+                decision = self.routing.choose(prepared, tried, now, within_limit=is_first)
             if decision is None:
                 if is_first and await self.held.wait(model, started):
                     was_held = True
@@ -184,8 +184,8 @@ class Proxy:
             replica = self.pool.get(decision.replica)
             assert replica is not None
             tried.append(replica.id)
-            ticket = self.core.begin(replica, decision, prepared, now)
-            commit = functools.partial(self.core.commit, prepared, decision, now)
+            ticket = self.routing.begin(replica, decision, prepared, now)
+            commit = functools.partial(self.routing.commit, prepared, decision, now)
             try:
                 response = await self.forwarder.attempt(request, ticket, headers, raw, commit)
                 if isinstance(response, WholeAnswer):
@@ -195,7 +195,7 @@ class Proxy:
                 self.metrics.retries.inc((failure.reason,))
                 continue
             finally:
-                self.core.finish(ticket, self._clock())
+                self.routing.finish(ticket, self._clock())
                 if self.held:
                     self.held.release()
             self.metrics.request_seconds.observe(self._clock() - started)
@@ -234,7 +234,7 @@ class Proxy:
     def _log(
         self,
         request: FrontRequest,
-        ticket: Ticket,
+        ticket: ReplicaTicket,
         prepared: Prepared,
         status: int,
         started: float,

@@ -1,10 +1,11 @@
-"""The service's side of the routing core: settings to `RoutingConfig`, the pool's replicas to their load views.
+"""`PoolRouting`: the routing core over the live replica pool; settings to `RoutingConfig`, the pool's replicas to
+their load views.
 
 `router.policy.routing_core.RoutingCore` makes every decision and keeps the load bookkeeping; the simulator drives
-the same object. This adapter adds what only the live router has: the pool's eligibility (health, circuit,
-draining, models), the `Replica` a ticket is for (its address, its circuit breaker), and whether a replica's
-KV-event stream is live, which `commit` reads, and the `publisher` that tells a fleet's other routers of each commit.
-The proxy runs `commit` as soon as the request is written and
+the same object. `PoolRouting` adds what only the live router has: the pool's
+eligibility (health, circuit, draining, models), the `Replica` each attempt is on (`ReplicaTicket`: its address,
+its circuit breaker), whether a replica's KV-event stream is live, which `commit` reads, and the `publisher` that
+tells a fleet's other routers of each commit. The proxy runs `commit` as soon as the request is written and
 before the event loop runs anything else, so the next decision sees the record just as if it had been made
 before the request left.
 """
@@ -25,7 +26,7 @@ from router.policy.types import Decision, Policy
 from router.service.pool import Replica, ReplicaPool
 from router.service.settings import RouterSettings
 
-__all__ = ["Prepared", "RecordSink", "RoutingCore", "Ticket", "routing_config"]
+__all__ = ["PoolRouting", "Prepared", "RecordSink", "ReplicaTicket", "routing_config"]
 
 
 def routing_config(settings: RouterSettings) -> RoutingConfig:
@@ -56,8 +57,8 @@ class RecordSink(Protocol):
 
 
 @dataclass(slots=True)
-class Ticket:
-    """One attempt in flight on one replica: the core's ticket and the pool's replica."""
+class ReplicaTicket:
+    """One attempt in flight on one replica: the core's `Ticket` and the pool's `Replica` it was sent to."""
 
     replica: Replica
     route: routing_core.Ticket
@@ -76,7 +77,7 @@ class Ticket:
         return self.route.ttfb_s
 
 
-class RoutingCore:
+class PoolRouting:
     """The routing core over the replica pool (module docstring)."""
 
     def __init__(
@@ -136,14 +137,14 @@ class RoutingCore:
             if prepared.session_key is not None:
                 publisher.pinned(prepared.session_key, decision.replica)
 
-    def begin(self, replica: Replica, decision: Decision, prepared: Prepared, now: float) -> Ticket:
-        return Ticket(replica, self.core.begin(decision, prepared, now))
+    def begin(self, replica: Replica, decision: Decision, prepared: Prepared, now: float) -> ReplicaTicket:
+        return ReplicaTicket(replica, self.core.begin(decision, prepared, now))
 
-    def first_byte(self, ticket: Ticket, now: float, *, is_stream: bool) -> float:
+    def first_byte(self, ticket: ReplicaTicket, now: float, *, is_stream: bool) -> float:
         """The replica answered; returns the time to first byte. Streams teach the prefill-rate estimate."""
         return self.core.first_byte(ticket.route, now, is_stream=is_stream)
 
-    def finish(self, ticket: Ticket, now: float | None = None) -> None:
+    def finish(self, ticket: ReplicaTicket, now: float | None = None) -> None:
         """The attempt is over; with `now`, an answered attempt teaches the replica's service time."""
         self.core.finish(ticket.route, now)
 

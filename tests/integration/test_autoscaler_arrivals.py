@@ -12,7 +12,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from autoscaler.observe import RouterFleet, static_routers
+from autoscaler.observe import RouterClient, static_routers
 from tests.integration.conftest import ADMIN_TOKEN, StartFakes, StartRouter, eventually, metric_value, unique_text
 
 pytestmark = pytest.mark.integration
@@ -24,8 +24,10 @@ async def test_arrivals_and_request_time_between_two_rounds(
     (fake,) = await start_fakes(1, first_byte_delay_s=0.05)
     routers = [await start_router([fake]), await start_router([fake])]
     now = [100.0]
-    fleet = RouterFleet(http, static_routers([r.url for r in routers]), admin_token=ADMIN_TOKEN, clock=lambda: now[0])
-    first = await fleet.observe()
+    router_client = RouterClient(
+        http, static_routers([r.url for r in routers]), admin_token=ADMIN_TOKEN, clock=lambda: now[0]
+    )
+    first = await router_client.observe()
     assert first.demand is not None and first.demand.arrivals_per_s is None  # no earlier round to measure from
 
     # Six answered through one router, two through the other, over 10 s of the observer's clock.
@@ -33,7 +35,7 @@ async def test_arrivals_and_request_time_between_two_rounds(
         reply = await routers[1 if i in (3, 7) else 0].complete(unique_text(64, f"a{i}"), max_tokens=4)
         assert reply.status == 200
     now[0] += 10.0
-    second = await fleet.observe()
+    second = await router_client.observe()
     assert second.demand is not None
     assert second.demand.arrivals_per_s == pytest.approx(0.8)
     # The mean of the routers' own request times over those eight.
@@ -46,8 +48,8 @@ async def test_arrivals_and_request_time_between_two_rounds(
     await fake.stop()
     (slow,) = await start_fakes(1, first_byte_delay_s=30.0)
     held = [await start_router([slow])]
-    fleet = RouterFleet(http, static_routers([held[0].url]), admin_token=ADMIN_TOKEN, clock=lambda: now[0])
-    await fleet.observe()
+    router_client = RouterClient(http, static_routers([held[0].url]), admin_token=ADMIN_TOKEN, clock=lambda: now[0])
+    await router_client.observe()
     pending = [asyncio.create_task(held[0].complete(unique_text(64, f"s{i}"), max_tokens=4)) for i in range(3)]
 
     async def three_in_flight() -> bool:
@@ -55,7 +57,7 @@ async def test_arrivals_and_request_time_between_two_rounds(
 
     await eventually(three_in_flight, timeout_s=5.0, what="three requests in flight")
     now[0] += 5.0
-    third = await fleet.observe()
+    third = await router_client.observe()
     assert third.demand is not None
     assert third.demand.arrivals_per_s == pytest.approx(0.6) and third.demand.request_s is None
     for task in pending:

@@ -18,7 +18,7 @@ import pytest
 
 from autoscaler.actuators.local import LocalActuator
 from autoscaler.controller import Controller
-from autoscaler.observe import RouterFleet, static_routers
+from autoscaler.observe import RouterClient, static_routers
 from autoscaler.policy import PanicConfig, ScaleDownConfig, ScalingPolicyConfig
 from autoscaler.service import AutoscalerMetrics
 from autoscaler.settings import LocalSettings
@@ -94,7 +94,7 @@ async def test_local_replicas_grow_under_load_and_shrink_without_failing_a_reque
     loop = asyncio.get_running_loop()
     controller = Controller(
         actuator=actuator,
-        fleet=RouterFleet(http, static_routers([router.url]), admin_token=ADMIN_TOKEN, clock=loop.time),
+        routers=RouterClient(http, static_routers([router.url]), admin_token=ADMIN_TOKEN, clock=loop.time),
         config=POLICY,
         metrics=AutoscalerMetrics(),
         interval_s=0.25,

@@ -19,7 +19,7 @@ from pytest_aiohttp import AiohttpClient
 
 from autoscaler.actuators.base import ReplicaInfo, ReplicaPhase
 from autoscaler.controller import Controller, choose_victims
-from autoscaler.observe import ReplicaLoad, RouterFleet, histogram_quantile, static_routers
+from autoscaler.observe import ReplicaLoad, RouterClient, histogram_quantile, static_routers
 from autoscaler.policy import Action, PanicConfig, Reason, ScaleDownConfig, ScalingPolicyConfig
 from autoscaler.service import AutoscalerMetrics, create_app
 from tests.fakes import FakeReplica, FakeReplicaConfig
@@ -115,12 +115,12 @@ async def rig(start_router: StartRouter, http: aiohttp.ClientSession) -> AsyncIt
     router = await start_router(num_ready=0)
     clock = [1000.0]
     actuator = FakeActuator(lambda: clock[0], fake_config={"per_token_delay_s": 0.02, "num_output_tokens": 20})
-    fleet = RouterFleet(
+    router_client = RouterClient(
         http, static_routers([router.url]), admin_token=ADMIN_TOKEN, timeout_s=2.0, clock=lambda: clock[0]
     )
     controller = Controller(
         actuator=actuator,
-        fleet=fleet,
+        routers=router_client,
         config=POLICY,
         metrics=AutoscalerMetrics(),
         drain_timeout_s=5.0,
@@ -306,10 +306,12 @@ async def test_without_an_admin_token_the_observer_still_reads_demand(
     start_fakes: StartFakes, start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
     router = await start_router(await start_fakes(1))
-    fleet = RouterFleet(http, static_routers([router.url]), admin_token=None, clock=asyncio.get_running_loop().time)
-    view = await fleet.observe()
-    assert view.demand is not None and view.demand.requests == 0 and view.demand.kv_usage is None
-    assert view.replicas == {} and view.listed == {} and not view.errors
+    router_client = RouterClient(
+        http, static_routers([router.url]), admin_token=None, clock=asyncio.get_running_loop().time
+    )
+    reading = await router_client.observe()
+    assert reading.demand is not None and reading.demand.requests == 0 and reading.demand.kv_usage is None
+    assert reading.replicas == {} and reading.listed == {} and not reading.errors
 
 
 async def test_dry_run_decides_but_changes_nothing(rig: Rig) -> None:
@@ -329,7 +331,7 @@ async def test_missing_router_figures_hold_the_fleet(rig: Rig) -> None:
     decisions = [await rig.step() for _ in range(8)]
     assert {d.reason for d in decisions} == {Reason.METRICS_STALE, Reason.METRICS_UNAVAILABLE}
     assert all(d.action is Action.HOLD for d in decisions) and len(rig.actuator.replicas) == 2
-    assert rig.controller.fleet.last_view is not None and rig.controller.fleet.last_view.errors
+    assert rig.controller.routers.last_reading is not None and rig.controller.routers.last_reading.errors
 
 
 async def test_observer_sums_every_router_and_reads_ttft(
@@ -337,26 +339,26 @@ async def test_observer_sums_every_router_and_reads_ttft(
 ) -> None:
     fakes = await start_fakes(2, first_byte_delay_s=0.3, num_output_tokens=2)
     routers = [await start_router(fakes), await start_router(fakes)]
-    fleet = RouterFleet(
+    router_client = RouterClient(
         http, static_routers([r.url for r in routers]), admin_token=ADMIN_TOKEN, clock=asyncio.get_running_loop().time
     )
-    first = await fleet.observe()
+    first = await router_client.observe()
     assert first.demand is not None and first.demand.requests == 0 and first.demand.ttft_s is None
     assert set(first.replicas) == {f.url for f in fakes}
     pending = [asyncio.create_task(_stream(r, f"r{i}-{j}")) for i, r in enumerate(routers) for j in range(3)]
     await eventually(lambda: sum(f.in_flight for f in fakes) == 6, what="6 requests at the replicas")
-    busy = await fleet.observe()
+    busy = await router_client.observe()
     assert busy.demand is not None and busy.demand.requests == 6 and busy.demand.waiting == 6
     assert sum(load.in_flight for load in busy.replicas.values()) == 6
     assert all(load.cached_blocks > 0 for load in busy.replicas.values() if load.in_flight)
     await asyncio.gather(*pending)
-    after = await fleet.observe()
+    after = await router_client.observe()
     assert after.demand is not None and after.demand.requests == 0
     assert after.demand.ttft_s is not None and 0.25 <= after.demand.ttft_s <= 0.5
-    quiet = await fleet.observe()
+    quiet = await router_client.observe()
     assert quiet.demand is not None and quiet.demand.ttft_s is None, "only requests since the last round count"
     await routers[1].cleanup()
-    missing = await fleet.observe()
+    missing = await router_client.observe()
     assert missing.demand is None and missing.errors and routers[1].url in missing.errors[0]
 
 
@@ -426,5 +428,5 @@ async def test_requests_queued_in_the_engine_count_as_demand(rig: Rig) -> None:
     await eventually(is_scraped, what="the engine's queue scraped by the router")
     decision = await rig.step()
     assert decision.action is Action.UP and decision.target_replicas == 3
-    view = rig.controller.fleet.last_view
-    assert view is not None and view.demand is not None and view.demand.waiting == 6
+    reading = rig.controller.routers.last_reading
+    assert reading is not None and reading.demand is not None and reading.demand.waiting == 6

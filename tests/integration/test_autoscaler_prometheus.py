@@ -22,7 +22,7 @@ import pytest
 from autoscaler.actuators.base import ReplicaInfo
 from autoscaler.cli import run_autoscaler
 from autoscaler.controller import Controller
-from autoscaler.observe import RouterFleet, static_routers
+from autoscaler.observe import RouterClient, static_routers
 from autoscaler.policy import (
     Action,
     MetricsConfig,
@@ -91,7 +91,7 @@ class StaticActuator:
 class Rig:
     prometheus: FakePrometheus
     reader: PrometheusDemand
-    fleet: RouterFleet
+    router_client: RouterClient
     controller: Controller
     actuator: StaticActuator
     router: RouterHandle
@@ -127,7 +127,7 @@ async def rig(start_fakes: StartFakes, start_router: StartRouter, http: aiohttp.
     reader = PrometheusDemand(
         http, prometheus_settings(prometheus.url), ttft_quantile=POLICY.ttft_quantile, wall_clock=lambda: clock[1]
     )
-    fleet = RouterFleet(
+    router_client = RouterClient(
         http,
         static_routers([router.url]),
         admin_token=ADMIN_TOKEN,
@@ -137,7 +137,7 @@ async def rig(start_fakes: StartFakes, start_router: StartRouter, http: aiohttp.
     actuator = StaticActuator([ReplicaInfo(f"r{i}", f.url, "ready", 0.0) for i, f in enumerate(fakes)])
     controller = Controller(
         actuator=actuator,
-        fleet=fleet,
+        routers=router_client,
         config=POLICY,
         metrics=AutoscalerMetrics(),
         drain_timeout_s=2.0,
@@ -145,7 +145,7 @@ async def rig(start_fakes: StartFakes, start_router: StartRouter, http: aiohttp.
         clock=lambda: clock[0],
         wall_clock=lambda: clock[1],
     )
-    yield Rig(prometheus, reader, fleet, controller, actuator, router, fakes, clock)
+    yield Rig(prometheus, reader, router_client, controller, actuator, router, fakes, clock)
     await controller.close()
     await prometheus.stop()
 
@@ -165,15 +165,15 @@ async def test_each_query_maps_to_its_figure(rig: Rig) -> None:
         return all(r["engine"].get("kv_usage") is not None for r in (await rig.router.replicas()).values())
 
     await eventually(kv_listed, what="the router's first scrape of the replicas' KV usage")
-    view = await rig.fleet.observe()
+    reading = await rig.router_client.observe()
 
-    assert not view.errors and view.demand is not None
-    d = view.demand
+    assert not reading.errors and reading.demand is not None
+    d = reading.demand
     assert (d.requests, d.waiting, d.prefill_backlog_tokens, d.ttft_s) == (6.0, 3.0, 300.0, 0.42)
-    assert view.measured_at == pytest.approx(rig.clock[0] - 4.0, abs=0.01), "as old as the oldest sample"
+    assert reading.measured_at == pytest.approx(rig.clock[0] - 4.0, abs=0.01), "as old as the oldest sample"
     # Per-replica figures, and KV usage when no KV query is set, come from the router's admin API.
-    assert set(view.replicas) == {f.url for f in rig.fakes}
-    assert d.kv_usage == pytest.approx(sum(r.kv_usage or 0.0 for r in view.replicas.values()))
+    assert set(reading.replicas) == {f.url for f in rig.fakes}
+    assert d.kv_usage == pytest.approx(sum(r.kv_usage or 0.0 for r in reading.replicas.values()))
     assert d.kv_usage is not None
     # One instant query per figure, at Prometheus' now (no `time`), with the credentials and headers set.
     assert {r.query for r in rig.prometheus.received} == {IN_FLIGHT, QUEUE_DEPTH, HELD, PREFILL, TTFT, ROUTERS_DOWN}
@@ -187,8 +187,8 @@ async def test_optional_figures_may_be_missing_and_a_kv_query_overrides_the_rout
     rig: Rig, http: aiohttp.ClientSession
 ) -> None:
     rig.prometheus.set({**QUIET, TTFT: Answer()})  # no TTFT series at all: no figure, no failure
-    view = await rig.fleet.observe()
-    assert view.demand is not None and view.demand.ttft_s is None and not view.errors
+    reading = await rig.router_client.observe()
+    assert reading.demand is not None and reading.demand.ttft_s is None and not reading.errors
 
     kv_query = 'sum(vllm:kv_cache_usage_perc{namespace="llm"})'
     reader = PrometheusDemand(
@@ -254,9 +254,9 @@ async def test_a_failed_query_freezes_the_fleet_like_a_missing_router_scrape(rig
     assert all(d.action is Action.HOLD for d in decisions), decisions
     assert [d.reason for d in decisions] == [Reason.METRICS_STALE] * 2 + [Reason.METRICS_UNAVAILABLE] * 4
     assert rig.controller.state.failed_observations == 6 and rig.actuator.removed == []
-    view = rig.fleet.last_view
-    assert view is not None and view.demand is None
-    assert any(named in e for e in view.errors), view.errors  # the log and the view name the failing query
+    reading = rig.router_client.last_reading
+    assert reading is not None and reading.demand is None
+    assert any(named in e for e in reading.errors), reading.errors  # the log and the reading name the failing query
     # Figures that come back end the freeze.
     rig.prometheus.set(QUIET)
     if fault == "server down":
@@ -270,7 +270,7 @@ async def test_a_sample_the_policy_finds_too_old_holds_the_fleet(rig: Rig) -> No
     rig.prometheus.set({**QUIET, IN_FLIGHT: vector(0.0, age_s=20.0)})
     decisions = [await rig.step() for _ in range(6)]
     assert {d.reason for d in decisions} == {Reason.METRICS_STALE, Reason.METRICS_UNAVAILABLE}
-    assert rig.actuator.removed == [] and not rig.fleet.last_view.errors  # type: ignore[union-attr]
+    assert rig.actuator.removed == [] and not rig.router_client.last_reading.errors  # type: ignore[union-attr]
 
 
 async def test_a_router_whose_admin_api_fails_freezes_the_fleet_too(rig: Rig) -> None:
@@ -279,7 +279,7 @@ async def test_a_router_whose_admin_api_fails_freezes_the_fleet_too(rig: Rig) ->
     await rig.router.cleanup()
     decisions = [await rig.step() for _ in range(4)]
     assert all(d.action is Action.HOLD for d in decisions) and rig.actuator.removed == []
-    assert rig.fleet.last_view is not None and rig.router.url in rig.fleet.last_view.errors[0]
+    assert rig.router_client.last_reading is not None and rig.router.url in rig.router_client.last_reading.errors[0]
 
 
 async def test_shoal_autoscaler_reads_the_prometheus_its_settings_name(

@@ -19,7 +19,7 @@ from prometheus_client import generate_latest
 
 from autoscaler.actuators.base import ReplicaInfo, ReplicaPhase
 from autoscaler.controller import Controller
-from autoscaler.observe import RouterFleet, static_routers
+from autoscaler.observe import RouterClient, static_routers
 from autoscaler.policy import ScaleDownConfig, ScalingPolicyConfig
 from autoscaler.service import AutoscalerMetrics
 from tests.integration.conftest import ADMIN_TOKEN, eventually, metric_value
@@ -81,7 +81,7 @@ async def running(
         actuator = ListedActuator(dict(phases))
         controller = Controller(
             actuator=actuator,
-            fleet=RouterFleet(http, static_routers([router.url]), admin_token=ADMIN_TOKEN, clock=loop.time),
+            routers=RouterClient(http, static_routers([router.url]), admin_token=ADMIN_TOKEN, clock=loop.time),
             config=ScalingPolicyConfig(min_replicas=1, max_replicas=2, **config),
             metrics=AutoscalerMetrics(),
             interval_s=0.05,

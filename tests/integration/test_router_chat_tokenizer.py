@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from router.policy.hashing import hash_tokens, namespace_seed
-from router.service.app import CORE, TOKENIZERS
+from router.service.app import ROUTING, TOKENIZERS
 from router.service.settings import KVEventSettings, TokenizerSettings
 from tests.integration.conftest import MODEL, RouterHandle, StartRouter, eventually, metric_value
 from tests.integration.replica_support import ReplicaHandle, StartReplica
@@ -55,7 +55,7 @@ def indexed_blocks(router: RouterHandle, replica: ReplicaHandle, token_ids: list
     """Leading blocks of `token_ids` the router's index holds for the replica by its KV events alone (guesses
     have expired this far ahead)."""
     now = asyncio.get_running_loop().time() + 10_000.0
-    return router.app[CORE].index.match(hash_tokens(token_ids, SEED, BLOCK), now=now).get(rid(replica), 0)
+    return router.app[ROUTING].index.match(hash_tokens(token_ids, SEED, BLOCK), now=now).get(rid(replica), 0)
 
 
 async def serve_directly(replica: ReplicaHandle, messages: list[dict[str, Any]]) -> str:
@@ -73,7 +73,7 @@ async def start_pair(
     if tokenizer is not None:
         overrides["tokenizer"] = tokenizer
     router = await start_router(replicas, **overrides)  # type: ignore[arg-type]
-    await eventually(lambda: sum(r.has_live_kv_events for r in router.app[CORE].pool) == 2, timeout_s=10)
+    await eventually(lambda: sum(r.has_live_kv_events for r in router.app[ROUTING].pool) == 2, timeout_s=10)
     return router, replicas
 
 

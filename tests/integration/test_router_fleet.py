@@ -16,7 +16,7 @@ import pytest
 import redis.asyncio as redis
 
 from router.policy.routing_text import RoutingKey
-from router.service.app import CORE, FLEET, METRICS, POOL
+from router.service.app import FLEET, METRICS, POOL, ROUTING
 from router.service.settings import FleetSettings
 from tests.fakes import FakeReplica
 from tests.integration.conftest import (
@@ -48,7 +48,7 @@ def fleet_task_failures(router: RouterHandle) -> int:
 
 def holder(router: RouterHandle, text: str) -> dict[str, int]:
     """The replicas `router`'s index says hold the prompt's prefix, and how many blocks of it."""
-    core = router.app[CORE].core
+    core = router.app[ROUTING].core
     prepared = core.prepare(RoutingKey(text=text.encode()), MODEL)
     return core.index.match(prepared.complete(), now=asyncio.get_running_loop().time())
 

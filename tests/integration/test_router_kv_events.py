@@ -29,7 +29,7 @@ from aiohttp import web
 from router.policy.hashing import hash_tokens, namespace_seed
 from router.policy.prefix_index import PrefixIndexConfig
 from router.policy.routing_text import RoutingKey
-from router.service.app import CORE, POOL
+from router.service.app import POOL, ROUTING
 from router.service.settings import KVEventSettings
 from tests.integration.conftest import MODEL, RouterHandle, StartFakes, StartRouter, eventually, metric_value
 from tests.integration.replica_support import ReplicaHandle, StartReplica
@@ -59,7 +59,7 @@ def rid(handle: ReplicaHandle) -> str:
 def exact_depth(router: RouterHandle, replica_id: str, tokens: list[int]) -> int:
     """Leading blocks of `tokens` the router's index says the replica holds, by its events alone."""
     now = asyncio.get_running_loop().time() + FAR_S
-    return router.app[CORE].index.match(hash_tokens(tokens, SEED, BLOCK), now=now).get(replica_id, 0)
+    return router.app[ROUTING].index.match(hash_tokens(tokens, SEED, BLOCK), now=now).get(replica_id, 0)
 
 
 def cached_depth(replica: ReplicaHandle, tokens: list[int]) -> int:
@@ -75,7 +75,7 @@ def cached_depth(replica: ReplicaHandle, tokens: list[int]) -> int:
 
 def is_in_step(router: RouterHandle, replica: ReplicaHandle) -> bool:
     """The router indexes exactly as many blocks for the replica as the replica caches (guesses swept first)."""
-    index = router.app[CORE].index
+    index = router.app[ROUTING].index
     index.expire(asyncio.get_running_loop().time())
     num_cached = len(replica.state.engine.engine.block_manager.hash_to_block)
     return index.stats().blocks_per_replica.get(rid(replica), 0) == num_cached
@@ -126,20 +126,20 @@ async def test_the_index_follows_what_the_replicas_report(
 
     # With the stream live, the router's own record of a token prompt is a short prediction, not a lasting guess;
     # a text prompt, which no engine event names, is still recorded as an approximate entry.
-    core = router.app[CORE]
+    routing = router.app[ROUTING]
     now = asyncio.get_running_loop().time()
     unsent = prompt(rng, 3)
-    prepared = core.prepare(RoutingKey(token_ids=unsent), MODEL, None, None)
-    decision = core.choose(prepared, [], now)
+    prepared = routing.prepare(RoutingKey(token_ids=unsent), MODEL, None, None)
+    decision = routing.choose(prepared, [], now)
     assert decision is not None
-    core.commit(prepared, decision, now)
-    assert core.index.match(hash_tokens(unsent, SEED, BLOCK), now=now + 0.1) == {decision.replica: 3}
-    assert core.index.match(hash_tokens(unsent, SEED, BLOCK), now=now + 1.0) == {}
-    text = core.prepare(RoutingKey(text=b"x" * 640), MODEL, None, None)
-    decision = core.choose(text, [], now)
+    routing.commit(prepared, decision, now)
+    assert routing.index.match(hash_tokens(unsent, SEED, BLOCK), now=now + 0.1) == {decision.replica: 3}
+    assert routing.index.match(hash_tokens(unsent, SEED, BLOCK), now=now + 1.0) == {}
+    text = routing.prepare(RoutingKey(text=b"x" * 640), MODEL, None, None)
+    decision = routing.choose(text, [], now)
     assert decision is not None
-    core.commit(text, decision, now)
-    assert core.index.match(text.hashes, now=now + 60) == {decision.replica: 10}
+    routing.commit(text, decision, now)
+    assert routing.index.match(text.hashes, now=now + 60) == {decision.replica: 10}
 
     # A evicts the first prompt's blocks (traffic the router never saw): the index drops them too.
     removed_before = await counter(router, "shoal_router_kv_events_applied_total", {"kind": "removed"})
@@ -189,8 +189,8 @@ async def test_a_restarted_replica_resyncs_to_its_empty_cache(
 @contextlib.asynccontextmanager
 async def replica_on_port(checkpoint: Path, port: int) -> AsyncIterator[ReplicaHandle]:
     """A Shoal replica on a given port (the fixture's take any free one): a restart, as the router sees it."""
+    from replica.loading import load_for_serving
     from replica.server.app import create_app
-    from replica.server.serve import load_for_serving
     from replica.settings import ReplicaSettings
 
     settings = ReplicaSettings(model=str(checkpoint), served_model_name=MODEL, port=port, num_blocks=NUM_BLOCKS)
@@ -356,7 +356,7 @@ async def test_zmq_vllm_events_are_applied_and_a_gap_demotes(
     await publisher.send(6, ["BlockStored", [7001], None, other, BLOCK, None, "GPU"])
     await eventually(lambda: exact_depth(router, replica_id, other) == 1, what="the batch after the gap")
     assert exact_depth(router, replica_id, tokens) == 0
-    index = router.app[CORE].index
+    index = router.app[ROUTING].index
     now = asyncio.get_running_loop().time()
     ttl_s = index.config.ttl_s
     assert index.match(hash_tokens(tokens, SEED, BLOCK), now=now + ttl_s - 5.0) == {replica_id: 2}

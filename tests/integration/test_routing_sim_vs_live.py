@@ -24,7 +24,7 @@ import pytest
 
 from router.policy.hashing import hash_tokens, namespace_seed
 from router.policy.types import Decision
-from router.service.app import CORE, POOL
+from router.service.app import POOL, ROUTING
 from router.service.settings import ScrapeSettings
 from simulations.scenario import PolicyEntry, Scenario
 from simulations.simulation import Simulation
@@ -145,7 +145,7 @@ async def test_the_simulator_routes_as_the_live_router(start_fakes: StartFakes, 
     assert {"cache_hit", "cache_miss", "session"} <= branches, branches
     assert len({replica for replica, _ in live}) == NUM_REPLICAS
 
-    live_core, sim_core = router.app[CORE].core, simulation.router.core
+    live_core, sim_core = router.app[ROUTING].core, simulation.router.core
     streamed = {rid: 0 for rid in ids}
     for request, (replica, _) in zip(requests, live, strict=True):
         streamed[replica] += request.is_stream

@@ -22,10 +22,10 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from autoscaler.observe import RouterFleet, static_routers
+from autoscaler.observe import RouterClient, static_routers
 from replica.demo.corpus import chat_requests
 from router.policy.hashing import hash_tokens, namespace_seed
-from router.service.app import CORE, POOL
+from router.service.app import POOL, ROUTING
 from router.service.chat_tokenizer import ChatTokenizer
 from router.service.settings import KVEventSettings, TokenizerSettings
 from tests.integration.conftest import ADMIN_TOKEN, RouterHandle, StartRouter, eventually, metric_value
@@ -197,7 +197,7 @@ async def test_the_router_finds_each_vllm_publisher_and_routes_prefixes_where_vl
     assert hits >= 0.95 * REPEATS * min_cached, (
         f"vLLM counted {hits:.0f} cached tokens, expected {min_cached * REPEATS}"
     )
-    assert router.app[CORE].index.stats().events_applied > 0
+    assert router.app[ROUTING].index.stats().events_applied > 0
 
 
 async def test_a_restarted_router_replays_what_vllm_holds_and_routes_the_same(
@@ -210,7 +210,7 @@ async def test_a_restarted_router_replays_what_vllm_holds_and_routes_the_same(
     # A new router knows nothing of its own: vLLM's replay buffers are its only source, and before any request
     # its index holds each prompt's whole 128-token blocks on the replica that cached them.
     router = await start_exact_router(start_router, vllm_servers)
-    index, tokenizer = router.app[CORE].index, ChatTokenizer.from_dir(CHECKPOINT)
+    index, tokenizer = router.app[ROUTING].index, ChatTokenizer.from_dir(CHECKPOINT)
     for prompt in prompts:
         hashes = hash_tokens(tokenizer.chat_ids(chat_body(prompt, "hello")), namespace_seed(MODEL), ROUTER_BLOCK)
         full_blocks = len(hashes) // (VLLM_BLOCK // ROUTER_BLOCK) * (VLLM_BLOCK // ROUTER_BLOCK)
@@ -225,7 +225,7 @@ async def test_the_autoscaler_reads_the_vllm_queue_through_the_router(
     vllm_servers: list[RunningVllm], start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
     router = await start_exact_router(start_router, vllm_servers)
-    fleet = RouterFleet(
+    router_client = RouterClient(
         http, static_routers([router.url]), admin_token=ADMIN_TOKEN, clock=asyncio.get_running_loop().time
     )
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 200, "ignore_eos": True}
@@ -236,8 +236,8 @@ async def test_the_autoscaler_reads_the_vllm_queue_through_the_router(
     try:
 
         async def engines_queue() -> bool:
-            view = await fleet.observe()
-            listed = view.listed.get(router.url, {})
+            reading = await router_client.observe()
+            listed = reading.listed.get(router.url, {})
             waiting = [r.engine_waiting for r in listed.values()]
             return len(listed) == 2 and all(w is not None for w in waiting) and sum(w or 0 for w in waiting) > 0
 
