@@ -26,7 +26,8 @@ from aiohttp import web
 
 from router.service.errors import error_response
 from router.service.front import FrontRequest
-from router.service.pool import Replica, ReplicaPool, replica_id, split_url
+from router.service.pool import Replica, ReplicaPool
+from router.service.replica_url import replica_id, split_url
 from router.service.routing import PoolRouting
 
 

@@ -38,7 +38,8 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes import watch as k8s_watch
 
-from router.service.pool import Replica, ReplicaPool, replica_id
+from router.service.pool import Replica, ReplicaPool
+from router.service.replica_url import replica_id
 from router.service.routing import PoolRouting
 from router.service.settings import DiscoverySettings
 from router.service.supervise import TaskFailures

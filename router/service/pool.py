@@ -21,13 +21,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
-from urllib.parse import urlsplit
+from typing import Any, Protocol
 
 from router.policy.types import ReplicaState
-
-if TYPE_CHECKING:
-    from router.service.settings import BreakerSettings, HealthSettings
+from router.service.replica_url import replica_id, split_url
+from router.service.settings import BreakerSettings, HealthSettings
 
 _MAX_CACHED_MODELS = 64
 """Models whose eligible lists the pool keeps at once (clients name the model, so the set is not bounded)."""
@@ -38,30 +36,6 @@ class Status(enum.StrEnum):
     UNHEALTHY = "unhealthy"
     CIRCUIT_OPEN = "circuit_open"
     DRAINING = "draining"
-
-
-def replica_id(url: str) -> str:
-    """Default id of a replica: host:port, plus its path when it has one."""
-    parts = urlsplit(url)
-    path = parts.path.rstrip("/")
-    return f"{parts.netloc}{path}"
-
-
-def split_url(url: str) -> tuple[str, int, str]:
-    """(host, port, base path) of a replica's http:// base URL; ValueError for anything else. Credentials in the URL
-    are refused: the router would not send them, and the URL shows in headers, metrics and logs."""
-    if not url.isascii() or not url.isprintable() or any(c.isspace() for c in url):
-        raise ValueError("replica URL must be printable ASCII without spaces")
-    parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"replica URL must be http://host[:port][/path], got {url!r}")
-    if parts.username is not None or parts.password is not None:
-        raise ValueError("replica URL must not carry credentials (user:password@): the router sends none")
-    try:
-        port = parts.port or 80
-    except ValueError as exc:
-        raise ValueError(f"replica URL has a bad port: {url!r}") from exc
-    return parts.hostname, port, parts.path.rstrip("/")
 
 
 @dataclass(slots=True, eq=False)

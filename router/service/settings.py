@@ -21,8 +21,8 @@ from router.policy.prefill_rate import PrefillRateEstimator
 from router.policy.prefix_index import PrefixIndexConfig
 from router.policy.service_time import ServiceTimeEstimator
 from router.policy.session import SessionAffinityConfig
-from router.service.pool import split_url
 from router.service.redis_url import parse_redis_url
+from router.service.replica_url import split_url
 
 
 class _Section(BaseModel):
