@@ -58,9 +58,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks import command_argv
 from benchmarks.bench_proxy import machine_description
-from replica.children import parent_death_signal
 from replica.demo.build import PACKAGED_DIR
 from replica.vllm_engine import VllmServer, find_vllm_python, stop, wait_ready
+from router.common.child_processes import parent_death_signal
 
 ROOT = Path(__file__).resolve().parent.parent
 

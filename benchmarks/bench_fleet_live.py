@@ -59,9 +59,9 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks import command_argv
-from replica.children import parent_death_signal
 from replica.demo.build import PACKAGED_DIR as DEMO_DIR
 from replica.demo.corpus import generate_conversations
+from router.common.child_processes import parent_death_signal
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "shoal-demo"
@@ -161,7 +161,7 @@ class Fleet:
 
     def _start(self, name: str, command: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         """Call from the main thread: the kernel's SIGTERM on the parent's death follows the thread that started
-        the child (replica.children)."""
+        the child (router.common.child_processes)."""
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - the child holds it
         return subprocess.Popen(
             list(command),

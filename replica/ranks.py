@@ -4,11 +4,11 @@ Rank 0 serves HTTP and runs the engine (`replica.engine.parallel`); ranks 1..N-1
 children given the same settings (as JSON) and their rank. Each loads the checkpoint (and quantizes it, if asked),
 keeps its shard, joins the group at a free loopback port and runs the steps rank 0 broadcasts until told to stop.
 
-Lifetimes: a rank is started with `PR_SET_PDEATHSIG` (`replica.children`), so it ends when rank 0 ends, however
-rank 0 ends; it also ends with an error when rank 0's sockets close under a collective. Rank 0 waits on every rank
-in a thread: a rank that exits before rank 0 asked it to stops the replica (SIGTERM to itself: the server's
-graceful shutdown, in-flight requests fail so the router fails over), with a clear error and a nonzero exit code,
-and a hard exit after `_EXIT_GRACE_S` if shutdown itself hangs on the broken group.
+Lifetimes: a rank is started with `PR_SET_PDEATHSIG` (`router.common.child_processes`), so it ends when rank 0
+ends, however rank 0 ends; it also ends with an error when rank 0's sockets close under a collective. Rank 0 waits
+on every rank in a thread: a rank that exits before rank 0 asked it to stops the replica (SIGTERM to itself: the
+server's graceful shutdown, in-flight requests fail so the router fails over), with a clear error and a nonzero
+exit code, and a hard exit after `_EXIT_GRACE_S` if shutdown itself hangs on the broken group.
 
 Threads: `--threads` is per rank (each rank runs a full forward over its shard); without it each rank takes
 cores / N, so the ranks together use the machine's cores and do not oversubscribe them.
@@ -27,8 +27,8 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-from replica.children import start_child
 from replica.settings import ReplicaSettings
+from router.common.child_processes import start_child
 
 if TYPE_CHECKING:
     from replica.engine.parallel import TensorParallel

@@ -3,7 +3,7 @@
 The demo model is built once, in this process, before any replica starts (N replicas must not race to train it).
 Each replica gets an equal share of the CPU threads. The router starts with every replica's URL and holds requests
 until their health checks pass. Ctrl-C (or SIGTERM) stops every child; a child that dies stops the rest; a
-`shoal up` killed outright takes its children with it (Linux: `replica.children`).
+`shoal up` killed outright takes its children with it (Linux: `router.common.child_processes`).
 
 With `--autoscale`, the router starts empty and `shoal autoscaler` with its local actuator owns the replicas: it
 starts `--min-replicas`, grows to `--max-replicas` under load and drains and stops them when the load goes. With
@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,17 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from replica.children import start_child
-
-
-def _shoal_command() -> list[str]:
-    exe = Path(sys.executable).parent / "shoal"
-    if exe.exists():
-        return [str(exe)]
-    found = shutil.which("shoal")
-    if found:
-        return [found]
-    return [sys.executable, "-c", "import sys; from router.cli import main; sys.exit(main())"]
+from router.common.child_processes import shoal_command, start_child
 
 
 def _wait_healthy(
@@ -101,7 +90,7 @@ def run_up(
     if model == "demo":
         step(f"demo model: {ensure_demo_model(progress=step)}")
     served_name = "shoal-demo" if model == "demo" else Path(model).resolve().name
-    shoal = _shoal_command()
+    shoal = shoal_command()
     threads = max(1, (os.cpu_count() or 1) // (max_replicas if autoscale else num_replicas))
     procs: list[subprocess.Popen[bytes]] = []
     replica_urls = []
@@ -243,7 +232,7 @@ def _up_vllm(
         "SHOAL_ROUTER_KV_EVENTS__SOURCE": "zmq",
         "SHOAL_ROUTER_TOKENIZER__MODELS": json.dumps({served_name: str(checkpoint.resolve())}),
     }
-    router_cmd = [*_shoal_command(), "router", "--port", str(port), "--no-request-log"]
+    router_cmd = [*shoal_command(), "router", "--port", str(port), "--no-request-log"]
     for server in servers:
         router_cmd += ["--replica", server.url]
     step(f"starting the router on port {port} (exact mode: vLLM's KV events)")

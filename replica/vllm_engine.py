@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from replica.children import parent_death_signal
+from router.common.child_processes import parent_death_signal
 
 VLLM_PYTHON_ENV = "SHOAL_VLLM_PYTHON"
 VENV_NAME = ".venv-vllm"

@@ -6,68 +6,29 @@ exited. The controller registers ready replicas with the routers and drains a vi
 actuator then stops the process gracefully (SIGTERM, which lets aiohttp finish open connections) and kills it
 only after `stop_timeout_s`. Replicas are children of this process: `close()` stops them all, so an autoscaler
 that exits leaves nothing behind; on Linux each replica also gets SIGTERM from the kernel when the autoscaler dies
-without a chance to stop them (SIGKILL, a crash), through `PR_SET_PDEATHSIG`.
+without a chance to stop them (SIGKILL, a crash), through `PR_SET_PDEATHSIG` (`router.common.child_processes`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import logging
 import os
-import shutil
 import signal
 import socket
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO
 
 import aiohttp
 
 from autoscaler.actuators.base import ActuatorError, ReplicaInfo, ReplicaPhase
 from autoscaler.settings import LocalSettings
+from router.common.child_processes import parent_death_signal, shoal_command
 
 log = logging.getLogger(__name__)
-
-
-def shoal_command() -> list[str]:
-    """How to run `shoal`: the script beside this Python, else the one on PATH, else the module."""
-    exe = Path(sys.executable).parent / "shoal"
-    if exe.exists():
-        return [str(exe)]
-    found = shutil.which("shoal")
-    if found:
-        return [found]
-    return [sys.executable, "-c", "import sys; from router.cli import main; sys.exit(main())"]
-
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _parent_death_signal() -> Callable[[], None] | None:
-    """A `preexec_fn` that asks the kernel to SIGTERM the child when this process dies; None off Linux.
-
-    libc's `prctl` is looked up here, in the parent, so the child between fork and exec runs one foreign call
-    and no imports or allocations of note. A child whose parent died before the call is not signalled; the
-    parent is alive while it starts replicas, so that race is its own death during the start.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return None
-    prctl = ctypes.CDLL(libc_name, use_errno=True).prctl
-    signal_number = int(signal.SIGTERM)
-
-    def set_parent_death_signal() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal_number, 0, 0, 0)
-
-    return set_parent_death_signal
 
 
 @dataclass
@@ -108,7 +69,7 @@ class LocalActuator:
         self._session = session
         self._wall_clock = wall_clock
         self._replicas: dict[str, _Replica] = {}
-        self._preexec = _parent_death_signal()
+        self._preexec = parent_death_signal()
         """The kernel signals on the death of the thread that started the child: the event loop's thread,
         which lives as long as the autoscaler (`asyncio.run` in the main thread)."""
 

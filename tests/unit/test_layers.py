@@ -40,3 +40,9 @@ def test_a_router_without_tokenizers_loads_neither_tokenizers_nor_jinja2() -> No
     )
     assert "router.service.app" in loaded
     assert not loaded & {"tokenizers", "jinja2", "torch"}
+
+
+def test_what_every_part_shares_pulls_in_no_part() -> None:
+    """`router.common` is imported by the router, the autoscaler and the replica (DESIGN.md's layers)."""
+    loaded = _modules_after("import router.common.child_processes")
+    assert not loaded & {"aiohttp", "asyncio", "torch", "router.policy", "router.service", "autoscaler", "replica"}
