@@ -21,7 +21,8 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
-from autoscaler.settings import AutoscalerSettings, settings_help
+from autoscaler.settings import AutoscalerSettings
+from router.common.command_settings import settings_help
 
 log = logging.getLogger("autoscaler")
 
@@ -40,7 +41,7 @@ def add_autoscaler_command(subparsers: Any) -> None:
         help="scale replicas on the routers' queue metrics (local processes or a Kubernetes Deployment)",
         description="Run the autoscaler. Every setting below can also come from the environment or a YAML file "
         "(--config); flags override both.",
-        epilog=settings_help(),
+        epilog=settings_help(AutoscalerSettings),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", metavar="FILE", help="YAML file of settings (SHOAL_AUTOSCALER_CONFIG_FILE)")

@@ -7,15 +7,15 @@ defaults. The scaling policy is the pure `ScalingPolicyConfig`, shared with the 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
+from pydantic_settings import SettingsConfigDict
 
 from autoscaler.policy.config import ScalingPolicyConfig
+from router.common.command_settings import CommandSettings
 
 
 class _Section(BaseModel):
@@ -199,7 +199,7 @@ class MetricsSourceSettings(_Section):
         return self
 
 
-class AutoscalerSettings(BaseSettings):
+class AutoscalerSettings(CommandSettings):
     """Settings of `shoal autoscaler`."""
 
     model_config = SettingsConfigDict(
@@ -261,42 +261,3 @@ class AutoscalerSettings(BaseSettings):
                 f"({self.local.max_replicas}), the port slots of this machine"
             )
         return self
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        path = getattr(init_settings, "init_kwargs", {}).get("config_file") or os.environ.get(
-            "SHOAL_AUTOSCALER_CONFIG_FILE"
-        )
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        if path:
-            if not Path(path).is_file():
-                raise ValueError(f"config file {path} does not exist")
-            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
-        return tuple(sources)
-
-
-def settings_help() -> str:
-    """Every setting with its environment variable, default and docstring, for `--help`."""
-    lines = ["settings (environment variable, default):"]
-
-    def walk(cls: type[BaseModel], path: list[str]) -> None:
-        for name, info in cls.model_fields.items():
-            annotation = info.annotation
-            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-                walk(annotation, [*path, name])
-                continue
-            env = "SHOAL_AUTOSCALER_" + "__".join(p.upper() for p in [*path, name])
-            default = info.get_default(call_default_factory=True)
-            lines.append(f"  {'.'.join([*path, name])}  ({env}, default {default!r})")
-            if info.description:
-                lines.append("      " + " ".join(info.description.split()))
-
-    walk(AutoscalerSettings, [])
-    return "\n".join(lines)

@@ -53,13 +53,14 @@ engine as it will serve."""
 def add_replica_command(subparsers: Any) -> None:
     from replica.demo.build import DemoRecipe  # no torch: the recipe is a dataclass
     from replica.settings import ReplicaSettings
+    from router.common.command_settings import settings_help
 
     parser = subparsers.add_parser(
         "replica",
         help="Shoal's bundled serving engine (OpenAI API)",
         description="Serve a model with Shoal's engine. Every setting can also come from SHOAL_REPLICA_* "
         "environment variables or a YAML file (--config).",
-        epilog=_settings_help(ReplicaSettings),
+        epilog=settings_help(ReplicaSettings),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     for flag, kwargs in _ENGINE_FLAGS:
@@ -148,17 +149,6 @@ def add_replica_command(subparsers: Any) -> None:
     )
     train.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     train.set_defaults(run=_run_train_drafter)
-
-
-def _settings_help(model: Any) -> str:
-    lines = ["settings (environment variable, default):"]
-    for name, info in model.model_fields.items():
-        lines.append(
-            f"  {name}  (SHOAL_REPLICA_{name.upper()}, default {info.get_default(call_default_factory=True)!r})"
-        )
-        if info.description:
-            lines.append("      " + " ".join(info.description.split()))
-    return "\n".join(lines)
 
 
 def _settings_from_args(args: argparse.Namespace) -> Any:

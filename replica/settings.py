@@ -4,17 +4,13 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    YamlConfigSettingsSource,
-)
+from pydantic_settings import SettingsConfigDict
+
+from router.common.command_settings import CommandSettings
 
 Quantization = Literal["none", "nvfp4", "nvfp4-w4a4"]
 
@@ -23,7 +19,7 @@ if TYPE_CHECKING:
     from replica.engine.engine import EngineConfig
 
 
-class ReplicaSettings(BaseSettings):
+class ReplicaSettings(CommandSettings):
     model_config = SettingsConfigDict(
         env_prefix="SHOAL_REPLICA_", env_nested_delimiter="__", extra="forbid", use_attribute_docstrings=True
     )
@@ -109,24 +105,6 @@ class ReplicaSettings(BaseSettings):
         if self.capture_file_max_bytes > self.capture_total_max_bytes:
             raise ValueError("capture_file_max_bytes must not exceed capture_total_max_bytes")
         return self
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        init_kwargs: dict[str, Any] = getattr(init_settings, "init_kwargs", {})
-        path = init_kwargs.get("config_file") or os.environ.get("SHOAL_REPLICA_CONFIG_FILE")
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        if path:
-            if not Path(path).is_file():
-                raise ValueError(f"config file {path} does not exist")
-            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
-        return tuple(sources)
 
     def speculative_tokens(self, drafter_default: int) -> int:
         """k for a drafter whose own default is `drafter_default`."""

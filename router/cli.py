@@ -33,15 +33,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def add_router_command(subparsers: Any) -> None:
+    from router.common.command_settings import settings_help
     from router.policy.config import POLICY_NAMES
-    from router.service.settings import RouterSettings, settings_help
+    from router.service.settings import RouterSettings
 
     parser = subparsers.add_parser(
         "router",
         help="the cache-aware OpenAI-compatible router",
         description="Run the cache-aware router. Every setting below can also come from the environment or a "
         "YAML file (--config); flags override both.",
-        epilog=settings_help(RouterSettings, "SHOAL_ROUTER_"),
+        epilog=settings_help(RouterSettings),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", metavar="FILE", help="YAML file of settings (SHOAL_ROUTER_CONFIG_FILE)")

@@ -7,14 +7,13 @@ The routing policy and the prefix index are the pure configs of `router.policy`,
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
+from router.common.command_settings import CommandSettings
 from router.policy.config import EstimatedTTFTConfig, PolicyConfig
 from router.policy.hashing import DEFAULT_TEXT_BLOCK_SIZE, DEFAULT_TOKEN_BLOCK_SIZE
 from router.policy.prefill_rate import PrefillRateEstimator
@@ -292,7 +291,7 @@ class FleetSettings(_Section):
     """Seconds between attempts to reach Redis during an outage."""
 
 
-class RouterSettings(BaseSettings):
+class RouterSettings(CommandSettings):
     """Settings of `shoal router`."""
 
     model_config = SettingsConfigDict(
@@ -373,67 +372,3 @@ class RouterSettings(BaseSettings):
         for url in urls:
             split_url(url)
         return [url.rstrip("/") for url in urls]
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        path = getattr(init_settings, "init_kwargs", {}).get("config_file") or os.environ.get(
-            "SHOAL_ROUTER_CONFIG_FILE"
-        )
-        return (init_settings, env_settings, _YamlSource(settings_cls, Path(path) if path else None))
-
-
-class _YamlSource(PydanticBaseSettingsSource):
-    """The YAML file named by `config_file` (a CLI flag or SHOAL_ROUTER_CONFIG_FILE); lowest precedence."""
-
-    def __init__(self, settings_cls: type[BaseSettings], path: Path | None) -> None:
-        super().__init__(settings_cls)
-        self._path = path
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover
-        return None, field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        return load_yaml(self._path) if self._path else {}
-
-
-def load_yaml(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ValueError(f"cannot read config file {path}: {exc}") from exc
-    except yaml.YAMLError as exc:
-        raise ValueError(f"config file {path} is not valid YAML: {exc}") from exc
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a mapping of settings")
-    return data
-
-
-def settings_help(model: type[BaseModel], env_prefix: str) -> str:
-    """Every setting with its environment variable, default and docstring, for `--help`."""
-    lines = ["settings (environment variable, default):"]
-
-    def walk(cls: type[BaseModel], path: list[str]) -> None:
-        for name, info in cls.model_fields.items():
-            annotation = info.annotation
-            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-                walk(annotation, [*path, name])
-                continue
-            env = env_prefix + "__".join(p.upper() for p in [*path, name])
-            default = info.get_default(call_default_factory=True)
-            if isinstance(default, BaseModel):
-                default = getattr(default, "kind", type(default).__name__)
-            lines.append(f"  {'.'.join([*path, name])}  ({env}, default {default!r})")
-            if info.description:
-                lines.append("      " + " ".join(info.description.split()))
-
-    walk(model, [])
-    return "\n".join(lines)

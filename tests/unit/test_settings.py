@@ -8,7 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from router.cli import main
-from router.service.settings import RouterSettings, settings_help
+from router.common.command_settings import settings_help
+from router.service.settings import RouterSettings
 
 
 @pytest.fixture(autouse=True)
@@ -64,11 +65,54 @@ def test_bad_settings_are_rejected(overrides: dict[str, object]) -> None:
         RouterSettings(**overrides)
 
 
-def test_bad_yaml_names_the_file(tmp_path: Path) -> None:
+def test_the_file_named_by_the_environment_merges_with_the_environment_field_by_field(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "router.yaml"
+    config.write_text("health:\n  interval_s: 7\n  timeout_s: 3\nreplicas: [http://10.0.0.1:8000/]\n")
+    monkeypatch.setenv("SHOAL_ROUTER_CONFIG_FILE", str(config))
+    monkeypatch.setenv("SHOAL_ROUTER_HEALTH__TIMEOUT_S", "1")
+    settings = RouterSettings()
+    assert (settings.health.interval_s, settings.health.timeout_s) == (7, 1)
+    assert settings.replicas == ["http://10.0.0.1:8000"]  # validated as if it came from a flag
+    assert settings.config_file == config
+
+
+def test_an_empty_file_is_no_settings(tmp_path: Path) -> None:
+    config = tmp_path / "empty.yaml"
+    config.write_text("# nothing yet\n")
+    assert RouterSettings(config_file=config).port == RouterSettings().port
+
+
+@pytest.mark.parametrize(
+    ("text", "complaint"),
+    [
+        ("- a list, not a mapping\n", "must hold a mapping"),
+        ("- ab\n", "must hold a mapping"),  # a list of pairs, which a dict update would take
+        ("7\n", "must hold a mapping"),
+        ("port: [8000\n", "not valid YAML"),
+    ],
+)
+def test_a_bad_file_is_refused_by_name(tmp_path: Path, text: str, complaint: str) -> None:
     config = tmp_path / "bad.yaml"
-    config.write_text("- a list, not a mapping\n")
-    with pytest.raises(ValueError, match=r"bad\.yaml"):
+    config.write_text(text)
+    with pytest.raises(ValueError, match=rf"bad\.yaml.*{complaint}|{complaint}.*bad\.yaml"):
         RouterSettings(config_file=config)
+
+
+def test_a_missing_file_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match=r"missing\.yaml does not exist"):
+        RouterSettings(config_file=tmp_path / "missing.yaml")
+    monkeypatch.setenv("SHOAL_ROUTER_CONFIG_FILE", str(tmp_path / "missing.yaml"))
+    with pytest.raises(ValueError, match=r"missing\.yaml does not exist"):
+        RouterSettings()
+
+
+def test_cli_reports_a_bad_config_file_with_exit_code_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("port: [8000\n")
+    assert main(["router", "--config", str(config), "--port", "0"]) == 2
+    assert "bad.yaml is not valid YAML" in capsys.readouterr().err
 
 
 def test_cli_reports_invalid_settings_with_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -77,7 +121,7 @@ def test_cli_reports_invalid_settings_with_exit_code_2(capsys: pytest.CaptureFix
 
 
 def test_help_documents_every_setting_with_its_environment_variable() -> None:
-    text = settings_help(RouterSettings, "SHOAL_ROUTER_")
+    text = settings_help(RouterSettings)
     for env in ("SHOAL_ROUTER_PORT", "SHOAL_ROUTER_HEALTH__INTERVAL_S", "SHOAL_ROUTER_LIMITS__MAX_BODY_BYTES"):
         assert env in text
     assert "Seconds between probes of a healthy replica." in text

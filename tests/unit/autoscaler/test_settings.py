@@ -17,8 +17,8 @@ from autoscaler.settings import (
     MetricsSourceSettings,
     PrometheusQueries,
     PrometheusSettings,
-    settings_help,
 )
+from router.common.command_settings import settings_help
 
 
 @pytest.fixture(autouse=True)
@@ -104,7 +104,7 @@ def test_every_setting_documents_itself() -> None:
                 continue
             if name != "log_level":
                 assert info.description, f"{model.__name__}.{name} has no docstring"
-    text = settings_help()
+    text = settings_help(AutoscalerSettings)
     assert "SHOAL_AUTOSCALER_POLICY__SCALE_TO_ZERO__IDLE_S" in text
     assert "SHOAL_AUTOSCALER_KUBERNETES__ROUTER_SERVICE" in text
     assert "SHOAL_AUTOSCALER_METRICS__PROMETHEUS__QUERIES__TTFT_S" in text
@@ -121,7 +121,7 @@ def test_prediction_noise_and_headroom_settings_from_the_environment(monkeypatch
     assert policy.forecast.enabled and policy.forecast.window_s == 600
     assert policy.forecast_horizon_s == policy.expected_start_s
     assert policy.requests_headroom_sd == 1.5 and policy.panic.noise_margin_sd == 0
-    text = settings_help()
+    text = settings_help(AutoscalerSettings)
     for env in ("POLICY__FORECAST__MAX_RATIO", "POLICY__REQUESTS_HEADROOM_SD", "POLICY__PANIC__NOISE_MARGIN_SD"):
         assert f"SHOAL_AUTOSCALER_{env}" in text
 
