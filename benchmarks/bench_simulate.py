@@ -1,16 +1,20 @@
 """Simulator speed: the Mooncake synthetic trace (3,993 requests) on 16 replicas under five policies.
 
-Loads and hashes the trace once (shared by every policy, as `shoal simulate` does), then runs each policy and
-prints, per policy, the CPU and wall seconds, the events run and the simulated requests per second of wall time;
-then the totals. Run it pinned to one core:
+Reads and hashes the trace once (the workload is shared by every policy; its memo keeps the sub-block hashes of
+the most recent trace blocks, so a run re-hashes what the memo no longer holds), then runs each policy and prints,
+per policy, the CPU and wall seconds, the events run and the simulated requests per second of wall time; then the
+totals. Run it pinned to one core:
 
     export SHOAL_TRACES_DIR=DIR   # where `shoal simulate fetch-traces` put the traces
     taskset -c 0 .venv/bin/python -m benchmarks.bench_simulate
     taskset -c 0 .venv/bin/python -m benchmarks.bench_simulate --speed 4          # a more loaded fleet
+    taskset -c 0 .venv/bin/python -m benchmarks.bench_simulate --replicas 64 --speed 8 --tile-to 20000
     taskset -c 0 .venv/bin/python -m benchmarks.bench_simulate --synthetic 100000  # scaling: shared-prefix requests
 
-With `--synthetic N` the workload is N requests of the `shared_prefix` generator (about 3k-token prompts over 20
-Zipf-popular system prompts) instead of the trace, at a rate that keeps the 16 replicas moderately loaded.
+`--tile-to N` replays the trace tiled to N requests (`shoal simulate --tile-to`: copies back to back with fresh
+block ids), a longer input of the same shape. With `--synthetic N` the workload is N requests of the
+`shared_prefix` generator (about 3k-token prompts over 20 Zipf-popular system prompts) instead of the trace, at a
+rate that keeps the 16 replicas moderately loaded.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     parser.add_argument("--replicas", type=int, default=16)
     parser.add_argument("--speed", type=float, default=1.0)
+    parser.add_argument("--tile-to", type=int, metavar="N", help="the trace tiled to N requests")
     parser.add_argument("--synthetic", type=int, metavar="N", help="N shared-prefix requests instead of the trace")
     args = parser.parse_args()
 
@@ -51,14 +56,12 @@ def main() -> None:
         workload = SharedPrefixWorkload(config)
         num_requests = args.synthetic
     else:
-        scenario = Scenario.model_validate(
-            {
-                "trace": {"kind": "mooncake", "path": args.trace, "speed": args.speed},
-                "fleet": {"num_replicas": args.replicas},
-            }
-        )
+        trace: dict[str, object] = {"kind": "mooncake", "path": args.trace, "speed": args.speed}
+        if args.tile_to is not None:
+            trace.update(tiles=None, limit=args.tile_to)
+        scenario = Scenario.model_validate({"trace": trace, "fleet": {"num_replicas": args.replicas}})
         workload = build_workload(scenario, traces_dir=args.traces_dir)
-        num_requests = sum(1 for _ in workload.requests())  # hashes every prompt once (memoised per trace block)
+        num_requests = sum(1 for _ in workload.requests())  # reads and hashes every prompt once
     load_cpu, load_wall = time.process_time() - started_cpu, time.perf_counter() - started_wall
     print(
         f"workload: {workload.name}, {num_requests} requests; "

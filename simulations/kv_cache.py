@@ -129,12 +129,12 @@ class KVCache:
         """
         refs = self.refs
         blocks = hashes[start:stop]
-        counts = list(map(refs.get, blocks))
-        if counts.count(None) == len(counts):  # the usual case: all new
-            refs.update(dict.fromkeys(blocks, 1))
+        if refs.keys().isdisjoint(blocks):  # the usual case: all new
+            refs.update(zip(blocks, repeat(1)))
             if stored is not None:
                 stored.extend(range(start, stop))
             return
+        counts = list(map(refs.get, blocks))
         shared: list[int] = []
         for i, h, count in zip(range(start, stop), blocks, counts, strict=True):
             if count is None:

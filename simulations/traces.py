@@ -42,7 +42,7 @@ from pathlib import Path
 from router.policy.hashing import chain_hashes, namespace_seed
 from simulations.workload import ChainState, Request, SegmentTokens, tokens_of
 
-_pack_pair = struct.Struct("<II").pack
+_pack_u32 = struct.Struct("<I").pack
 
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per `hash_ids` entry in Mooncake's traces."""
@@ -297,6 +297,10 @@ class MooncakeWorkload(_TraceFile):
         self._sub_hashes: OrderedDict[tuple[int | None, int], list[int]] = OrderedDict()
         """(parent sub-block hash or None at position 0, trace block id) -> the trace block's sub-block hashes, the
         `SUB_HASH_MEMO_ENTRIES` most recently used."""
+        self._sub_block_tails = [
+            _pack_u32(j) + bytes(4 * (block_size - 2)) for j in range(MOONCAKE_BLOCK_TOKENS // block_size)
+        ]
+        """pack_tokens([j, 0, ...]): the bytes of sub-block j after its trace block's id."""
 
     def read(self) -> Iterator[TraceRow]:
         return iter_mooncake(self.path)
@@ -343,9 +347,8 @@ class MooncakeWorkload(_TraceFile):
 
     def _hash_trace_block(self, trace_block: int, parent: int | None) -> list[int]:
         # pack_tokens([trace_block, j, 0, ...]), built directly: this runs for every distinct trace block.
-        tail = bytes(4 * (self.block_size - 2))
-        blocks = [_pack_pair(trace_block, j) + tail for j in range(MOONCAKE_BLOCK_TOKENS // self.block_size)]
-        return chain_hashes(blocks, self.seed_bytes, parent)
+        head = _pack_u32(trace_block)
+        return chain_hashes([head + tail for tail in self._sub_block_tails], self.seed_bytes, parent)
 
 
 class AzureWorkload(_TraceFile):
