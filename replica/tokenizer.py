@@ -75,6 +75,7 @@ class Tokenizer:
         """Any of these ends generation."""
         self.bos_token_id: Final[int | None] = None
         """ChatML prompts start with `<|im_start|>`, not a BOS token."""
+        self._max_token_bytes: Final = _max_token_bytes(backend)
 
     @classmethod
     def from_file(cls, path: str | PathLike[str]) -> Tokenizer:
@@ -94,8 +95,17 @@ class Tokenizer:
         return int(self._backend.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
-        """The ids of `text`; special tokens written in it become their ids, none are added."""
-        return list(self._backend.encode(text, add_special_tokens=False).ids)
+        """The ids of `text`; special tokens written in it become their ids, none are added. Releases the GIL while
+        it works (`encode_batch` does, `encode` does not), so a long text encoded in a worker thread leaves the
+        event loop running."""
+        return list(self._backend.encode_batch([text], add_special_tokens=False)[0].ids)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on `len(encode(text))` that costs no tokenizing: no token spans more than the longest
+        token's bytes. 0 (no bound) for a tokenizer with a normalizer, which may shorten the text first."""
+        if self._max_token_bytes is None:
+            return 0
+        return -(-len(text.encode("utf-8", "surrogatepass")) // self._max_token_bytes)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -343,3 +353,27 @@ class StopChecker:
                     longest = length
                     break
         return longest
+
+
+def _max_token_bytes(backend: tokenizers.Tokenizer) -> int | None:
+    """The most UTF-8 bytes of text one token of `backend` can stand for, or None where the text may shrink before
+    it is split (a normalizer, or a pre-tokenizer that drops characters, as BERT's drops whitespace). Counted over
+    the vocabulary's strings as written, which for byte-level vocabularies (each character a byte) overstates it:
+    a safe bound."""
+    config = json.loads(backend.to_str())
+    if config.get("normalizer") is not None or not _keeps_text(config.get("pre_tokenizer")):
+        return None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    return max((len(token.encode("utf-8", "surrogatepass")) for token in vocab), default=1) or 1
+
+
+def _keeps_text(pre_tokenizer: dict[str, Any] | None) -> bool:
+    """Whether every character of the text reaches some token through this pre-tokenizer configuration."""
+    if pre_tokenizer is None:
+        return True
+    kind = pre_tokenizer.get("type")
+    if kind == "Sequence":
+        return all(_keeps_text(p) for p in pre_tokenizer.get("pretokenizers", []))
+    if kind in ("Split", "Punctuation"):
+        return pre_tokenizer.get("behavior") != "Removed"
+    return kind in ("ByteLevel", "Digits", "Metaspace")

@@ -307,6 +307,17 @@ def _validated(grammar: str | None, grammars: GrammarCompiler | None, param: str
     return grammar
 
 
+def _refuse_past_context(tokenizer: Tokenizer, text: str, context: int | None, param: str) -> None:
+    """A text with more bytes than `context` of the tokenizer's longest tokens hold has too many tokens, whatever
+    they are: refused at once (tokenizing 15 MB of text takes seconds)."""
+    if context is not None and (at_least := tokenizer.min_tokens(text)) >= context:
+        raise ProtocolError(
+            f"the prompt has at least {at_least} tokens; this model's context is {context} tokens including at least "
+            "one generated token",
+            param,
+        )
+
+
 def parse_completion(
     body: Any,
     tokenizer: Tokenizer,
@@ -314,7 +325,9 @@ def parse_completion(
     model: str,
     default_max_tokens: int,
     grammars: GrammarCompiler | None = None,
+    context: int | None = None,
 ) -> ParsedRequest:
+    """`context`: the model's context in tokens; a prompt text that cannot fit is refused before it is tokenized."""
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
     _check_fields(body, _COMPLETION_FIELDS)
@@ -324,6 +337,7 @@ def parse_completion(
         prompt = prompt[0]
     text: str | None = None
     if isinstance(prompt, str):
+        _refuse_past_context(tokenizer, prompt, context, "prompt")
         ids, text = tokenizer.encode(prompt), prompt
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
@@ -356,7 +370,9 @@ def parse_chat(
     model: str,
     default_max_tokens: int,
     grammars: GrammarCompiler | None = None,
+    context: int | None = None,
 ) -> ParsedRequest:
+    """`context`: the model's context in tokens; a prompt text that cannot fit is refused before it is tokenized."""
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
     _check_fields(body, _CHAT_FIELDS)
@@ -379,6 +395,7 @@ def parse_chat(
         text = tokenizer.apply_chat_template(messages, tools=offered, add_generation_prompt=True)
     except ValueError as exc:
         raise ProtocolError(str(exc), "messages") from None
+    _refuse_past_context(tokenizer, text, context, "messages")
     stream, include_usage = _stream_options(body)
     return ParsedRequest(
         prompt_token_ids=tokenizer.encode(text),

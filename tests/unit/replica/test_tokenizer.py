@@ -288,3 +288,25 @@ def test_streamed_stops_equal_cutting_the_whole_text(chunks: list[str], stops: l
         emitted.append(checker.flush())
     assert "".join(emitted) == expected
     assert checker.is_stopped == bool(matches)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=_JAPANESE_ALPHABET + "<|im_start|>", max_size=400))
+def test_min_tokens_never_exceeds_the_tokens_of_the_text(tokenizer: Tokenizer, text: str) -> None:
+    bound = tokenizer.min_tokens(text)
+    assert 0 <= bound <= len(tokenizer.encode(text))
+    if len(text.encode()) > 200:
+        assert bound > 0  # a byte-level tokenizer gives a bound
+
+
+def test_min_tokens_gives_no_bound_where_text_may_shrink_before_splitting(tokenizer: Tokenizer) -> None:
+    import tokenizers
+    from tokenizers import normalizers, pre_tokenizers
+
+    for change in ("normalizer", "whitespace"):
+        backend = tokenizers.Tokenizer.from_str(tokenizer.to_json())
+        if change == "normalizer":
+            backend.normalizer = normalizers.NFKC()
+        else:
+            backend.pre_tokenizer = pre_tokenizers.Whitespace()  # drops the spaces: 1 MB of them is no token
+        assert Tokenizer(backend).min_tokens(" " * 10_000) == 0, change
