@@ -304,55 +304,17 @@ def fit_step_model(samples: Sequence[dict[str, Any]]) -> tuple[StepModel, FitRep
     return model, report
 
 
-def _nnls(rows: list[list[float]], targets: list[float], *, max_iterations: int = 100) -> list[float]:
-    """min ||A x - y|| subject to x >= 0, by Lawson and Hanson's active-set method (n is 5: plain Python).
-    Columns are scaled to unit norm first, so coefficients of very different magnitudes converge alike."""
-    n = len(rows[0])
-    norms = [math.sqrt(sum(r[j] ** 2 for r in rows)) or 1.0 for j in range(n)]
-    a = [[r[j] / norms[j] for j in range(n)] for r in rows]
-    ata = [[sum(r[i] * r[j] for r in a) for j in range(n)] for i in range(n)]
-    aty = [sum(r[i] * y for r, y in zip(a, targets, strict=True)) for i in range(n)]
+def _nnls(rows: list[list[float]], targets: list[float]) -> list[float]:
+    """min ||A x - y|| subject to x >= 0 (`scipy.optimize.nnls`). Columns are scaled to unit norm first, so
+    coefficients of very different magnitudes (seconds per step, per token, per token pair) come out alike."""
+    import numpy as np
+    from scipy.optimize import nnls
 
-    def gradient(x: list[float]) -> list[float]:
-        return [aty[i] - sum(ata[i][j] * x[j] for j in range(n)) for i in range(n)]
-
-    def solve_on(passive: list[int]) -> list[float]:
-        # Normal equations restricted to the passive set, by Gaussian elimination with partial pivoting.
-        m = [[ata[i][j] for j in passive] + [aty[i]] for i in passive]
-        k = len(passive)
-        for c in range(k):
-            pivot = max(range(c, k), key=lambda r: abs(m[r][c]))
-            m[c], m[pivot] = m[pivot], m[c]
-            if abs(m[c][c]) < 1e-15:
-                m[c][c] = 1e-15
-            for r in range(k):
-                if r != c:
-                    f = m[r][c] / m[c][c]
-                    for j in range(c, k + 1):
-                        m[r][j] -= f * m[c][j]
-        z = [0.0] * n
-        for idx, i in enumerate(passive):
-            z[i] = m[idx][k] / m[idx][idx]
-        return z
-
-    x = [0.0] * n
-    passive: list[int] = []
-    for _ in range(max_iterations):
-        w = gradient(x)
-        candidates = [i for i in range(n) if i not in passive and w[i] > 1e-12]
-        if not candidates:
-            break
-        passive.append(max(candidates, key=lambda i: w[i]))
-        while True:
-            z = solve_on(sorted(passive))
-            if all(z[i] > 0 for i in passive):
-                x = z
-                break
-            # Step back towards x until a passive coefficient reaches 0, and drop it.
-            alpha = min(x[i] / (x[i] - z[i]) for i in passive if z[i] <= 0)
-            x = [x[i] + alpha * (z[i] - x[i]) for i in range(n)]
-            passive = [i for i in passive if x[i] > 1e-15]
-    return [x[j] / norms[j] for j in range(n)]
+    a = np.asarray(rows, dtype=float)  # [samples, coefficients]
+    norms = np.linalg.norm(a, axis=0)
+    norms[norms == 0.0] = 1.0
+    x, _ = nnls(a / norms, np.asarray(targets, dtype=float))
+    return [float(v) for v in x / norms]
 
 
 def fit_speculation(section: dict[str, Any], model: StepModel) -> tuple[SpeculationConfig, FitReport]:
@@ -451,8 +413,3 @@ def preset_from_profile(path: Path) -> Preset:
             exports_max_num_seqs=True,
         ),
     )
-
-
-def preset_names() -> list[str]:
-    """The presets bundled in `simulations/presets/`."""
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))

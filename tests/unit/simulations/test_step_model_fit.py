@@ -66,6 +66,29 @@ def test_the_fit_is_non_negative_and_close_under_noise() -> None:
     assert report.median_abs_rel_error < 0.05
 
 
+DEMO_PROFILE = Path(__file__).parents[3] / "simulations" / "presets" / "shoal_demo_cpu.json"
+DEMO_FIT = {
+    "step_s": 0.0018020595179581047,
+    "prefill_s_per_token": 4.983745748219808e-05,
+    "decode_s_per_seq": 0.00010658662824485918,
+    "kv_read_s_per_token": 4.4479247505536534e-07,
+    "attention_s_per_token_pair": 2.9458008321876862e-08,
+    "verify_s_per_token": 9.381864458875856e-05,
+    "draft_step_s": 0.002564490710536427,
+    "draft_s_per_seq": 0.00017907055688965722,
+}
+"""The bundled profile's coefficients as an exact non-negative least squares (Lawson and Hanson's active-set
+method, in plain Python) gives them: a solver may replace another, but must not move a preset."""
+
+
+def test_the_bundled_profile_fits_as_before_to_one_part_in_a_billion() -> None:
+    preset = load_preset(str(DEMO_PROFILE))
+    assert preset.speculation is not None
+    fitted = {**preset.step_model.model_dump(), **preset.speculation.model_dump()}
+    for name, value in DEMO_FIT.items():
+        assert fitted[name] == pytest.approx(value, rel=1e-9, abs=0.0), name
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
