@@ -29,12 +29,9 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from router.policy.config import POLICY_NAMES
-
-if TYPE_CHECKING:
-    from simulations.sweep import Outcome
 
 _INDEX_MODES = ("approximate", "exact", "exact_predicted")
 
@@ -282,7 +279,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     )
     from simulations.scenario import TRACES_DIR_ENV, build_workload
     from simulations.simulation import RunResult
-    from simulations.sweep import run_sweep, scenario_runs
+    from simulations.sweep import SweepProgress, report_failures, run_sweep, scenario_runs
 
     if not args.out:
         print("shoal simulate: give --out DIR (or run `shoal simulate fetch-traces`)", file=sys.stderr)
@@ -349,63 +346,6 @@ def _jobs(args: argparse.Namespace) -> int:
     return jobs
 
 
-class SweepProgress:
-    """Progress of a sweep on stderr: runs done / total with the time left, and, for a run done in this process, its
-    requests."""
-
-    def __init__(self, num_runs: int, *, requests_per_run: int | None, is_disabled: bool) -> None:
-        from tqdm import tqdm  # type: ignore[import-untyped]
-
-        self._tqdm = tqdm
-        self.requests_per_run = requests_per_run
-        self.is_disabled = is_disabled
-        self.runs = tqdm(total=num_runs, desc="runs", unit="run", file=sys.stderr, disable=is_disabled)
-        self._requests: Any = None
-
-    def __enter__(self) -> SweepProgress:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._close_requests()
-        self.runs.close()
-
-    def start(self, label: str) -> Any:
-        """A run starts in this process: a bar of its requests; returns its update callback."""
-        self._close_requests()
-        self._requests = self._tqdm(
-            total=self.requests_per_run,
-            desc=label,
-            unit="req",
-            file=sys.stderr,
-            disable=self.is_disabled,
-            leave=False,
-            position=1,
-        )
-        return self._requests.update
-
-    def done(self, outcome: Outcome[Any]) -> None:
-        self._close_requests()
-        if not outcome.is_ok:
-            self._tqdm.write(f"shoal simulate: run failed: {outcome.label}: {outcome.error}", file=sys.stderr)
-        self.runs.set_postfix_str(outcome.label, refresh=False)
-        self.runs.update(1)
-
-    def _close_requests(self) -> None:
-        if self._requests is not None:
-            self._requests.close()
-            self._requests = None
-
-
-def report_failures(failures: list[dict[str, Any]], num_runs: int) -> int:
-    """Name the failed runs (`Outcome.record`s) on stderr after the results; the exit status: 1 when any failed."""
-    if not failures:
-        return 0
-    print(f"shoal simulate: {len(failures)} of {num_runs} runs failed; the others' results are above:", file=sys.stderr)
-    for failure in failures:
-        print(f"  {failure['run']}: {failure['error']}", file=sys.stderr)
-    return 1
-
-
 _NOT_MATRIX_FLAGS = (
     "scenario",
     "trace",
@@ -432,6 +372,7 @@ def run_matrix_command(args: argparse.Namespace) -> int:
 
     from simulations.matrix import format_matrix, load_matrix, run_matrix
     from simulations.scenario import TRACES_DIR_ENV
+    from simulations.sweep import SweepProgress, report_failures
 
     others = [k for k in _NOT_MATRIX_FLAGS if getattr(args, k, None) is not None]
     if others:

@@ -9,18 +9,20 @@ parallel, whatever order the runs end in; outcomes come back in the sweep's orde
 A run that raises, or whose worker process dies (out of memory, killed), is a failed `Outcome` that carries the
 run's label and the error; the other runs go on. With `jobs=1`, or a single run, runs go one after the other in
 this process, and each gets a callback for its progress in requests (`Run.call(on_finished)`); in a worker
-process it gets None.
+process it gets None. `SweepProgress` shows a sweep on stderr: runs done / total with the time left, failures as
+they come.
 """
 
 from __future__ import annotations
 
+import sys
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from simulations.scenario import PolicyEntry, Scenario, build_workload
 from simulations.simulation import RunResult, Simulation
@@ -111,6 +113,65 @@ def _attempt(
 
 def _outcome(label: str, result: T | None, error: str | None, details: str | None) -> Outcome[T]:
     return Outcome(label, result, error, details)
+
+
+class SweepProgress:
+    """Progress of a sweep on stderr: runs done / total with the time left, and, for a run done in this process, its
+    requests."""
+
+    def __init__(self, num_runs: int, *, requests_per_run: int | None, is_disabled: bool) -> None:
+        from tqdm import tqdm  # type: ignore[import-untyped]
+
+        self._tqdm = tqdm
+        self.requests_per_run = requests_per_run
+        self.is_disabled = is_disabled
+        self.runs = tqdm(total=num_runs, desc="runs", unit="run", file=sys.stderr, disable=is_disabled)
+        self._requests: Any = None
+        """The bar of the run in progress in this process, if any."""
+
+    def __enter__(self) -> SweepProgress:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._close_requests()
+        self.runs.close()
+
+    def start(self, label: str) -> Progress:
+        """A run starts in this process: a bar of its requests; returns its update callback."""
+        self._close_requests()
+        self._requests = self._tqdm(
+            total=self.requests_per_run,
+            desc=label,
+            unit="req",
+            file=sys.stderr,
+            disable=self.is_disabled,
+            leave=False,
+            position=1,
+        )
+        update: Progress = self._requests.update
+        return update
+
+    def done(self, outcome: Outcome[Any]) -> None:
+        self._close_requests()
+        if not outcome.is_ok:
+            self._tqdm.write(f"shoal simulate: run failed: {outcome.label}: {outcome.error}", file=sys.stderr)
+        self.runs.set_postfix_str(outcome.label, refresh=False)
+        self.runs.update(1)
+
+    def _close_requests(self) -> None:
+        if self._requests is not None:
+            self._requests.close()
+            self._requests = None
+
+
+def report_failures(failures: list[dict[str, Any]], num_runs: int) -> int:
+    """Name the failed runs (`Outcome.record`s) on stderr after the results; the exit status: 1 when any failed."""
+    if not failures:
+        return 0
+    print(f"shoal simulate: {len(failures)} of {num_runs} runs failed; the others' results are above:", file=sys.stderr)
+    for failure in failures:
+        print(f"  {failure['run']}: {failure['error']}", file=sys.stderr)
+    return 1
 
 
 def scenario_runs(scenario: Scenario, *, traces_dir: Path | None) -> list[Run[RunResult]]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from simulations.sweep import Outcome, Progress, Run, run_sweep
+from simulations.sweep import Outcome, Progress, Run, SweepProgress, run_sweep
 from tests.data import TRACES_DIR
 
 from .test_cli import simulate
@@ -110,3 +110,16 @@ def test_jobs_must_be_positive() -> None:
         run_sweep([Run("a", partial(_square, 2))], jobs=0)
     assert run_sweep([], jobs=4) == []
     assert isinstance(run_sweep([Run("a", partial(_square, 2))], jobs=4)[0], Outcome)
+
+
+def test_progress_shows_runs_done_of_total_and_names_a_failure(capsys: pytest.CaptureFixture[str]) -> None:
+    with SweepProgress(3, requests_per_run=10, is_disabled=False) as progress:
+        update = progress.start("a (4 x preset)")
+        update(10)
+        progress.done(Outcome("a (4 x preset)", result=1))
+        progress.done(Outcome("cell b: round_robin (4 x preset)", error="RuntimeError: no replica"))
+    err = capsys.readouterr().err
+    assert "a (4 x preset):" in err  # the bar of the requests of the run done in this process
+    assert "run failed: cell b: round_robin (4 x preset): RuntimeError: no replica" in err
+    last = err.rsplit("\r", 1)[-1]
+    assert "runs:" in last and "2/3" in last and "<" in last  # runs done / total, then elapsed<left
