@@ -4,7 +4,7 @@ and the CPU of encoding and applying batches.
 A real redis-server (started here, on a free loopback port) receives batches as routers publish them
 (`router.service.fleet`): each batch holds `--records` decisions of `--blocks` block hashes each, plus a load table
 of every replica. The stream is capped at `--max-len` entries (XADD MAXLEN ~); once more batches than that are
-written, MEMORY USAGE of the stream is its steady-state size. The view is a `FleetView` over `--routers` - 1 peers
+written, MEMORY USAGE of the stream is its steady-state size. The view is a `PeerRouters` over `--routers` - 1 peers
 whose load tables name every replica: its entries and the bytes sys.getsizeof sees in them. Apply time is one
 batch applied by a peer to a RoutingCore (index records and load), per record.
 
@@ -32,7 +32,7 @@ from benchmarks import command_argv
 from router.policy.estimated_ttft import EstimatedTTFT, EstimatedTTFTConfig
 from router.policy.prefix_index import PrefixIndex
 from router.policy.routing_core import RoutingConfig, RoutingCore
-from router.policy.sharing import Batch, FleetView, Load, Routed, decode_batch, encode_batch
+from router.policy.sharing import Batch, Load, PeerRouters, Routed, decode_batch, encode_batch
 from router.policy.types import ReplicaState
 
 
@@ -118,7 +118,7 @@ def main() -> None:
     core = RoutingCore(RoutingConfig(), PrefixIndex(), EstimatedTTFT(EstimatedTTFTConfig()))
     for i in range(args.replicas):
         core.add_replica(ReplicaState(f"replica-{i}"))
-    view = FleetView(core, load_ttl_s=3.0)
+    view = PeerRouters(core, load_ttl_s=3.0)
     started = time.perf_counter()
     for batch in decoded:
         view.apply(batch, now=1.0)

@@ -3,7 +3,7 @@
 Each router is a `SimRouter`: its own prefix index, in-flight counts and learned rates. A request goes to one
 router, as a load balancer in front of them would send it (`RoutersConfig.spread`). Without sharing a router knows
 only the requests it routed itself. With sharing, the live fleet's records (`router.policy.sharing`) travel between
-routers as events, and every peer applies them with the live router's code (`FleetView.apply`):
+routers as events, and every peer applies them with the live router's code (`PeerRouters.apply`):
   - each decision is a `Routed` record (and a `Pin`, with session affinity), applied by the peers `lag_s` later;
   - every `flush_interval_s` each router publishes its own loads, those changed since its last batch and the whole
     table every `load_heartbeat_s`, applied by the peers `round_trip_s` later.
@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from router.policy.kv_events import KVEvent
 from router.policy.prefix_index import PrefixIndex
 from router.policy.routing_core import RoutingCore
-from router.policy.sharing import Batch, FleetView, Load, Pin, Routed, own_loads
+from router.policy.sharing import Batch, Load, PeerRouters, Pin, Routed, own_loads
 from router.policy.types import Decision, ReplicaState
 from simulations.events import Simulator
 from simulations.routing import SimRouter, Ticket
@@ -88,7 +88,7 @@ class RouterFleet:
         self.sim = sim
         self.seed = seed
         self.is_sharing = config.sharing and len(routers) > 1
-        self.views = [FleetView(r.core, load_ttl_s=config.load_ttl_s) for r in self.routers]
+        self.views = [PeerRouters(r.core, load_ttl_s=config.load_ttl_s) for r in self.routers]
         self.num_batches_applied = 0
         """Batches peers applied (each counted once per peer)."""
         self._names = [f"router{i}" for i in range(len(routers))]

@@ -206,7 +206,7 @@ class _Peer:
     expires_at: float
 
 
-class FleetView:
+class PeerRouters:
     """The other routers as this one sees them: each one's load per replica, summed into the core's load views,
     and its position in its own sequence of batches."""
 

@@ -13,7 +13,7 @@ publish (XADD and HSET in one pipeline) goes to one node. The URL may name a sta
   drain changes into one batch every `flush_interval_s` (sooner past `max_batch_records`), with the whole load table
   every `heartbeat_s`.
 - Consuming: a task XREADs after its own last entry id, skips its own entries and applies the others' to the core
-  (`sharing.FleetView`); a peer's load expires `load_ttl_s` after its last batch.
+  (`sharing.PeerRouters`); a peer's load expires `load_ttl_s` after its last batch.
 - Start: before the app serves, the newest `max_replay_entries` of the stream are applied and the drains read,
   within `load_timeout_s`; what is not loaded by then is read by the consumer afterwards.
 - Outages: every Redis command runs in these tasks, under `command_timeout_s`, so no request waits on Redis. Down,
@@ -42,8 +42,8 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from router.policy.sharing import (
     Batch,
     Drain,
-    FleetView,
     Load,
+    PeerRouters,
     Pin,
     SharingError,
     decode_batch,
@@ -96,7 +96,7 @@ class FleetSharing:
         self.settings = settings
         self.routing = routing
         self.pool = pool
-        self.view = FleetView(routing.core, load_ttl_s=settings.load_ttl_s)
+        self.view = PeerRouters(routing.core, load_ttl_s=settings.load_ttl_s)
         self.router_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self._router_id_bytes = self.router_id.encode()
         self._clock = clock

@@ -17,8 +17,8 @@ from router.policy.routing_text import RoutingKey
 from router.policy.sharing import (
     Batch,
     Drain,
-    FleetView,
     Load,
+    PeerRouters,
     Pin,
     Routed,
     SharingError,
@@ -135,7 +135,7 @@ def test_merged_decisions_record_as_the_decisions_in_turn(
 def test_a_peers_decision_is_a_hit_here() -> None:
     core = make_core("a", "b")
     prepared = core.prepare(RoutingKey(text=b"x" * 4096), "m")
-    view = FleetView(core, load_ttl_s=TTL_S)
+    view = PeerRouters(core, load_ttl_s=TTL_S)
     view.apply(Batch("peer", 1, (Routed("b", tuple(prepared.complete()), False),)), now=1.0)
     again = core.prepare(RoutingKey(text=b"x" * 4096 + b" more"), "m")
     decision = core.choose(again, [core.state("a"), core.state("b")], now=1.5)
@@ -144,13 +144,13 @@ def test_a_peers_decision_is_a_hit_here() -> None:
 
 def test_records_for_an_unknown_replica_are_counted_and_left_out() -> None:
     core = make_core("a")
-    applied = FleetView(core, load_ttl_s=TTL_S).apply(Batch("p", 1, (Routed("zz", (1, 2), False),)), now=0.0)
+    applied = PeerRouters(core, load_ttl_s=TTL_S).apply(Batch("p", 1, (Routed("zz", (1, 2), False),)), now=0.0)
     assert applied.num_unknown == 1 and core.index.stats().num_blocks == 0
 
 
 def test_load_is_the_sum_over_routers_and_own_counts_stay_apart() -> None:
     core = make_core("a", "b")
-    view = FleetView(core, load_ttl_s=TTL_S)
+    view = PeerRouters(core, load_ttl_s=TTL_S)
     prepared = core.prepare(RoutingKey(text=b"y" * 100), "m")
     decision = core.choose(prepared, [core.state("a")], now=0.0)
     assert decision is not None
@@ -170,7 +170,7 @@ def test_load_is_the_sum_over_routers_and_own_counts_stay_apart() -> None:
 
 def test_a_complete_load_table_clears_the_replicas_it_leaves_out() -> None:
     core = make_core("a", "b")
-    view = FleetView(core, load_ttl_s=TTL_S)
+    view = PeerRouters(core, load_ttl_s=TTL_S)
     view.apply(Batch("p", 1, loads={"a": Load(2, 0, 0), "b": Load(1, 0, 0)}), now=0.0)
     view.apply(Batch("p", 2, loads={"b": Load(1, 0, 0)}, is_complete=True), now=0.1)
     assert (core.state("a").in_flight, core.state("b").in_flight) == (0, 1)
@@ -179,7 +179,7 @@ def test_a_complete_load_table_clears_the_replicas_it_leaves_out() -> None:
 
 def test_a_silent_router_stops_counting_after_the_ttl() -> None:
     core = make_core("a")
-    view = FleetView(core, load_ttl_s=TTL_S)
+    view = PeerRouters(core, load_ttl_s=TTL_S)
     view.apply(Batch("p", 1, loads={"a": Load(4, 0, 0)}), now=10.0)
     assert view.expire(10.0 + TTL_S - 0.01) == [] and core.state("a").in_flight == 4
     view.apply(Batch("p", 2), now=12.0)  # any batch keeps the router alive
@@ -190,7 +190,7 @@ def test_a_silent_router_stops_counting_after_the_ttl() -> None:
 
 def test_a_replayed_load_counts_only_for_what_is_left_of_its_ttl() -> None:
     core = make_core("a")
-    view = FleetView(core, load_ttl_s=TTL_S)
+    view = PeerRouters(core, load_ttl_s=TTL_S)
     view.apply(Batch("dead", 9, loads={"a": Load(5, 0, 0)}), now=0.0, age_s=TTL_S + 1)
     assert core.state("a").in_flight == 0 and view.peers == ()
     view.apply(Batch("p", 3, loads={"a": Load(2, 0, 0)}), now=0.0, age_s=TTL_S - 1)
@@ -200,7 +200,7 @@ def test_a_replayed_load_counts_only_for_what_is_left_of_its_ttl() -> None:
 
 
 def test_a_missing_batch_is_a_gap() -> None:
-    view = FleetView(make_core("a"), load_ttl_s=TTL_S)
+    view = PeerRouters(make_core("a"), load_ttl_s=TTL_S)
     assert not view.apply(Batch("p", 5), now=0.0).is_gap  # the first batch seen starts the count
     assert not view.apply(Batch("p", 6), now=0.0).is_gap
     assert view.apply(Batch("p", 8), now=0.0).is_gap
@@ -209,7 +209,7 @@ def test_a_missing_batch_is_a_gap() -> None:
 
 def test_pins_and_drains() -> None:
     core = make_core("a", "b")
-    applied = FleetView(core, load_ttl_s=TTL_S).apply(
+    applied = PeerRouters(core, load_ttl_s=TTL_S).apply(
         Batch("p", 1, pins=(Pin("s1", "b"),), drains=(Drain("a", True),)), now=0.0
     )
     assert applied.drains == (Drain("a", True),)
@@ -220,14 +220,14 @@ def test_pins_and_drains() -> None:
 
 def test_admission_counts_only_this_routers_own_requests() -> None:
     core = make_core("a", max_in_flight=2)
-    FleetView(core, load_ttl_s=TTL_S).apply(Batch("p", 1, loads={"a": Load(10, 0, 0)}), now=0.0)
+    PeerRouters(core, load_ttl_s=TTL_S).apply(Batch("p", 1, loads={"a": Load(10, 0, 0)}), now=0.0)
     assert list(with_room([core.state("a")], 2)) == [core.state("a")]
     assert core.free_slots([core.state("a")]) == 2
 
 
 def test_a_non_positive_ttl_is_an_error() -> None:
     with pytest.raises(ValueError, match="load_ttl_s"):
-        FleetView(make_core(), load_ttl_s=0)
+        PeerRouters(make_core(), load_ttl_s=0)
 
 
 # --- settings of the fleet ----------------------------------------------------------------------------------------
