@@ -81,20 +81,9 @@ def _drive(
 
 def self_drafter(checkpoint: Path) -> ModelDrafter:
     """The target itself, whole and unperturbed, drafting greedily for rank 0."""
-    model = load(checkpoint, nvfp4=False)
-    c = model.config
-    return ModelDrafter(
-        model,
-        vocab_size=c.vocab_size,
-        num_layers=c.num_hidden_layers,
-        num_kv_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        num_blocks=ENGINE.num_blocks,
-        block_size=ENGINE.block_size,
-        num_speculative_tokens=SPECULATIVE_K,
-        dtype=model.dtype,
-        device=model.device,
-    )
+    from tests.unit.replica_engine.test_speculative_engine import model_drafter
+
+    return model_drafter(load(checkpoint, nvfp4=False), SPECULATIVE_K, ENGINE)
 
 
 def run_engine(model: MoEForCausalLM, drafter: ModelDrafter | None = None) -> dict[str, Any]:
