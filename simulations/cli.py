@@ -117,7 +117,7 @@ def add_simulate_command(subparsers: Any) -> None:
         "--no-floor",
         action="store_true",
         help="skip the floor row (each request alone, every shareable prefix cached): it keeps every distinct block "
-        "of the trace, so its memory grows with the trace, where a run's follows the requests in flight",
+        "of the trace (of one copy at a time when tiled), where a run's memory follows the requests in flight",
     )
     parser.add_argument(
         "--jobs",

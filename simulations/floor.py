@@ -7,6 +7,8 @@ policy's TTFT above this floor is queueing, lost cache hits, or decode interfere
 
 The unbounded cache is a set of every distinct block hash of the workload: unlike a run, whose caches are the
 fleet's, the floor's memory grows with the workload's distinct prefixes (`shoal simulate --no-floor` skips it).
+A tiled trace (`Copies`) shares no block between its copies, so each copy gets a set of its own, dropped once no
+request of that copy can arrive any more: the same hits, in the memory of a copy or two.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from array import array
 
 from simulations.step_model import EngineConfig, StepModel
-from simulations.workload import Workload
+from simulations.workload import Copies, Workload
 
 
 def isolated_prefill_s(prompt_tokens: int, cached_tokens: int, engine: EngineConfig, model: StepModel) -> float:
@@ -30,11 +32,18 @@ def isolated_prefill_s(prompt_tokens: int, cached_tokens: int, engine: EngineCon
 
 def floor_ttfts(workload: Workload, engine: EngineConfig, model: StepModel) -> tuple[array[float], float]:
     """(TTFT floor of each request in arrival order, token-weighted hit ratio of the shared unbounded cache)."""
-    seen: set[int] = set()
+    copies = workload if isinstance(workload, Copies) else None
+    seen_by_copy: dict[int, set[int]] = {}
     bs = engine.block_size
     ttfts = array("d")
     hit_tokens = prompt_tokens = 0
     for request in workload.requests():
+        copy = 0
+        if copies is not None:
+            copy = copies.copy_of(request)
+            for done in [c for c in seen_by_copy if copies.copy_end_s(c) < request.arrival_s]:
+                del seen_by_copy[done]
+        seen = seen_by_copy.setdefault(copy, set())
         hashes = request.hashes
         limit = min(len(hashes), (request.prompt_tokens - 1) // bs)
         hit = 0

@@ -267,6 +267,17 @@ class _TraceFile:
         rows = self.read() if self.tiles == 1 else tile_rows(self.read, self.shape(), self.tiles)
         return itertools.islice(rows, self.limit)
 
+    def copy_of(self, request: Request) -> int:
+        """The copy of the trace a request is from (0 untiled): its row index over the trace's rows."""
+        return 0 if self.tiles == 1 else request.id // self.shape().num_rows
+
+    def copy_end_s(self, copy: int) -> float:
+        """A time no request of the copy arrives after: its last row's, jittered the most (inf untiled)."""
+        if self.tiles == 1:
+            return float("inf")
+        shape = self.shape()
+        return (shape.last_s + copy * shape.period_s + self.jitter_s) / self.speed
+
     def arrivals(self) -> Iterator[tuple[float, int, TraceRow]]:
         return arrivals(self.rows(), speed=self.speed, jitter_s=self.jitter_s, seed=self.seed)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from router.policy.hashing import chain_hashes, pack_tokens
 
@@ -69,6 +69,19 @@ class Workload(Protocol):
         ...
 
 
+@runtime_checkable
+class Copies(Protocol):
+    """A workload made of copies that share no block (a tiled trace): what lets the floor forget a copy's blocks."""
+
+    def copy_of(self, request: Request) -> int:
+        """The copy the request belongs to."""
+        ...
+
+    def copy_end_s(self, copy: int) -> float:
+        """A time no request of the copy arrives after."""
+        ...
+
+
 class ListWorkload:
     """Requests given as a list (tests, programmatic experiments); replayed in arrival order."""
 
@@ -99,6 +112,12 @@ class _RewrittenWorkload:
 
     def rewrite(self, request: Request) -> Request:
         raise NotImplementedError
+
+    def copy_of(self, request: Request) -> int:
+        return self.inner.copy_of(request) if isinstance(self.inner, Copies) else 0
+
+    def copy_end_s(self, copy: int) -> float:
+        return self.inner.copy_end_s(copy) if isinstance(self.inner, Copies) else float("inf")
 
     def requests(self) -> Iterator[Request]:
         for request in self.inner.requests():

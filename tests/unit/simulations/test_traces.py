@@ -24,6 +24,7 @@ from simulations.traces import (
     prefix_hit_ceiling,
     read_mooncake,
 )
+from simulations.workload import ListWorkload
 from tests.data import AZURE_CODE, MOONCAKE
 
 from .conftest import scenario
@@ -186,3 +187,21 @@ def test_tiling_to_a_request_count_cuts_the_last_copy() -> None:
     assert "tiled to 1,234 requests" in tiled.name
     with pytest.raises(ValueError, match="needs a limit"):
         MooncakeWorkload(MOONCAKE, tiles=None)
+
+
+@pytest.mark.parametrize(("jitter_s", "speed"), [(0.001, 1.0), (40.0, 2.5)])
+def test_the_floor_of_a_tiled_trace_forgets_each_finished_copy_and_finds_the_same_hits(
+    jitter_s: float, speed: float
+) -> None:
+    tiled = MooncakeWorkload(MOONCAKE, tiles=None, limit=1000, jitter_s=jitter_s, speed=speed, seed=3)
+    requests = list(tiled.requests())
+    assert {tiled.copy_of(r) for r in requests} == {0, 1, 2}
+    for r in requests:
+        assert r.arrival_s <= tiled.copy_end_s(tiled.copy_of(r))
+    if jitter_s > 1:  # copies overlap in time: the floor holds two copies' blocks at once
+        assert any(tiled.copy_of(a) > tiled.copy_of(b) for a, b in itertools.pairwise(requests))
+    engine, model, _ = scenario().fleet.resolve()
+    by_copy = floor_ttfts(tiled, engine, model)
+    one_cache = floor_ttfts(ListWorkload(requests, block_size=16, seed_bytes=tiled.seed_bytes), engine, model)
+    assert list(by_copy[0]) == list(one_cache[0]) and by_copy[1] == one_cache[1] > 0.05
+    assert MooncakeWorkload(MOONCAKE).copy_end_s(0) == float("inf")
