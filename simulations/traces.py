@@ -179,12 +179,14 @@ class TraceShape:
 
     @property
     def period_s(self) -> float:
-        """Seconds from one copy's start to the next: the trace's span plus its mean gap between arrivals."""
+        """Seconds from one copy's start to the next: the trace's span plus its mean gap between arrivals (1 s for a
+        trace of one row)."""
         span_s = self.last_s - self.first_s
         return span_s * self.num_rows / (self.num_rows - 1) if self.num_rows > 1 else 1.0
 
 
 def trace_shape(rows: Iterable[TraceRow]) -> TraceShape:
+    """The shape of rows in time order, in one pass."""
     num_rows = num_hash_ids = 0
     first_s = last_s = 0.0
     for row in rows:
@@ -268,7 +270,7 @@ class _TraceFile:
         return itertools.islice(rows, self.limit)
 
     def copy_of(self, request: Request) -> int:
-        """The copy of the trace a request is from (0 untiled): its row index over the trace's rows."""
+        """The copy of the trace a request is from (0 untiled): its row index divided by the trace's row count."""
         return 0 if self.tiles == 1 else request.id // self.shape().num_rows
 
     def copy_end_s(self, copy: int) -> float:
