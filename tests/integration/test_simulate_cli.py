@@ -45,7 +45,7 @@ def test_simulate_command_runs_end_to_end(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "| estimated_ttft" in done.stdout and "| least_load" in done.stdout
-    assert "200/200" in done.stderr  # the progress bars
+    assert "runs: 100%" in done.stderr and "2/2" in done.stderr  # the progress: runs done / total
     document = json.loads((out / "results.json").read_text())
     assert document["policies"]["least_load"]["summary"]["requests"] == 200
     assert document["floor"]["hit_ratio"] > 0
