@@ -15,6 +15,7 @@ they come.
 
 from __future__ import annotations
 
+import multiprocessing
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -85,7 +86,9 @@ def run_sweep(
             if on_done is not None:
                 on_done(outcomes[i])  # type: ignore[arg-type]
     else:
-        with ProcessPoolExecutor(max_workers=min(jobs, len(runs))) as pool:
+        # Spawned, not forked: this process may hold threads (a progress bar's monitor) whose locks a fork copies.
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=min(jobs, len(runs)), mp_context=context) as pool:
             futures: dict[Future[tuple[T | None, str | None, str | None]], int] = {
                 pool.submit(_attempt, run.call, None): i for i, run in enumerate(runs)
             }
