@@ -6,8 +6,9 @@ each depends only on its own scenario, policy, seed and trace files. So each is 
 trace itself. A run's figures are those of running it alone: the same seeds give the same results, serial or
 parallel, whatever order the runs end in; outcomes come back in the sweep's order.
 
-A run that raises, or whose worker process dies (out of memory, killed), is a failed `Outcome` that carries the
-run's label and the error; the other runs go on. With `jobs=1`, or a single run, runs go one after the other in
+A run that raises is a failed `Outcome` that carries the run's label and the error; the other runs go on. A
+worker process that dies (out of memory, killed) breaks the pool: every run not finished by then fails with that
+error, and the finished ones keep their results. With `jobs=1`, or a single run, runs go one after the other in
 this process, and each gets a callback for its progress in requests (`Run.call(on_finished)`); in a worker
 process it gets None. `SweepProgress` shows a sweep on stderr: runs done / total with the time left, failures as
 they come.
@@ -82,9 +83,9 @@ def run_sweep(
     if jobs == 1 or len(runs) <= 1:
         for i, run in enumerate(runs):
             progress = on_progress(run.label) if on_progress is not None else None
-            outcomes[i] = _outcome(run.label, *_attempt(run.call, progress))
+            outcome = outcomes[i] = _outcome(run.label, *_attempt(run.call, progress))
             if on_done is not None:
-                on_done(outcomes[i])  # type: ignore[arg-type]
+                on_done(outcome)
     else:
         # Spawned, not forked: this process may hold threads (a progress bar's monitor) whose locks a fork copies.
         context = multiprocessing.get_context("spawn")
@@ -98,9 +99,9 @@ def run_sweep(
                     attempt = future.result()
                 except Exception as exc:  # the worker died: BrokenProcessPool, or a result that did not unpickle
                     attempt = (None, f"{type(exc).__name__}: {exc}", None)
-                outcomes[i] = _outcome(runs[i].label, *attempt)
+                outcome = outcomes[i] = _outcome(runs[i].label, *attempt)
                 if on_done is not None:
-                    on_done(outcomes[i])  # type: ignore[arg-type]
+                    on_done(outcome)
     return [outcome for outcome in outcomes if outcome is not None]
 
 

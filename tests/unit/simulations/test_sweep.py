@@ -4,6 +4,7 @@ in the sweep's order, and a run that fails is named while the others' results ar
 from __future__ import annotations
 
 import json
+import os
 from functools import partial
 from pathlib import Path
 
@@ -73,6 +74,21 @@ def test_a_failed_run_is_named_and_the_others_are_kept(jobs: int) -> None:
     assert sorted(done) == sorted(o.label for o in outcomes)
     # Runs in this process get a request-progress callback; runs in workers do not.
     assert progressed == (["a", "cell b: round_robin (4 x preset)", "c"] if jobs == 1 else [])
+
+
+def _die(progress: Progress | None) -> int:
+    os._exit(3)  # a worker killed mid-run (out of memory, a signal)
+
+
+def test_a_worker_that_dies_fails_its_run_and_the_sweep_returns() -> None:
+    runs = [Run("a", partial(_square, 2)), Run("killed", partial(_die)), Run("c", partial(_square, 3))]
+    outcomes = run_sweep(runs, jobs=2)
+    assert [o.label for o in outcomes] == ["a", "killed", "c"]
+    killed = outcomes[1]
+    assert not killed.is_ok and killed.error is not None and killed.error.startswith("BrokenProcessPool")
+    # Runs the broken pool did not finish fail with it; those it finished keep their results.
+    for outcome, expected in zip(outcomes, [4, None, 9], strict=True):
+        assert outcome.result == expected or (outcome.result is None and not outcome.is_ok)
 
 
 def test_a_failed_matrix_run_is_named_in_the_output_and_its_cell_keeps_the_others(
