@@ -115,6 +115,8 @@ class Simulation:
         self._in_flight = 0
         self._num_arrived = 0
         self._arrived_at_last_tick = 0
+        self._is_scaling = self.scaling.interval_s != float("inf")
+        """A driver ticks and reads the latencies since its last tick (a fixed fleet never does: none are kept)."""
         self._ttfts_since_tick: list[float] = []
         """TTFT of each first token since the last scaling tick (the routers' histogram over one round)."""
         self._request_times_since_tick: list[float] = []
@@ -254,7 +256,8 @@ class Simulation:
             self.router.first_byte(ticket, self.sim.now, is_stream=True)
         self._window_hit += seq.hit_tokens or 0
         self._window_prompt += seq.request.prompt_tokens
-        self._ttfts_since_tick.append(self.sim.now + self.scenario.router.overhead_s - seq.request.arrival_s)
+        if self._is_scaling:
+            self._ttfts_since_tick.append(self.sim.now + self.scenario.router.overhead_s - seq.request.arrival_s)
 
     def _finish(self, seq: Seq) -> None:
         ticket: FleetTicket = seq.ticket
@@ -275,7 +278,8 @@ class Simulation:
             predicted_tokens=ticket.decision.predicted_cached_tokens,
             output_tokens=request.output_tokens,
         )
-        self._request_times_since_tick.append(now + path_s - request.arrival_s)
+        if self._is_scaling:
+            self._request_times_since_tick.append(now + path_s - request.arrival_s)
         self._in_flight -= 1
         self._end_s = now
         if self._on_finished is not None:
@@ -388,7 +392,7 @@ class Simulation:
         self.sim.at(self.scenario.router.sweep_interval_s, self._sweep)
         self.sim.at(0.0, self._sample)
         self.router.start(self._is_done)
-        if self.scaling.interval_s != float("inf"):
+        if self._is_scaling:
             self.sim.at(0.0, self._scale_tick)
         self.sim.run()
         end_s = self._end_s

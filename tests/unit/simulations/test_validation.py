@@ -64,6 +64,16 @@ def test_every_request_finishes_once_and_the_fleet_ends_empty() -> None:
     assert (last.in_flight, last.engine_running, last.engine_waiting, last.mean_kv_usage) == (0, 0, 0, 0.0)
 
 
+def test_a_fixed_fleet_keeps_no_latency_per_request_beyond_the_recorders() -> None:
+    # Latencies since the last scaling tick are for a scaling driver; a fixed fleet has none, and a list that
+    # nobody empties would grow with the trace.
+    scn = scenario(seed=0, fleet={"preset": "llama70b_8xa100", "num_replicas": 4})
+    scn = scn.model_copy(update={"fleet": scn.fleet.model_copy(update={"engine": {}, "step_model": {}})})
+    simulation = Simulation(scn, policy_entry("round_robin"), MooncakeWorkload(MOONCAKE, limit=100, speed=0.3))
+    assert simulation.run().summary["requests"] == 100
+    assert simulation._ttfts_since_tick == [] and simulation._request_times_since_tick == []
+
+
 def test_exact_mode_index_mirrors_the_engine_caches() -> None:
     scn = scenario(fleet={"num_replicas": 3, "engine": {"num_kv_blocks": 3000}}, router={"index_mode": "exact"})
     simulation = Simulation(scn, policy_entry("estimated_ttft"), MooncakeWorkload(MOONCAKE, limit=60, speed=0.05))
