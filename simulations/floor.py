@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from array import array
 
-from simulations.step_model import EngineConfig, StepModel
+from simulations.step_model import SimulatedEngineConfig, StepModel
 from simulations.workload import Copies, Workload
 
 
-def isolated_prefill_s(prompt_tokens: int, cached_tokens: int, engine: EngineConfig, model: StepModel) -> float:
+def isolated_prefill_s(
+    prompt_tokens: int, cached_tokens: int, engine: SimulatedEngineConfig, model: StepModel
+) -> float:
     """Seconds to prefill `prompt_tokens` after `cached_tokens` on an idle engine, chunk by chunk."""
     computed = cached_tokens
     total_s = 0.0
@@ -30,7 +32,7 @@ def isolated_prefill_s(prompt_tokens: int, cached_tokens: int, engine: EngineCon
     return total_s
 
 
-def floor_ttfts(workload: Workload, engine: EngineConfig, model: StepModel) -> tuple[array[float], float]:
+def floor_ttfts(workload: Workload, engine: SimulatedEngineConfig, model: StepModel) -> tuple[array[float], float]:
     """(TTFT floor of each request in arrival order, token-weighted hit ratio of the shared unbounded cache)."""
     copies = workload if isinstance(workload, Copies) else None
     seen_by_copy: dict[int, set[int]] = {}

@@ -48,7 +48,7 @@ def percentile(ordered: Sequence[float], q: float) -> float:
 
 
 @dataclass(slots=True)
-class Sample:
+class FleetSample:
     """The fleet at one sampling instant, and what happened since the previous sample."""
 
     time_s: float
@@ -76,7 +76,7 @@ class Recorder:
     predicted_tokens: array[int] = field(default_factory=lambda: array("q"))
     output_tokens: array[int] = field(default_factory=lambda: array("q"))
     branches: Counter[str] = field(default_factory=Counter)
-    samples: list[Sample] = field(default_factory=list)
+    samples: list[FleetSample] = field(default_factory=list)
     num_preemptions: int = 0
     num_rejected: int = 0
     """Requests never served: refused by an engine (longer than its whole KV cache) or held at the router past

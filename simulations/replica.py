@@ -10,10 +10,10 @@ The scheduler follows vLLM V1's. Each step has a budget of `max_num_batched_toke
    at least one token is computed), and blocks are allocated for the cached prefix and the first chunk. The
    queue stops at the first sequence whose blocks do not fit (no overtaking).
 The step lasts `StepModel.step_time_s(prefill tokens, decode sequences, KV tokens read, attention pairs)`, plus
-`EngineConfig.request_overhead_s` for each request admitted for the first time (not again after a preemption),
-plus the serving loop's `step_overhead_s` and `output_overhead_s` for each sequence that samples in the step, plus
-`wake_s` when the engine was idle before it, all times a factor drawn from `step_jitter` when it has any and
-1 + `busy_peer_slowdown` for each other replica mid-step as it starts.
+`SimulatedEngineConfig.request_overhead_s` for each request admitted for the first time (not again after a
+preemption), plus the serving loop's `step_overhead_s` and `output_overhead_s` for each sequence that samples in the
+step, plus `wake_s` when the engine was idle before it, all times a factor drawn from `step_jitter` when it has any
+and 1 + `busy_peer_slowdown` for each other replica mid-step as it starts.
 When it ends, every scheduled sequence has its tokens computed; computed full blocks enter the prefix cache; a
 sequence whose tokens are all computed samples one token (the first one ends its prefill: time to first token),
 and one that has all its output finishes and releases its blocks. The next step starts at once while there is
@@ -60,7 +60,7 @@ from router.policy.kv_events import BlockRemoved, BlockStored, KVEvent
 from simulations.events import Simulator
 from simulations.kv_cache import KVCache
 from simulations.speculation import acceptance_rate, accepted_drafts
-from simulations.step_model import EngineConfig, SpeculationConfig, StepModel
+from simulations.step_model import SimulatedEngineConfig, SpeculationConfig, StepModel
 from simulations.workload import Request
 
 
@@ -111,7 +111,7 @@ class SimReplica:
     def __init__(
         self,
         replica_id: str,
-        engine: EngineConfig,
+        engine: SimulatedEngineConfig,
         step_model: StepModel,
         sim: Simulator,
         *,
@@ -124,7 +124,8 @@ class SimReplica:
         seed: int = 0,
         busy_peers: Callable[[], int] = lambda: 0,
     ) -> None:
-        """`busy_peers()`: how many other replicas of the fleet are mid-step now (`EngineConfig.busy_peer_slowdown`)."""
+        """`busy_peers()`: how many other replicas of the fleet are mid-step now
+        (`SimulatedEngineConfig.busy_peer_slowdown`)."""
         self.id = replica_id
         self.engine = engine
         self.step_model = step_model
@@ -173,7 +174,7 @@ class SimReplica:
         self.num_preemptions = 0
         self.num_rejected = 0
         self._is_waking = False
-        """The next step starts an idle engine (`EngineConfig.wake_s`)."""
+        """The next step starts an idle engine (`SimulatedEngineConfig.wake_s`)."""
         self.busy_s = 0.0
         """Seconds spent running steps."""
 

@@ -33,7 +33,7 @@ from simulations.routers import RoutersConfig
 from simulations.routing import IndexMode
 from simulations.scaling import AutoscaleConfig, FixedScalingConfig, ScalingConfig
 from simulations.servegen import AzureLengths, ServeGenTraceConfig, ServeGenWorkload
-from simulations.step_model import EngineConfig, SpeculationConfig, StepModel, load_preset
+from simulations.step_model import SimulatedEngineConfig, SpeculationConfig, StepModel, load_preset
 from simulations.synthetic import (
     AgenticConfig,
     AgenticWorkload,
@@ -105,7 +105,7 @@ TraceConfig = Annotated[
 class ResolvedFleet(NamedTuple):
     """A fleet's engine, step model and speculation, its preset's with the scenario's overrides applied."""
 
-    engine: EngineConfig
+    engine: SimulatedEngineConfig
     step_model: StepModel
     speculation: SpeculationConfig | None
     """None, or one whose `is_enabled` is False: plain decoding."""
@@ -140,7 +140,7 @@ class FleetConfig(_Model):
 
     def resolve(self) -> ResolvedFleet:
         preset = load_preset(self.preset)
-        engine = EngineConfig.model_validate({**preset.engine.model_dump(), **self.engine})
+        engine = SimulatedEngineConfig.model_validate({**preset.engine.model_dump(), **self.engine})
         step_model = StepModel.model_validate({**preset.step_model.model_dump(), **self.step_model})
         speculation = preset.speculation
         if self.speculation is None:

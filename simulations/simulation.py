@@ -26,7 +26,7 @@ from router.policy.kv_events import KVEvent
 from router.policy.prefix_index import PrefixIndex
 from router.policy.types import Decision
 from simulations.events import Simulator
-from simulations.metrics import Recorder, Sample
+from simulations.metrics import FleetSample, Recorder
 from simulations.replica import Seq, SimReplica
 from simulations.routers import FleetTicket, RouterFleet
 from simulations.routing import INDEX_BLIND_POLICIES, SimRouter
@@ -333,7 +333,7 @@ class Simulation:
     def _sample(self, _: Any) -> None:
         live = self._live_members()
         self.recorder.samples.append(
-            Sample(
+            FleetSample(
                 time_s=self.sim.now,
                 engine_waiting=sum(m.replica.num_waiting for m in live),
                 engine_running=sum(m.replica.num_running for m in live),

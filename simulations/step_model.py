@@ -90,7 +90,7 @@ class StepModel(_Model):
         return chunk_tokens / t
 
 
-class EngineConfig(_Model):
+class SimulatedEngineConfig(_Model):
     """The scheduler and KV cache of one simulated replica (vLLM V1-like)."""
 
     num_kv_blocks: int = Field(ge=1)
@@ -226,7 +226,7 @@ class Preset(_Model):
     sources: list[str]
     """Where each figure comes from, and which ones are estimates."""
     step_model: StepModel
-    engine: EngineConfig
+    engine: SimulatedEngineConfig
     speculation: SpeculationConfig | None = None
     """Speculative decoding, when the engine runs it. None (the default): plain decoding, as the bundled presets
     describe engines without a drafter; a scenario's `fleet.speculation` sets or overrides it."""
@@ -404,7 +404,7 @@ def preset_from_profile(path: Path) -> Preset:
         sources=[f"{path} (shoal replica profile, {document.get('created')})"],
         step_model=model,
         speculation=speculation,
-        engine=EngineConfig(
+        engine=SimulatedEngineConfig(
             num_kv_blocks=engine["num_blocks"],
             block_size=engine["block_size"],
             max_num_seqs=engine["max_num_seqs"],

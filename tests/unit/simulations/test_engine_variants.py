@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from simulations.scenario import FleetVariant, Scenario, policy_entry
 from simulations.simulation import RunResult, Simulation
-from simulations.step_model import EngineConfig, load_preset
+from simulations.step_model import SimulatedEngineConfig, load_preset
 from simulations.workload import Request, ScaledOutputWorkload
 
 from .conftest import request, scenario, workload
@@ -93,7 +93,7 @@ def test_step_jitter_scales_each_step_by_a_seeded_draw_and_a_decode_run_by_the_m
         decode_s = [e - t for t, e in zip(first.recorder.ttft_s, first.recorder.e2e_s, strict=True)]
         assert decode_s == pytest.approx([3 * 0.012 * 7 / 6] * 12)
     with pytest.raises(ValidationError):
-        EngineConfig(num_kv_blocks=1, step_jitter=[1.0, 0.0])
+        SimulatedEngineConfig(num_kv_blocks=1, step_jitter=[1.0, 0.0])
 
 
 def test_a_step_beside_a_busy_peer_lasts_longer_by_the_slowdown() -> None:
