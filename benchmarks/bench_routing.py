@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import gc
 import importlib
 import inspect
@@ -45,6 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from router.policy import hashing
 from router.policy.config import POLICY_NAMES, build_policy, parse_policy_config
@@ -169,11 +171,19 @@ def same_decision(a: Decision, b: Decision) -> bool:
 
 
 class Side:
-    """One revision's hashing and policy, deciding and timing each step (hash, match, select)."""
+    """One revision's hashing and policy, deciding and timing each step (hash, match, select).
 
-    def __init__(self, label: str, hashing_module: ModuleType) -> None:
+    A side of another revision (`types_module` given) decides over replica states of its own `ReplicaState`
+    class, the same objects from one decision to the next as in a router, set field by field to the states of
+    the current side before each decision (untimed); a revision whose states have `touch()` is told of each
+    change, as its policy requires.
+    """
+
+    def __init__(self, label: str, hashing_module: ModuleType, types_module: ModuleType | None = None) -> None:
         self.label = label
         self.hashing = hashing_module
+        self.state_class = None if types_module is None else types_module.ReplicaState
+        self.mirrors: dict[str, Any] = {}
         self.memo = hashing_module.ChainMemo()
         self.policy: Policy | None = None
         self.chain: PromptChain | None = None
@@ -189,6 +199,27 @@ class Side:
         self.select_us: list[float] = []
         self.total_us: list[float] = []
 
+    def mirrored(self, states: list[ReplicaState]) -> list[ReplicaState]:
+        """`states` as this side's policy takes them (the class docstring)."""
+        if self.state_class is None:
+            return states
+        out: list[Any] = []  # the baseline's own class, which the policy of its revision reads as ReplicaState
+        names = [f.name for f in dataclasses.fields(ReplicaState) if f.name in self.state_class.__dataclass_fields__]
+        for state in states:
+            mirror = self.mirrors.get(state.id)
+            if mirror is None:
+                mirror = self.mirrors[state.id] = self.state_class(id=state.id)
+            is_changed = False
+            for name in names:
+                value = getattr(state, name)
+                if getattr(mirror, name) != value:
+                    setattr(mirror, name, value)
+                    is_changed = True
+            if is_changed and hasattr(mirror, "touch"):
+                mirror.touch()
+            out.append(mirror)
+        return out
+
     def decide(
         self,
         prompt: bytes | tuple[list[int], bytes],
@@ -201,6 +232,7 @@ class Side:
     ) -> Decision:
         assert self.policy is not None
         hashing = self.hashing
+        states = self.mirrored(states)
         self.chain = None
         t0 = time.perf_counter()
         if isinstance(prompt, bytes):
@@ -259,7 +291,7 @@ class Load:
         if len(self.waiting) > self.in_flight // 2:
             s, uncached = self.waiting.popleft()
             s.first_byte(uncached)
-            s.set_prefill_rate(s.prefill_tokens_per_s * self.rng.uniform(0.97, 1.03))
+            s.prefill_tokens_per_s *= self.rng.uniform(0.97, 1.03)
             self.streaming.append(s)
         if len(self.streaming) > self.in_flight // 2:
             s = self.streaming.popleft()
@@ -323,7 +355,9 @@ def main() -> None:
         else "hashing every block afresh (--no-memo)"
     )
     baseline = baseline_package(args.baseline) if args.baseline else None
-    sides = [Side("", hashing)] + ([Side(f"@{args.baseline}", sys.modules[f"{baseline}.hashing"])] if baseline else [])
+    sides = [Side("", hashing)]
+    if baseline:
+        sides.append(Side(f"@{args.baseline}", sys.modules[f"{baseline}.hashing"], sys.modules[f"{baseline}.types"]))
     for name in args.policies.split(","):
         if name not in POLICY_NAMES:
             raise SystemExit(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")

@@ -8,11 +8,13 @@ r.waiting requests) and `c(r)` = cached_tokens(r) (predicted prefix match, from 
     u(r)        = P - c(r)                                      # tokens r would compute
     rate(r)     = mean + lam * (learned(r) - mean),  lam = max(0, 1 - (rate_noise_cv * mean)**2 / var)
     own(r)      = u / rate + attn * u * (c + u / 2)             # the prompt's own prefill on r
-    prefill(r)  = W / rate + attn * W**2 / (2 * k) + own(r)
     decode(r)   = decode_s_per_seq_step * max(r.streaming, r.num_running or 0) * (1 + (W + u) / prefill_tokens_per_step)
-    pressure(r) = kv_pressure_s * x**2,   x = max(0, kv_usage - kv_pressure_threshold) / (1 - kv_pressure_threshold)
+    pressure(r) = kv_pressure_s * x**2,   x = max(0, min(kv_usage, 1) - threshold) / (1 - threshold)
     queue(r)    = (n - B + 1) * slot_s / B  if n >= B else 0        # n = r.queue_depth, B = r.batch_slots or assumed
-    ttft(r)     = prefill(r) + decode(r) + pressure(r) + queue(r) + r.fixed_s
+    ttft(r)     = W / rate + own(r)                             # the backlog's prefill, then the prompt's own
+                  + decode(r)
+                  + attn * W**2 / (2 * k)                       # the backlog's attention; 0 when k = 0
+                  + pressure(r) + queue(r) + r.fixed_s
     fleet(r)    = fleet_cost_weight * (own(r) - min_r' own(r'))  if r.queue_depth > 0, else 0
     cost(r)     = ttft(r) + fleet(r)
 
@@ -60,36 +62,24 @@ Branch: ONLY_REPLICA for a single replica, OVERLOADED as above, else CACHE_HIT /
 with the choice but for its slot wait. The decision carries the chosen replica's `ttft(r)` as `predicted_ttft_s`
 (the fleet term is a cost, not a latency).
 
-Speed. The router decides once per request over every replica, so `select` keeps, between decisions, each
-replica's terms that do not depend on the request (`ttft_terms.FleetTerms`: backlog, decode, pressure, slot
-wait and fixed seconds, the cap test, the tie key), re-derived only for the replicas whose `ReplicaState.version`
-moved. Every cost, cached terms or not, is summed by `ttft_terms.ttfts_s`, so `estimate_s` and `select` give the
-same floats; tests/unit/test_estimated_ttft_fast_path.py holds `select` to a plain reference of the formula, bit
-for bit.
+Evaluation. `ttft_and_own_s` is the formula for one replica, term by term in the order above; `select` evaluates
+it over the replicas at every decision, reading each `ReplicaState` as it is then, and adds the fleet term.
 
 Parameters: `EstimatedTTFTConfig` below.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from itertools import compress, repeat
-from operator import le
+from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import Field
 
 from router.policy.decisions import branch_for_blocks, decision
-from router.policy.ttft_terms import (
-    QUEUE,
-    FleetTerms,
-    floored_rate,
-    is_fleet_charged,
-    rate_pooling,
-    replica_row,
-    ttfts_s,
-)
 from router.policy.types import Branch, Decision, PolicyConfigModel, ReplicaState, RouteRequest
+
+MIN_PREFILL_TOKENS_PER_S = 1.0
+"""Floor on a replica's prefill rate, so that a corrupt rate cannot divide by zero."""
 
 
 class EstimatedTTFTConfig(PolicyConfigModel):
@@ -166,10 +156,66 @@ class EstimatedTTFTConfig(PolicyConfigModel):
     `assumed_batch_slots`, a queue that waits for its slots three times over."""
 
 
-def own_prefill_s(cached: int, uncached: int, rate: float, attention_s_per_token_pair: float) -> float:
-    """Seconds a replica spends on a prompt's `uncached` tokens after its `cached` ones, at `rate` tokens/s: the
-    linear part and causal attention's (query, key) pairs (module docstring, own)."""
-    return uncached / rate + attention_s_per_token_pair * uncached * (cached + uncached / 2)
+def pooled_rates(replicas: Sequence[ReplicaState], rate_noise_cv: float) -> list[float]:
+    """Each replica's learned prefill rate (tokens/s, floored) shrunk towards the fleet mean by the share of the
+    fleet's variance that `rate_noise_cv` explains (James-Stein, module docstring: rate)."""
+    rates = [max(r.prefill_tokens_per_s, MIN_PREFILL_TOKENS_PER_S) for r in replicas]
+    total = total_squares = 0.0
+    for rate in rates:
+        total += rate
+        total_squares += rate * rate
+    mean = total / len(rates)
+    var = total_squares / len(rates) - mean * mean
+    noise = (rate_noise_cv * mean) ** 2
+    # var <= noise covers a homogeneous fleet, where float cancellation can leave a tiny var of either sign.
+    shrink = 1.0 - noise / var if var > noise else 0.0
+    return [mean + shrink * (rate - mean) for rate in rates]
+
+
+def slot_wait_s(r: ReplicaState, assumed_slots: int | None = None) -> float:
+    """Seconds a new request waits for a batch slot on `r` (module docstring: queue): with n requests there and B
+    slots (`r.batch_slots`, else `assumed_slots`) held slot_s each, it waits for n - B + 1 completions at B / slot_s
+    per second; 0 while a slot is free or either figure is unknown."""
+    slots = r.batch_slots
+    if slots is None:
+        slots = assumed_slots
+    n = r.queue_depth
+    if slots is None or r.slot_s is None or slots <= 0 or n < slots:
+        return 0.0
+    return (n - slots + 1) * r.slot_s / slots
+
+
+def ttft_and_own_s(
+    request: RouteRequest, r: ReplicaState, rate: float, config: EstimatedTTFTConfig
+) -> tuple[float, float]:
+    """(ttft(r), own(r)) of the module docstring, in seconds: the predicted time to the first token of `request` on
+    `r` at prefill `rate` tokens/s, its terms summed in the order written there, and the prompt's own prefill in
+    it, which the fleet term compares across replicas."""
+    attn = config.attention_s_per_token_pair
+    backlog, waiting = r.waiting_prompt_tokens, r.waiting  # W, k
+    cached = request.cached_tokens(r.id)  # c
+    uncached = request.prompt_tokens - cached  # u
+    own_s = uncached / rate + attn * uncached * (cached + uncached / 2)
+    decode_s = (
+        config.decode_s_per_seq_step
+        * max(r.streaming, r.num_running or 0)
+        * (1.0 + (backlog + uncached) / config.prefill_tokens_per_step)
+    )
+    threshold = config.kv_pressure_threshold
+    pressure_s = 0.0  # also when the engine does not export its KV usage
+    if r.kv_usage is not None and r.kv_usage > threshold:
+        excess = min(r.kv_usage, 1.0) - threshold
+        pressure_s = config.kv_pressure_s / (1.0 - threshold) ** 2 * excess * excess
+    ttft_s = (
+        backlog / rate
+        + own_s
+        + decode_s
+        + (attn * backlog * backlog / (2 * waiting) if waiting > 0 else 0.0)
+        + pressure_s
+        + slot_wait_s(r, config.assumed_batch_slots)
+        + r.fixed_s
+    )
+    return ttft_s, own_s
 
 
 class EstimatedTTFT:
@@ -180,112 +226,53 @@ class EstimatedTTFT:
 
     def __init__(self, config: EstimatedTTFTConfig) -> None:
         self.config = config
-        self._terms = FleetTerms(config)
-
-    def pooled_rates(self, replicas: Sequence[ReplicaState]) -> list[float]:
-        """Each replica's learned prefill rate shrunk towards the fleet mean (tokens/s), see the module docstring."""
-        rates = [floored_rate(r) for r in replicas]
-        mean, shrink = rate_pooling(rates, self.config.rate_noise_cv)
-        return [mean + shrink * (x - mean) for x in rates]
-
-    def own_prefill_s(self, request: RouteRequest, replica: ReplicaState, rate: float) -> float:
-        """Seconds `replica` would spend on the request's own uncached tokens at `rate` tokens/s."""
-        cached = request.cached_tokens(replica.id)
-        return own_prefill_s(cached, request.prompt_tokens - cached, rate, self.config.attention_s_per_token_pair)
-
-    def estimate_s(self, request: RouteRequest, replica: ReplicaState, rate: float | None = None) -> float:
-        """Predicted time to first token of `request` on `replica`, in seconds, at `rate` tokens/s (default: the
-        replica's learned rate; `select` passes the pooled one)."""
-        if rate is None:
-            rate = floored_rate(replica)
-        uncached = request.prompt_tokens - request.cached_tokens(replica.id)
-        own_s = self.own_prefill_s(request, replica, rate)
-        inv_step_tokens = 1.0 / self.config.prefill_tokens_per_step
-        return ttfts_s([replica_row(replica, self.config)], [rate], [own_s], [uncached], inv_step_tokens)[0]
-
-    def costs_s(self, request: RouteRequest, replicas: Sequence[ReplicaState]) -> list[tuple[float, float]]:
-        """(ttft, cost) of each replica in seconds, as `select` weighs them."""
-        rates = self.pooled_rates(replicas)
-        own = [self.own_prefill_s(request, r, rate) for r, rate in zip(replicas, rates, strict=True)]
-        floor_s = min(own)
-        weight = self.config.fleet_cost_weight
-        ttfts = [self.estimate_s(request, r, rate) for r, rate in zip(replicas, rates, strict=True)]
-        charged = [is_fleet_charged(r, self.config) for r in replicas]
-        return [(t, t + weight * (o - floor_s) if c else t) for t, o, c in zip(ttfts, own, charged, strict=True)]
 
     def select(self, request: RouteRequest, replicas: Sequence[ReplicaState], *, now: float) -> Decision:
-        if len(replicas) == 1:
-            only = replicas[0]
-            return decision(request, only.id, Branch.ONLY_REPLICA, self.estimate_s(request, only))
         cfg = self.config
-        terms = self._terms
-        terms.update(replicas)
-        mean_rate, pooled = terms.pool_rates()
-        n = len(replicas)
-        rates = [mean_rate] * n if pooled is None else pooled
-        prompt_tokens = request.prompt_tokens
-        tokens_per_block = request.tokens_per_block
-        attn = cfg.attention_s_per_token_pair
-        inv_step_tokens = terms.inv_step_tokens
-        matched = request.matched_blocks
-        positions = terms.positions
-        # Every replica computes the whole prompt, except those that hold part of it (few: found by id).
-        uncached = [prompt_tokens] * n
-        whole_attn_s = attn * prompt_tokens * (0 + prompt_tokens / 2)
-        if pooled is None:  # one rate for all: one own prefill for all that match nothing
-            owns = [prompt_tokens / mean_rate + whole_attn_s] * n
-        else:
-            owns = [prompt_tokens / rate + whole_attn_s for rate in rates]
-        best_blocks = 0  # the longest match among `replicas`, for the branch
-        for rid, blocks in matched.items():
-            i = positions.get(rid)
-            if i is None:
-                continue  # held by a replica that is not eligible
-            if blocks > best_blocks:
-                best_blocks = blocks
-            cached = int(blocks * tokens_per_block)  # request.cached_tokens
-            if cached > prompt_tokens:
-                cached = prompt_tokens
-            uncached[i] = prompt_tokens - cached
-            owns[i] = own_prefill_s(cached, prompt_tokens - cached, rates[i], attn)
-        floor_s = min(owns)
-        weight = cfg.fleet_cost_weight
-        ttfts = ttfts_s(terms.rows, rates, owns, uncached, inv_step_tokens)
+        rates = pooled_rates(replicas, cfg.rate_noise_cv)
+        estimates = [ttft_and_own_s(request, r, rate, cfg) for r, rate in zip(replicas, rates, strict=True)]
+        if len(replicas) == 1:
+            return decision(request, replicas[0].id, Branch.ONLY_REPLICA, estimates[0][0])
+        floor_s = min([own_s for _, own_s in estimates])
+        depths = [r.queue_depth for r in replicas]
         costs = [
-            ttft + weight * (own - floor_s) if charged else ttft
-            for ttft, own, charged in zip(ttfts, owns, terms.is_charged, strict=True)
+            ttft_s + cfg.fleet_cost_weight * (own_s - floor_s) if cfg.charges_idle_replicas or depth > 0 else ttft_s
+            for (ttft_s, own_s), depth in zip(estimates, depths, strict=True)
         ]
-        if 0 < terms.num_under_cap < n:  # skip the replicas at the cap
-            candidates = list(compress(range(n), terms.is_under_cap))
-            best_s = min([costs[i] for i in candidates])
-            tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
-            tied = [i for i in candidates if costs[i] <= tied_below_s]
-        else:
-            best_s = min(costs)
-            tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
-            tied = list(compress(range(n), map(le, costs, repeat(tied_below_s))))
-        if len(tied) == 1:
-            best = tied[0]
-        else:  # the longest cached prefix first: an idle replica's miss can tie a hit where no fleet cost is charged
-            tie_keys = terms.tie_keys
-            best = min(tied, key=lambda i: (-matched.get(tie_keys[i][2], 0), tie_keys[i]))
+        under_cap = [i for i, depth in enumerate(depths) if depth < cfg.max_queue_per_replica]
+        candidates = under_cap or range(len(replicas))
+        best_s = min([costs[i] for i in candidates])
+        tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
+        matched = request.matched_blocks
+        best = min(
+            [i for i in candidates if costs[i] <= tied_below_s],
+            key=lambda i: (
+                -matched.get(replicas[i].id, 0),
+                replicas[i].in_flight,
+                replicas[i].last_selected,
+                replicas[i].id,
+            ),
+        )
         chosen_id = replicas[best].id
-        is_overloaded = not terms.num_under_cap
-        branch = Branch.OVERLOADED if is_overloaded else branch_for_blocks(best_blocks, matched.get(chosen_id, 0))
-        if branch is Branch.SPILL and self._is_queue_spill(matched, best_blocks, costs, tied_below_s):
+        longest = max([matched.get(r.id, 0) for r in replicas])
+        branch = branch_for_blocks(longest, matched.get(chosen_id, 0)) if under_cap else Branch.OVERLOADED
+        if branch is Branch.SPILL and self._is_queue_spill(request, replicas, costs, longest, tied_below_s):
             branch = Branch.SPILL_QUEUE
-        return decision(request, chosen_id, branch, ttfts[best])
+        return decision(request, chosen_id, branch, estimates[best][0])
 
     def _is_queue_spill(
-        self, matched: Mapping[str, int], best_blocks: int, costs: Sequence[float], tied_below_s: float
+        self,
+        request: RouteRequest,
+        replicas: Sequence[ReplicaState],
+        costs: Sequence[float],
+        longest: int,
+        tied_below_s: float,
     ) -> bool:
         """Whether a replica holding the longest match would have been tied with the choice but for its wait for
         a batch slot: the request left its cached replica because of queueing, not of prefill backlog."""
-        terms = self._terms
-        for rid, blocks in matched.items():
-            i = terms.positions.get(rid)
-            if i is not None and blocks >= best_blocks:
-                queue_s = terms.rows[i][QUEUE]
-                if queue_s > 0.0 and costs[i] - queue_s <= tied_below_s:
+        for r, cost in zip(replicas, costs, strict=True):
+            if request.matched_blocks.get(r.id, 0) >= longest:
+                queue_s = slot_wait_s(r, self.config.assumed_batch_slots)
+                if queue_s > 0.0 and cost - queue_s <= tied_below_s:
                     return True
         return False

@@ -28,7 +28,7 @@ object, so the simulator's verdicts are those of the router's own steps. Per att
 - finish with `now`, once the replica answered (streamed or not): its duration and the requests it joined behind
   teach the replica's batch-slot terms (`service_time`), which `estimated_ttft` turns into a wait for a slot.
 
-Other routers of a fleet (`sharing.FleetView`): their decisions are recorded as this router's own commits would be
+Other routers of a fleet (`sharing.PeerRouters`): their decisions are recorded as this router's own commits would be
 (`record_peer`), their session pins remembered (`pin`), and their load added to the replicas' load views
 (`set_peer_load`), which keep this router's own share apart (`own_load`) for what it publishes and for admission.
 
@@ -168,10 +168,10 @@ class RoutingCore:
         rate = self._unobserved_rate()
         service = self._unobserved_service()
         self._replicas[state.id] = _Tracked(state, rate, service)
-        state.set_prefill_rate(rate.tokens_per_s)
+        state.prefill_tokens_per_s = rate.tokens_per_s
         state.set_service(service.slot_s, service.slots, service.fixed_s)
         if self.config.infer_max_num_seqs and state.max_num_seqs is None:
-            state.set_peer_max_num_seqs(self._peer_batch_limit())
+            state.peer_max_num_seqs = self._peer_batch_limit()
         self.index.add_replica(state.id, state.kv_capacity_blocks)
 
     def remove_replica(self, replica_id: str) -> None:
@@ -190,7 +190,7 @@ class RoutingCore:
         tokens_per_block = min(cfg.text_block_size / cfg.bytes_per_token, float(cfg.token_block_size))
         blocks = max(1, int(capacity_tokens / tokens_per_block))
         if blocks != tracked.state.kv_capacity_blocks:
-            tracked.state.set_kv_capacity_blocks(blocks)
+            tracked.state.kv_capacity_blocks = blocks
             self.index.add_replica(replica_id, blocks)
 
     def drop_cache(self, replica_id: str) -> None:
@@ -229,7 +229,7 @@ class RoutingCore:
         peer = self._peer_batch_limit()
         for other in self._replicas.values():
             if other.state.max_num_seqs is None and other.state.peer_max_num_seqs != peer:
-                other.state.set_peer_max_num_seqs(peer)
+                other.state.peer_max_num_seqs = peer
 
     def _peer_batch_limit(self) -> float | None:
         limits = [t.state.max_num_seqs for t in self._replicas.values() if t.state.max_num_seqs is not None]
@@ -507,7 +507,7 @@ class RoutingCore:
         )
         if tracked.rate is before:
             return
-        tracked.state.set_prefill_rate(tracked.rate.tokens_per_s)
+        tracked.state.prefill_tokens_per_s = tracked.rate.tokens_per_s
         if before.num_observations == 0:
             # A replica's first observation moves the fleet mean the most: re-seed the unobserved replicas then,
             # not on every stream (that walk over the replicas is O(replicas)).
@@ -515,7 +515,7 @@ class RoutingCore:
             for other in self._replicas.values():
                 if other.rate.num_observations == 0:
                     other.rate = start
-                    other.state.set_prefill_rate(start.tokens_per_s)
+                    other.state.prefill_tokens_per_s = start.tokens_per_s
 
     def _unobserved_rate(self) -> PrefillRate:
         return self.config.prefill_rate.initial(t.rate for t in self._replicas.values())

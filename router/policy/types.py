@@ -98,14 +98,6 @@ class ReplicaState:
     """Of `waiting_prompt_tokens`, those other routers reported."""
     in_flight_at_scrape: int = 0
     """`in_flight` when the engine's gauges were last set: what of the engine's count was this router's own."""
-    version: int = field(default=0, repr=False, compare=False)
-    """Bumped by every method below that changes a field. A policy that derives terms from the fields keeps them
-    with the state object and the version they were derived at, and need not read the fields again while both are
-    the same. Code that writes a field directly calls `touch()` after it."""
-
-    def touch(self) -> None:
-        """Say that fields were written directly: what was derived from them is stale."""
-        self.version += 1
 
     def begin(self, uncached_tokens: int, now: float) -> None:
         """A request was sent here: it waits for its first byte with `uncached_tokens` of prefill."""
@@ -113,14 +105,12 @@ class ReplicaState:
         self.waiting += 1
         self.waiting_prompt_tokens += uncached_tokens
         self.last_selected = now
-        self.version += 1
 
     def first_byte(self, uncached_tokens: int) -> None:
         """A request `begin` counted got its first byte: it moves from waiting to streaming."""
         self.waiting -= 1
         self.waiting_prompt_tokens -= uncached_tokens
         self.streaming += 1
-        self.version += 1
 
     def finish(self, uncached_tokens: int, *, is_waiting: bool) -> None:
         """A request `begin` counted ended, still waiting for its first byte or streaming."""
@@ -130,7 +120,6 @@ class ReplicaState:
             self.waiting_prompt_tokens -= uncached_tokens
         else:
             self.streaming -= 1
-        self.version += 1
 
     def set_gauges(
         self,
@@ -155,19 +144,12 @@ class ReplicaState:
             self.max_num_seqs = max_num_seqs
         elif infer_max_num_seqs and self.most_running and (num_waiting or self.max_num_seqs is not None):
             self.max_num_seqs = self.most_running
-        self.version += 1
-
-    def set_kv_capacity_blocks(self, blocks: int) -> None:
-        """The KV cache's size in index blocks, from the engine's metrics (`RoutingCore.set_kv_capacity`)."""
-        self.kv_capacity_blocks = blocks
-        self.version += 1
 
     def set_service(self, slot_s: float | None, learned_slots: float | None, fixed_s: float) -> None:
         """The learned service terms (`service_time.ServiceTime`)."""
         self.slot_s = slot_s
         self.learned_slots = learned_slots
         self.fixed_s = fixed_s
-        self.version += 1
 
     @property
     def batch_slots(self) -> float | None:
@@ -179,14 +161,6 @@ class ReplicaState:
         if slots is None:
             return None
         return max(slots, float(self.most_running))
-
-    def set_peer_max_num_seqs(self, slots: float | None) -> None:
-        self.peer_max_num_seqs = slots
-        self.version += 1
-
-    def set_prefill_rate(self, tokens_per_s: float) -> None:
-        self.prefill_tokens_per_s = tokens_per_s
-        self.version += 1
 
     def set_peer_load(self, in_flight: int, waiting: int, waiting_prompt_tokens: int) -> None:
         """Other routers' requests here, summed: they replace the previous peer share of the load fields, so that
@@ -200,7 +174,6 @@ class ReplicaState:
         self.peer_in_flight = in_flight
         self.peer_waiting = waiting
         self.peer_waiting_prompt_tokens = waiting_prompt_tokens
-        self.version += 1
 
     @property
     def own_in_flight(self) -> int:

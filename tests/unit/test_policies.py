@@ -29,7 +29,7 @@ from router.policy.config import (
 )
 from router.policy.consistent_hash import ConsistentHash
 from router.policy.dynamo_kv import DynamoKV
-from router.policy.estimated_ttft import EstimatedTTFT
+from router.policy.estimated_ttft import EstimatedTTFT, pooled_rates, ttft_and_own_s
 from router.policy.least_load import LeastLoad
 from router.policy.llmd_weighted import LLMDWeighted
 from router.policy.power_of_two import PowerOfTwo
@@ -243,10 +243,11 @@ def test_estimated_ttft_pools_the_learned_rates_of_like_replicas() -> None:
     ]
     assert route(ttft(), request(32_768), replicas).replica == "a"
     assert route(ttft(rate_noise_cv=0.0), request(32_768), replicas).replica == "b"
-    assert ttft().pooled_rates(replicas) == pytest.approx([8_250.0, 8_250.0])
+    cv = EstimatedTTFTConfig().rate_noise_cv
+    assert pooled_rates(replicas, cv) == pytest.approx([8_250.0, 8_250.0])
     # Rates four times apart are a real difference and mostly kept (83% of each deviation).
     slow_fast = [ReplicaState(id=i, prefill_tokens_per_s=rate) for i, rate in (("s", 5_000.0), ("f", 20_000.0))]
-    assert ttft().pooled_rates(slow_fast) == pytest.approx([6_302.0, 18_698.0], rel=1e-3)
+    assert pooled_rates(slow_fast, cv) == pytest.approx([6_302.0, 18_698.0], rel=1e-3)
 
 
 def test_estimated_ttft_decode_cost_grows_with_the_steps_a_prompt_waits() -> None:
@@ -260,6 +261,45 @@ def test_estimated_ttft_decode_cost_grows_with_the_steps_a_prompt_waits() -> Non
     assert route(ttft(), request(1_024), replicas).replica == "a"
     # A 64k-token prompt waits 9 steps: 400 x 0.55 ms x 9 = 2.0 s > 0.4 s (+ 2 steps' decodes): it goes to `b`.
     assert route(ttft(), request(65_536), replicas).replica == "b"
+
+
+def test_estimated_ttft_identical_idle_replicas_tie_and_take_turns() -> None:
+    # Equal costs even without a tie margin: the least recently chosen wins, so 64 misses go to 64 replicas.
+    policy = ttft(tie_epsilon_s=0.0)
+    replicas = fleet(*(f"r{i:02d}" for i in range(64)))
+    chosen = []
+    for step in range(64):
+        d = route(policy, request(8_192, first_hash=100 * step), replicas, now=float(step))
+        by_id(replicas)[d.replica].last_selected = float(step)
+        chosen.append(d.replica)
+    assert sorted(chosen) == sorted(r.id for r in replicas)
+
+
+def test_estimated_ttft_sees_a_field_written_directly_at_the_next_decision() -> None:
+    policy = ttft()
+    replicas = fleet("a", "b")
+    assert route(policy, request(4_000), replicas).replica == "a"
+    replicas[0].waiting_prompt_tokens = 200_000  # 20 s of backlog, written without any method
+    replicas[0].waiting = replicas[0].in_flight = 1
+    assert route(policy, request(4_000), replicas).replica == "b"
+    replicas[1] = ReplicaState(id="b", waiting_prompt_tokens=400_000, waiting=1, in_flight=1)  # another object
+    assert route(policy, request(4_000), replicas).replica == "a"
+
+
+def test_estimated_ttft_a_cost_at_the_edge_of_the_tie_margin_is_tied() -> None:
+    # `a` costs more by its backlog and wins a tie (nothing in flight); `b` streams one request. Both match
+    # nothing at the same rate, so no fleet cost separates them: each cost is its ttft.
+    replicas = [ReplicaState(id="a", waiting_prompt_tokens=1_000), ReplicaState(id="b", in_flight=1, streaming=1)]
+    req = request(4_096)
+    config = EstimatedTTFTConfig()
+    costs = [ttft_and_own_s(req, r, r.prefill_tokens_per_s, config)[0] for r in replicas]
+    # Margins that end at `a`'s cost and one float short of it (differences of costs within a factor of two are
+    # exact, and so are the sums back).
+    gap = costs[0] - costs[1]
+    assert 0.05 < gap < 0.2
+    assert route(ttft(tie_epsilon_s=gap), req, replicas).replica == "a"
+    short_gap = math.nextafter(costs[0], 0.0) - costs[1]
+    assert route(ttft(tie_epsilon_s=short_gap), req, replicas).replica == "b"
 
 
 # round_robin, random, least_load, power_of_two ------------------------------------------------------------------
@@ -656,10 +696,11 @@ def test_policies_never_read_the_clock_only_now() -> None:
     ),
     st.integers(1, 20_000),
 )
-def test_estimated_ttft_fast_path_reports_the_documented_estimate(
+def test_estimated_ttft_takes_a_replica_within_the_tie_margin_of_the_least_estimate(
     rows: list[tuple[int, int, int | None, float | None, float, int]], prompt_tokens: int
 ) -> None:
-    policy = EstimatedTTFT(EstimatedTTFTConfig())
+    # Without the fleet cost, a replica's cost is its estimate: none is more than `tie_epsilon_s` below the choice's.
+    config = EstimatedTTFTConfig(fleet_cost_weight=0.0)
     replicas = [
         ReplicaState(
             id=f"r{i}", waiting_prompt_tokens=w, streaming=s, num_running=n, kv_usage=kv, prefill_tokens_per_s=rate
@@ -672,9 +713,8 @@ def test_estimated_ttft_fast_path_reports_the_documented_estimate(
         tokens_per_block=16.0,
         matched_blocks={f"r{i}": row[5] for i, row in enumerate(rows)},
     )
-    chosen = policy.select(request, replicas, now=0.0)
-    costs = {r.id: pair for r, pair in zip(replicas, policy.costs_s(request, replicas), strict=True)}
-    ttft_s, cost_s = costs[chosen.replica]
-    assert chosen.predicted_ttft_s == pytest.approx(ttft_s)
-    best = min(cost for _, cost in costs.values())
-    assert cost_s <= best + 0.005 + 1e-9 * (1.0 + best)
+    chosen = EstimatedTTFT(config).select(request, replicas, now=0.0)
+    rates = pooled_rates(replicas, config.rate_noise_cv)
+    estimates = {r.id: ttft_and_own_s(request, r, rate, config)[0] for r, rate in zip(replicas, rates, strict=True)}
+    assert chosen.predicted_ttft_s == estimates[chosen.replica]
+    assert estimates[chosen.replica] <= min(estimates.values()) + config.tie_epsilon_s

@@ -165,9 +165,6 @@ def test_an_engines_cache_size_bounds_its_guesses_at_the_smallest_block() -> Non
     core, states = make_core(text_block_size=64, token_block_size=32)  # text blocks are 16 tokens at 4 bytes a token
     core.set_kv_capacity("a", 16 * 100)
     assert states[0].kv_capacity_blocks == 100
-    version = states[0].version
-    core.set_kv_capacity("a", 16 * 100)  # the same size: nothing changes
-    assert states[0].version == version
     core.record_peer("a", tokens(300), 0.0, predicted=False)
     assert core.index.stats().blocks_per_replica["a"] <= 100
     core.set_kv_capacity("gone", 1000)  # a replica that left: ignored

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from router.policy.estimated_ttft import EstimatedTTFT, EstimatedTTFTConfig
+from router.policy.estimated_ttft import EstimatedTTFT, EstimatedTTFTConfig, slot_wait_s, ttft_and_own_s
 from router.policy.prefix_index import PrefixIndex, PrefixIndexConfig
 from router.policy.routing_core import RoutingConfig, RoutingCore
 from router.policy.service_time import ServiceTime, ServiceTimeEstimator
-from router.policy.ttft_terms import slot_wait_s
 from router.policy.types import Branch, ReplicaState, RouteRequest
 
 HOT = RouteRequest(hashes=list(range(32)), prompt_tokens=520, tokens_per_block=16.0, matched_blocks={"a": 32})
@@ -29,7 +28,8 @@ def test_a_replica_at_its_batch_limit_with_a_queue_loses_a_cheap_cache_hit_to_an
     assert d.replica in ("b", "c")
     assert d.branch is Branch.SPILL_QUEUE
     # The wait it avoided: 8 ahead of 4 slots, 5 completions at 4 / 0.5 s per second.
-    assert EstimatedTTFT(EstimatedTTFTConfig()).estimate_s(HOT, replicas[0]) >= 5 * 0.5 / 4
+    ttft_s, _ = ttft_and_own_s(HOT, replicas[0], replicas[0].prefill_tokens_per_s, EstimatedTTFTConfig())
+    assert ttft_s >= 5 * 0.5 / 4
 
 
 def test_with_a_free_batch_slot_affinity_holds() -> None:
