@@ -41,7 +41,6 @@ POLICY_NAMES: tuple[str, ...] = (
 """Every policy `kind`, Shoal's default first."""
 
 __all__ = [
-    "DEFAULT_POLICY_CONFIG",
     "POLICY_NAMES",
     "ConsistentHashConfig",
     "DynamoKVConfig",
@@ -73,9 +72,6 @@ PolicyConfig = Annotated[
     Field(discriminator="kind"),
 ]
 """Any policy's configuration; `kind` selects the model. The default is `EstimatedTTFTConfig()`."""
-
-DEFAULT_POLICY_CONFIG: PolicyConfig = EstimatedTTFTConfig()
-"""Shoal's default policy, with its default parameters (frozen, so safe to share)."""
 
 _POLICY_CONFIG_ADAPTER: TypeAdapter[PolicyConfig] = TypeAdapter(PolicyConfig)
 

@@ -45,12 +45,6 @@ class RoutingKey:
     def is_tokens(self) -> bool:
         return self.token_ids is not None
 
-    @property
-    def num_units(self) -> int:
-        if self.token_ids is not None:
-            return len(self.token_ids)
-        return len(self.text or b"")
-
 
 def _canonical(value: Any, param: str) -> str:
     try:

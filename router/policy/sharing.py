@@ -109,10 +109,6 @@ class Batch:
     pins: tuple[Pin, ...] = ()
     drains: tuple[Drain, ...] = ()
 
-    @property
-    def num_records(self) -> int:
-        return len(self.routed) + len(self.loads) + len(self.pins) + len(self.drains)
-
 
 def _pack(hashes: Sequence[int]) -> str:
     return base64.b64encode(struct.pack(f"<{len(hashes)}Q", *hashes)).decode()
