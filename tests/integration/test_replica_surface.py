@@ -182,7 +182,7 @@ async def test_echo_with_logprobs_gives_the_prompts_from_a_plain_forward_pass(
     the second time too, when the prompt's blocks are in the prefix cache; completion tokens follow them."""
     import torch
 
-    from replica.server.serve import load_for_serving
+    from replica.loading import load_for_serving
     from replica.settings import ReplicaSettings
 
     replica = await start_replica()
