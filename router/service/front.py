@@ -47,6 +47,8 @@ log = logging.getLogger("shoal.router")
 
 _MAX_HEAD_BYTES = 64 * 1024
 """Bytes a request head may take (431 beyond): far above what OpenAI clients send, far below memory trouble."""
+_RAISE_BODY_LIMIT = " (limits.max_body_bytes, SHOAL_ROUTER_LIMITS__MAX_BODY_BYTES, raises it)"
+_HEAD_TOO_LARGE = f"request head larger than {_MAX_HEAD_BYTES} bytes (a fixed limit)"
 _LINGER_S = 2.0
 """Seconds a refused connection is read and discarded after its answer, so that the answer is not reset away."""
 _HIGH_WATER_BYTES = 1024 * 1024
@@ -349,7 +351,7 @@ class _Connection(asyncio.Protocol):
             )
         )
         if len(self._url) + sum(len(name) + len(value) + 4 for name, value in self._fields) > _MAX_HEAD_BYTES:
-            raise _Refusal(431, f"request head larger than {_MAX_HEAD_BYTES} bytes", "head_too_large")
+            raise _Refusal(431, _HEAD_TOO_LARGE, "head_too_large")
         num_hosts = len(headers.getall("Host", ()))
         if num_hosts > 1 or (num_hosts == 0 and version == "1.1"):  # RFC 9112 3.2: 400 to either
             detail = "several Host headers" if num_hosts else "no Host header"
@@ -360,7 +362,7 @@ class _Connection(asyncio.Protocol):
         # llhttp has checked that it is digits of a value within 64 bits; leading zeros can still make the digits
         # more than int() converts (4,300), so they go first.
         if length is not None and int(length.strip().lstrip("0") or "0") > limit:
-            raise _Refusal(413, f"request body is larger than {limit} bytes", "request_too_large")
+            raise _Refusal(413, f"request body is larger than {limit} bytes{_RAISE_BODY_LIMIT}", "request_too_large")
         transfer_coding = headers.get("Transfer-Encoding")
         if transfer_coding is not None and transfer_coding.strip().lower() != "chunked":  # llhttp: chunked is last
             raise _Refusal(501, f"Transfer-Encoding {transfer_coding!r} is not supported (chunked)", "not_implemented")
@@ -392,7 +394,11 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
         if self._body_bytes > self.limits.max_body_bytes:
-            raise _Refusal(413, f"request body is larger than {self.limits.max_body_bytes} bytes", "request_too_large")
+            raise _Refusal(
+                413,
+                f"request body is larger than {self.limits.max_body_bytes} bytes{_RAISE_BODY_LIMIT}",
+                "request_too_large",
+            )
         self._body.append(body)
 
     def on_message_complete(self) -> None:
@@ -424,7 +430,7 @@ class _Connection(asyncio.Protocol):
         and a line end, no version), which llhttp would wait on for ever."""
         self._head_bytes += len(data)
         if self._head_bytes > _MAX_HEAD_BYTES:
-            self._end_reading(_Refusal(431, f"request head larger than {_MAX_HEAD_BYTES} bytes", "head_too_large"))
+            self._end_reading(_Refusal(431, _HEAD_TOO_LARGE, "head_too_large"))
         elif self._url and self.parser.get_http_version() == "0.0" and data.rfind(b"\n") > data.rfind(b" "):
             self._end_reading(_Refusal(400, "malformed request: HTTP/0.9 is not supported", "invalid_request"))
 
@@ -582,7 +588,9 @@ def _decode(body: bytes, coding: str, limit: int) -> bytes:
         except zlib.error:
             continue
         if len(decoded) > limit or decoder.unconsumed_tail:
-            raise _Refusal(413, f"decoded request body is larger than {limit} bytes", "request_too_large")
+            raise _Refusal(
+                413, f"decoded request body is larger than {limit} bytes{_RAISE_BODY_LIMIT}", "request_too_large"
+            )
         if decoder.eof:
             return decoded
     raise _Refusal(400, f"request body is not valid {coding} data", "invalid_encoding")

@@ -138,6 +138,8 @@ async def test_body_too_large_is_413(fake_and_router: tuple[FakeReplica, RouterH
     big = json.dumps({"model": MODEL, "prompt": "x" * 5000}).encode()
     reply = await router.request("POST", "/v1/completions", data=big, headers=JSON)
     assert_openai_error(reply, 413, "request_too_large")
+    message = reply.json()["error"]["message"]
+    assert "SHOAL_ROUTER_LIMITS__MAX_BODY_BYTES" in message, message  # the setting that raises the limit
 
     async def chunked() -> AsyncIterator[bytes]:  # no Content-Length: the limit bites while reading
         for i in range(0, len(big), 1000):
