@@ -13,6 +13,8 @@ into `--out`. Every run replays the same requests; runs go to worker processes, 
 core; `simulations.sweep`), with the same results as one after the other. Stderr shows runs done / total and the
 time left; a run that fails is named there and in results.json's `failures`, the others' results are kept, and the
 exit status is 1.
+`shoal simulate plan` finds the cheapest fleet (policy, replicas, autoscaler settings) that meets an SLO on a trace
+and writes it as Helm values (`shoal simulate plan --help`, `simulations.plan`).
 `--matrix FILE` runs every policy on every (engine, trace) cell of a matrix file (`simulations.matrix`) and prints
 one table of TTFT mean and p99 per cell with each policy's ratios to the cell's best; `--set KEY=VALUE` changes a
 field of the file for the run.
@@ -128,8 +130,11 @@ def add_simulate_command(subparsers: Any) -> None:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run_simulate)
-    commands = parser.add_subparsers(dest="simulate_command", metavar="fetch-traces", required=False)
+    commands = parser.add_subparsers(dest="simulate_command", metavar="{fetch-traces,plan}", required=False)
     _add_fetch_traces_command(commands)
+    from simulations.plan_command import add_plan_command
+
+    add_plan_command(commands)
 
 
 def _add_fetch_traces_command(subparsers: Any) -> None:

@@ -69,3 +69,41 @@ def write_plots(out_dir: Path, document: dict[str, Any]) -> list[Path]:
     plt.close(fig)
     written.append(path)
     return written
+
+
+def write_plan_plot(path: Path, trials: list[dict[str, Any]], *, attainment_bound: float | None, title: str) -> None:
+    """`shoal simulate plan`'s runs (`plan.json`'s `trials`): replica-seconds against SLO attainment, a point per
+    run, a series per policy's static fleets and one for the autoscaled fleets; filled where the run met the SLO,
+    hollow where it missed, a star on the plan, each static point labelled with its replicas."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[dict[str, Any]]] = {}
+    for trial in trials:
+        if trial["error"] is None:
+            name = f"{trial['policy']}, autoscaled" if trial["autoscaled"] else f"{trial['policy']}, static"
+            series.setdefault(name, []).append(trial)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for name, points in series.items():
+        color = ax.plot([], [], label=name)[0].get_color()
+        marker = "s" if points[0]["autoscaled"] else "o"
+        for point in points:
+            x, y = point["attainment"], point["replica_seconds"]
+            face = color if point["meets"] else "none"
+            ax.scatter([x], [y], marker=marker, s=36, facecolors=face, edgecolors=color)
+            if not point["autoscaled"]:
+                ax.annotate(str(point["replicas"]), (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+            if point["chosen"]:
+                ax.scatter([x], [y], marker="*", s=220, facecolors="none", edgecolors="black", label="plan")
+    if attainment_bound is not None:
+        ax.axvline(attainment_bound, color="grey", linestyle="--", linewidth=1, label="attainment bound")
+    ax.set_xlabel("SLO attainment (share of requests)")
+    ax.set_ylabel("replica-seconds")
+    ax.set_title(f"Fleet plan: {title} (filled: meets the SLO)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

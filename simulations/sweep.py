@@ -140,6 +140,12 @@ class SweepProgress:
         self._close_requests()
         self.runs.close()
 
+    def resize(self, num_runs: int) -> None:
+        """The sweep will have `num_runs` runs in all: a search that learns its count as it goes (`simulations.plan`)
+        starts at its bound and narrows it."""
+        self.runs.total = num_runs
+        self.runs.refresh()
+
     def start(self, label: str) -> Progress:
         """A run starts in this process: a bar of its requests; returns its update callback."""
         self._close_requests()
