@@ -1,1 +1,2 @@
-"""The aiohttp service around `router.policy`: proxy, replica pool, health checks, admin API and metrics."""
+"""The router's service around `router.policy`: HTTP front and proxy, replica pool, health checks, admin API and
+metrics."""

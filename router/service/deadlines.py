@@ -2,11 +2,9 @@
 
 Every proxied request bounds its whole time (`limits.request_timeout_s`, 30 minutes by default) and each wait for a
 replica's bytes (`limits.upstream_idle_timeout_s`, 10 minutes), and they almost never fire. As event-loop timers
-they cost about 9 µs a request on uvloop (`benchmarks/bench_timeouts.py` on one core: `asyncio.timeout` enter and
-exit 6.9-7.2 µs, `call_later` plus `cancel` 2.0 µs). Here a timeout of at least `_COARSE_FACTOR` sweep intervals goes
-into a set that one sweep per interval (1 s) checks (`timeout` 1.7-1.8 µs, `call_later` plus `cancel` 0.5 µs), and it
-fires at most one interval late, under 25% of its length (0.06% for the defaults). Shorter timeouts get an exact
-timer as before.
+they cost several µs a request (`python -m benchmarks.bench_timeouts` times both ways). Here a timeout of at least
+`_COARSE_FACTOR` sweep intervals goes into a set that one sweep per interval (1 s) checks, and it fires at most one
+interval late, under 25% of its length (0.06% for the defaults). Shorter timeouts get an exact timer as before.
 """
 
 from __future__ import annotations
