@@ -332,6 +332,11 @@ class _Connection(asyncio.Protocol):
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.state == _BODY:  # a trailer field (after the last chunk): counted as framing, never kept
+            self._framing_bytes += len(name) + len(value) + 4
+            if self._framing_bytes > _MAX_HEAD_BYTES + self._body_bytes:
+                raise _Refusal(431, f"chunk framing and trailers larger than {_MAX_HEAD_BYTES} bytes", "head_too_large")
+            return
         self._fields.append((name, value))
 
     def on_headers_complete(self) -> None:
