@@ -188,7 +188,7 @@ def _up_vllm(
 ) -> int:
     """N vLLM servers of `checkpoint` (each on cores of its own where there are enough), and the router in exact
     mode in front: KV events from each server's ZMQ publisher, chat routed on the model's token ids."""
-    from replica.vllm_engine import VllmServer, find_vllm_python, wait_ready
+    from replica.vllm_engine import VllmServer, find_vllm_python, free_port_run, start_all
 
     python = find_vllm_python(vllm_python)
     if python is None:
@@ -206,7 +206,7 @@ def _up_vllm(
                 checkpoint,
                 served_name,
                 port=replica_base_port + i,
-                events_port=replica_base_port + 50 + 2 * i,
+                events_port=free_port_run(2),
                 cpus=cpus,
                 # The demo's tool calls are Hermes-style (<tool_call>{...}</tool_call>); usage reports cached tokens.
                 extra_args=(
@@ -222,11 +222,10 @@ def _up_vllm(
         step(
             f"starting vLLM on port {server.port} (cores {server.cpus or 'all'}; log {log_dir}/vllm-{server.port}.log)"
         )
-        procs.append(server.start(python, log_dir / f"vllm-{server.port}.log"))
     step("waiting for vLLM to load the model (a minute or two on a CPU)")
-    for server, proc in zip(servers, procs, strict=True):
-        wait_ready(server, proc, timeout_s=600)
-        step(f"vLLM {server.url} ready")
+    started = start_all(servers, python, log_dir, timeout_s=600, progress=step)
+    procs.extend(proc for _, proc in started)
+    servers = [server for server, _ in started]
     env = {
         **os.environ,
         "SHOAL_ROUTER_KV_EVENTS__SOURCE": "zmq",

@@ -19,12 +19,13 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from router.common.child_processes import parent_death_signal
@@ -153,21 +154,75 @@ def stop(proc: subprocess.Popen[bytes], *, timeout_s: float = 30.0, sig: int = s
     proc.wait()
 
 
+ADDRESS_IN_USE = "address already in use"
+START_ATTEMPTS = 3
+"""Starts of one server, each on fresh ports, while its ports turn out taken when it binds them."""
+
+
+def free_port_run(count: int) -> int:
+    """A port p with p .. p + count - 1 free on every interface right now (vLLM binds its publishers on `*`)."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            base: int = probe.getsockname()[1]
+        if base + count < 65536 and all(_is_free(base + i) for i in range(count)):
+            return base
+    raise RuntimeError(f"no run of {count} free ports")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
 def start_all(
-    servers: Sequence[VllmServer], python: str | Path, log_dir: Path, *, timeout_s: float = 600.0
-) -> list[subprocess.Popen[bytes]]:
-    """Start `servers` together and wait until each serves; on failure stop them all and raise with the end of the
-    failed one's log."""
-    procs = [server.start(python, log_dir / f"vllm-{server.port}.log") for server in servers]
+    servers: Sequence[VllmServer],
+    python: str | Path,
+    log_dir: Path,
+    *,
+    timeout_s: float = 600.0,
+    progress: Callable[[str], None] | None = None,
+) -> list[tuple[VllmServer, subprocess.Popen[bytes]]]:
+    """Start `servers` together and wait until each serves; -> each server as it runs, with its process. A port is
+    chosen free but bound only once vLLM has loaded, so another process may take it meanwhile: a server that fails
+    with its address in use starts again on fresh ports (`START_ATTEMPTS` in all). On any other failure, or the
+    last, stop them all and raise with the end of the failed one's log."""
+    started = [(server, server.start(python, _log_path(log_dir, server))) for server in servers]
     try:
-        for server, proc in zip(servers, procs, strict=True):
-            wait_ready(server, proc, timeout_s=timeout_s)
-    except (RuntimeError, TimeoutError) as exc:
-        for proc in procs:
+        for i in range(len(started)):
+            for attempt in range(1, START_ATTEMPTS + 1):
+                server, proc = started[i]
+                try:
+                    wait_ready(server, proc, timeout_s=timeout_s)
+                    break
+                except RuntimeError:
+                    log = _log_path(log_dir, server).read_text(errors="replace").lower()
+                    if attempt == START_ATTEMPTS or ADDRESS_IN_USE not in log:
+                        raise
+                    stop(proc, timeout_s=5)
+                    base = free_port_run(3)
+                    server = replace(server, port=base, events_port=base + 1)
+                    if progress is not None:
+                        progress(f"a port of vLLM was taken meanwhile: starting it again on port {server.port}")
+                    started[i] = (server, server.start(python, _log_path(log_dir, server)))
+            if progress is not None:
+                progress(f"vLLM {started[i][0].url} ready")
+    except BaseException as exc:  # Ctrl-C too: nothing started outlives this call's failure
+        for _, proc in started:
             stop(proc, timeout_s=5)
+        if not isinstance(exc, (RuntimeError, TimeoutError)):
+            raise
         tails = []
-        for server in servers:
-            text = (log_dir / f"vllm-{server.port}.log").read_text(errors="replace")
+        for server, _ in started:
+            text = _log_path(log_dir, server).read_text(errors="replace")
             tails.append(f"--- vLLM on port {server.port}:\n" + "\n".join(text.splitlines()[-20:]))
         raise RuntimeError(f"{exc}\n" + "\n".join(tails)) from exc
-    return procs
+    return started
+
+
+def _log_path(log_dir: Path, server: VllmServer) -> Path:
+    return log_dir / f"vllm-{server.port}.log"

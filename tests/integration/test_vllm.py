@@ -140,6 +140,15 @@ def margin(top: dict[str, float]) -> float:
     return best[0] - best[1] if len(best) > 1 else float("inf")
 
 
+def test_a_vllm_whose_port_was_taken_starts_again_on_fresh_ports(vllm_servers: list[RunningVllm]) -> None:
+    first, second = vllm_servers
+    assert first.server.port == first.first_port  # nothing in its way: started once
+    assert second.server.port != second.first_port  # its replay port was held: started again elsewhere
+    first_log = second.log.with_name(f"vllm-{second.first_port}.log").read_text(errors="replace").lower()
+    assert "address already in use" in first_log
+    assert second.is_running()
+
+
 @pytest.mark.parametrize("num_speculative_tokens", [0, None], ids=["speculation_off", "speculation_default"])
 async def test_vllm_and_shoal_replica_give_the_same_greedy_text(
     vllm_servers: list[RunningVllm],

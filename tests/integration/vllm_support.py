@@ -1,12 +1,15 @@
 """Real vLLM servers for the tests: its CPU build from `make vllm`, serving the packaged demo checkpoint.
 
 `vllm_servers` (module scope) starts two servers on loopback, each on a core of its own where the host has two,
-and stops them by process id after the module's last test; where vLLM's virtualenv is absent the module's tests
+and stops them by process id after the module's last test. The second one's replay port is taken by a listening
+socket while they start, so that it fails with its address in use and `start_all` starts it again on fresh ports
+(`RunningVllm.first_port` keeps the port it was given); where vLLM's virtualenv is absent the module's tests
 are skipped and say how to build it. Starting one takes about a minute on a 2-core machine.
 """
 
 from __future__ import annotations
 
+import socket
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +32,8 @@ class RunningVllm:
     server: VllmServer
     proc: subprocess.Popen[bytes]
     log: Path
+    first_port: int
+    """The HTTP port it was first started on (a server started again has another)."""
 
     @property
     def url(self) -> str:
@@ -63,8 +68,12 @@ def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Runn
         VllmServer(CHECKPOINT, MODEL, port=base + 4 * i, events_port=base + 4 * i + 1, cpus=_cores(i), max_num_seqs=4)
         for i in range(2)
     ]
-    procs = start_all(servers, python, log_dir, timeout_s=START_TIMEOUT_S)
-    running = [RunningVllm(s, p, log_dir / f"vllm-{s.port}.log") for s, p in zip(servers, procs, strict=True)]
+    with socket.create_server(("", servers[1].events_port + 1)):  # listening: no other bind gets the port
+        started = start_all(servers, python, log_dir, timeout_s=START_TIMEOUT_S)
+    running = [
+        RunningVllm(s, p, log_dir / f"vllm-{s.port}.log", first.port)
+        for first, (s, p) in zip(servers, started, strict=True)
+    ]
     try:
         yield running
     finally:
