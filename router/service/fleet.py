@@ -257,10 +257,12 @@ class FleetSharing:
                         else:
                             pipe.hdel(self.drains_key, drain.replica)
                     added, *drained = await pipe.execute(raise_on_error=False)
-                if isinstance(added, ResponseError) and "exhausted the last possible ID" in str(added):
-                    # The stream's top ID is the largest there is (a hostile entry): no XADD can follow it, for any
-                    # router. Deleting the stream lets every router publish again; readers find their position
-                    # past its end and start over (_check_position).
+                if isinstance(added, ResponseError) and (
+                    "exhausted the last possible ID" in str(added) or str(added).startswith("WRONGTYPE")
+                ):
+                    # The stream's top ID is the largest there is (a hostile entry), or its key holds another type:
+                    # no XADD can succeed, for any router. Deleting the key lets every router publish again; readers
+                    # find their position past its end and start over (_check_position).
                     self._malformed(f"the stream {self.stream_key!r} cannot advance ({added}): deleted")
                     await self._writer.delete(self.stream_key)
                     continue

@@ -313,8 +313,15 @@ async def test_a_stream_entry_with_the_largest_id_stops_no_router_for_long(
         largest = "18446744073709551615-18446744073709551615"
         await conn.xadd(a.app[FLEET].stream_key, {"r": "hostile", "d": "{}"}, id=largest)
         await assert_shared_prefixes(a, b, "after", 3, timeout_s=10.0)
+        # A stream key of another type: every XADD failed (WRONGTYPE), flapping "unreachable" / "back" until someone
+        # deleted the key by hand.
+        outages = [r.app[FLEET].counts.get("outages", 0) for r in (a, b)]
+        await conn.delete(a.app[FLEET].stream_key)
+        await conn.set(a.app[FLEET].stream_key, "not a stream")
+        await assert_shared_prefixes(a, b, "wrongtype", 4, timeout_s=10.0)
+        assert [r.app[FLEET].counts.get("outages", 0) for r in (a, b)] == outages
     finally:
         await conn.aclose()
     counts = [r.app[FLEET].counts for r in (a, b)]
-    assert sum(c["position_resets"] for c in counts) >= 1 and sum(c["malformed"] for c in counts) >= 1
+    assert sum(c["position_resets"] for c in counts) >= 1 and sum(c["malformed"] for c in counts) >= 2
     assert all(r.app[FLEET].is_up for r in (a, b)) and all(fleet_task_failures(r) == 0 for r in (a, b))
