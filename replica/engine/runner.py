@@ -97,12 +97,6 @@ class ModelRunner:
             device=model.device,
         )
 
-    @staticmethod
-    def kv_bytes_per_block(model: MoEForCausalLM, block_size: int, dtype: torch.dtype | None = None) -> int:
-        c = model.config
-        itemsize = torch.empty((), dtype=dtype or model.dtype).element_size()
-        return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * itemsize
-
     def plan(
         self, batch: ScheduledBatch
     ) -> tuple[StepPlan, list[int], list[int], list[int], list[tuple[int, int, int]], list[int]]:

@@ -55,10 +55,6 @@ class KVEventHub:
     def unsubscribe(self, sub: _Subscriber) -> None:
         self._subscribers.discard(sub)
 
-    @property
-    def num_subscribers(self) -> int:
-        return len(self._subscribers)
-
     def publish(self, events: list[KVEvent]) -> None:
         if not events or not self._subscribers:
             return
