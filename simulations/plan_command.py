@@ -311,6 +311,8 @@ _COLUMNS = (
 def format_plan_table(trials: list[Trial], chosen: Trial | None) -> str:
     """A Markdown table of every run: static fleets by policy and size, then autoscaled ones by cost. Latencies in
     seconds; `meets` says which bounds a run missed and by how much; `*` marks the plan."""
+    from simulations.report import markdown_table
+
     order: dict[str, int] = {}
     for trial in trials:
         order.setdefault(trial.candidate.policy, len(order))
@@ -335,18 +337,7 @@ def format_plan_table(trials: list[Trial], chosen: Trial | None) -> str:
         rows.append(
             [fleet, replicas, f"{s['replica_seconds']:.0f}", *cells, "yes" if trial.is_met else "; ".join(trial.misses)]
         )
-    widths = [max(len(x) for x in column) for column in zip(headers, *rows, strict=True)]
-    lines = [
-        "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |",
-        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
-    ]
-    for row in rows:
-        cells = [
-            c.ljust(w) if i in (0, len(row) - 1) else c.rjust(w)
-            for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return markdown_table(headers, rows)
 
 
 def _plan_lines(

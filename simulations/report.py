@@ -64,6 +64,11 @@ def format_table(results: Sequence[RunResult], floor: dict[str, float] | None = 
     if floor is not None:
         cells = [_cell(floor[key], fmt) if key in floor else "" for _, key, fmt in _COLUMNS]
         rows.append(["floor: alone, ceiling hits", *cells, ""])
+    return markdown_table(headers, rows)
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table padded to its columns: the first and last column left-aligned, the others right-aligned."""
     widths = [max(len(str(x)) for x in column) for column in zip(headers, *rows, strict=True)]
     lines = [
         "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |",
