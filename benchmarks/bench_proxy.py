@@ -527,7 +527,9 @@ def start_router(
     argv, why = router_argv(name, port, upstreams, args.peer_policy, probe)
     if argv is None:
         return None, "", why
-    env = {"TOKIO_WORKER_THREADS": "1", "SHOAL_PROBE_OUT": str(workdir / f"{name}.probe.json")}
+    env = {"SHOAL_PROBE_OUT": str(workdir / f"{name}.probe.json")}
+    if not args.per_host:
+        env["TOKIO_WORKER_THREADS"] = "1"
     if name == "shoal-tuned":
         env["SHOAL_PROBE_GC_THRESHOLD"] = args.probe_gc_threshold
         env["SHOAL_PROBE_SWITCH_INTERVAL_S"] = args.probe_switch_interval_s
@@ -537,6 +539,8 @@ def start_router(
         env["PYTHONPATH"] = str(cwd)
     # shoal-w2 (two worker processes) gets both cores, the load generator's included: the most a second core gives.
     cores = f"{args.router_core},{args.loadgen_core}" if name == "shoal-w2" else str(args.router_core)
+    if args.per_host:  # every router on every core, as a host is given to it
+        cores = args.loadgen_core
     service = start_service(name, argv, cores, workdir, env=env, cwd=cwd)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     error = wait_ready(service, url, ready_body, args.startup_timeout_s)
@@ -642,6 +646,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", type=int, default=16, help="--client wrk: distinct questions per prefix")
     parser.add_argument("--router-core", type=int, default=0)
     parser.add_argument("--loadgen-core", type=int, default=1, help="also runs nginx and the fake replica")
+    parser.add_argument(
+        "--per-host",
+        action="store_true",
+        help="nothing pinned apart: every router, nginx and the load generator on all cores (peers with their default "
+        "thread counts; Shoal as shoal-w2, two worker processes)",
+    )
     parser.add_argument("--startup-timeout-s", type=float, default=60.0)
     parser.add_argument("--stream-requests", type=int, default=30, help="0 skips the streaming check")
     parser.add_argument(
@@ -673,6 +683,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--setup-peers", action="store_true", help=f"create benchmarks/.venvs/ for {PEER_PACKAGES}")
     args = parser.parse_args(argv)
+    if args.per_host:
+        args.router_core = args.loadgen_core = f"0-{(os.cpu_count() or 1) - 1}"
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     if args.prompt_bytes is None:
         args.prompt_bytes = 2048 if args.client == "wrk" else 1024
