@@ -20,7 +20,6 @@ import os
 import platform
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,18 +28,12 @@ import time
 import redis.asyncio as redis
 
 from benchmarks import command_argv
+from router.common.ports import free_port
 from router.policy.estimated_ttft import EstimatedTTFT, EstimatedTTFTConfig
 from router.policy.prefix_index import PrefixIndex
 from router.policy.routing_core import RoutingConfig, RoutingCore
 from router.policy.sharing import Batch, Load, PeerRouters, Routed, decode_batch, encode_batch
 from router.policy.types import ReplicaState
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def make_batch(rng: random.Random, router: str, seq: int, args: argparse.Namespace) -> Batch:
@@ -84,7 +77,7 @@ def run_redis(args: argparse.Namespace, payloads: list[bytes]) -> tuple[int, int
     binary = shutil.which("redis-server")
     if binary is None:
         sys.exit("redis-server is not installed")
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as workdir:
         proc = subprocess.Popen(
             [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir],

@@ -62,6 +62,7 @@ from benchmarks import command_argv
 from replica.demo.build import PACKAGED_DIR as DEMO_DIR
 from replica.demo.corpus import generate_conversations
 from router.common.child_processes import parent_death_signal
+from router.common.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "shoal-demo"
@@ -71,13 +72,6 @@ RESTARTED = 2
 """Index of the router that is restarted."""
 SHOAL = [sys.executable, "-c", "import sys; from router.cli import main; sys.exit(main())"]
 """`shoal` from this source tree (run with the repository root as the working directory)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -151,12 +145,12 @@ class Fleet:
     def __init__(self, workdir: Path, args: argparse.Namespace) -> None:
         self.workdir = workdir
         self.args = args
-        self.redis_port = _free_port()
+        self.redis_port = free_port()
         self.redis: subprocess.Popen[bytes] | None = None
         self.replicas: list[subprocess.Popen[bytes]] = []
         self.replica_urls: list[str] = []
         self.routers: list[subprocess.Popen[bytes] | None] = []
-        self.router_ports = [_free_port() for _ in range(args.routers)]
+        self.router_ports = [free_port() for _ in range(args.routers)]
         self.redis_url: str | None = None
 
     def _start(self, name: str, command: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -225,7 +219,7 @@ class Fleet:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.replica_urls = []
         for i in range(self.args.replicas):
-            port = _free_port()
+            port = free_port()
             command = [*SHOAL, "replica", "--model", str(DEMO_DIR), "--served-model-name", MODEL]
             command += ["--port", str(port)]
             command += ["--threads", "1", "--num-blocks", str(self.args.num_blocks), "--num-speculative-tokens", "0"]

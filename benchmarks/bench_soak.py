@@ -40,7 +40,6 @@ import random
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +56,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from benchmarks import command_argv
 from benchmarks.soak_hostile import MODEL, SESSION_HEADER, RedisGarbage, Tally, attacks, run_attacks
 from router.common.child_processes import parent_death_signal
+from router.common.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SHOAL = [sys.executable, "-c", "import sys; from router.cli import main; sys.exit(main())"]
@@ -69,13 +69,6 @@ REQUEST_TIMEOUT_S = 30.0
 WORDS = ("the", "of", "cache", "router", "replica", "prefix", "token", "stream", "fleet", "session", "block", "prompt")
 MAX_IN_FLIGHT = 2000
 """Normal requests the load generator keeps in flight at most; past it a request counts as failed, unsent."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def rss_kib(pid: int) -> int:
@@ -105,7 +98,7 @@ class Fleet:
         self.redis_url = ""
         self.replica_urls: list[str] = []
         self.router: subprocess.Popen[bytes] | None = None
-        self.router_port = _free_port()
+        self.router_port = free_port()
         self.admin_token = secrets.token_hex(16)
 
     @property
@@ -125,12 +118,12 @@ class Fleet:
         binary = shutil.which("redis-server")
         if binary is None:
             sys.exit("redis-server is not installed (apt-get install redis-server)")
-        port = _free_port()
+        port = free_port()
         command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         redis = self._start("redis", [*command, "--dir", str(self.workdir)])
         self.redis_url = f"redis://127.0.0.1:{port}/0"
         for i in range(2):
-            port = _free_port()
+            port = free_port()
             command = [sys.executable, "-m", "tests.fakes.fake_replica", "--port", str(port), "--name", f"fake-{i}"]
             command += ["--first-byte-delay-s", "0.01", "--per-token-delay-s", "0.005"]
             self._start(f"replica-{i}", command)

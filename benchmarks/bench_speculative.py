@@ -33,7 +33,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `shoal replica` serves
 import argparse
 import json
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -62,6 +61,7 @@ from replica.model.loader import load_model
 from replica.model.model import MoEForCausalLM
 from replica.quant.experts import quantize_model_experts
 from replica.tokenizer import Tokenizer
+from router.common.ports import free_port
 
 BENCH_SEED = 777
 """Requests drawn from the corpus generator with a seed of their own: neither training nor drafter traffic."""
@@ -330,12 +330,6 @@ def start_server(name: str, options: list[str], threads: int | None, logs: Path)
             raise SystemExit(f"{name} did not start:\n{log.read_text(errors='replace')[-2000:]}")
         time.sleep(0.2)
     return server
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def post_chat(server: Server, body: dict[str, Any]) -> int:

@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from replica.settings import ReplicaSettings
 from router.common.child_processes import start_child
+from router.common.ports import free_port
 
 if TYPE_CHECKING:
     from replica.engine.parallel import TensorParallel
@@ -54,13 +54,6 @@ def threads_per_rank(threads: int | None, world_size: int) -> int:
     return threads if threads else max(1, (os.cpu_count() or 1) // world_size)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
-
-
 def _check_shardable(settings: ReplicaSettings) -> None:
     from replica.loading import checkpoint_dir
     from replica.model.config import ModelConfig
@@ -77,7 +70,7 @@ class RankGroup:
         self.settings = settings
         self.world_size = settings.tensor_parallel_size
         self.threads = threads
-        self.master_port = _free_port()
+        self.master_port = free_port()
         self.processes: list[subprocess.Popen[bytes]] = []
         self.group: TensorParallel | None = None
         self.lost_rank: int | None = None

@@ -188,7 +188,8 @@ def _up_vllm(
 ) -> int:
     """N vLLM servers of `checkpoint` (each on cores of its own where there are enough), and the router in exact
     mode in front: KV events from each server's ZMQ publisher, chat routed on the model's token ids."""
-    from replica.vllm_engine import VllmServer, find_vllm_python, free_port_run, start_all
+    from replica.vllm_engine import VllmServer, find_vllm_python, start_all
+    from router.common.ports import free_port_run
 
     python = find_vllm_python(vllm_python)
     if python is None:

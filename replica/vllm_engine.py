@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -29,6 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from router.common.child_processes import parent_death_signal
+from router.common.ports import free_port_run
 
 VLLM_PYTHON_ENV = "SHOAL_VLLM_PYTHON"
 VENV_NAME = ".venv-vllm"
@@ -157,26 +157,6 @@ def stop(proc: subprocess.Popen[bytes], *, timeout_s: float = 30.0, sig: int = s
 ADDRESS_IN_USE = "address already in use"
 START_ATTEMPTS = 3
 """Starts of one server, each on fresh ports, while its ports turn out taken when it binds them."""
-
-
-def free_port_run(count: int) -> int:
-    """A port p with p .. p + count - 1 free on every interface right now (vLLM binds its publishers on `*`)."""
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("", 0))
-            base: int = probe.getsockname()[1]
-        if base + count < 65536 and all(_is_free(base + i) for i in range(count)):
-            return base
-    raise RuntimeError(f"no run of {count} free ports")
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("", port))
-        except OSError:
-            return False
-    return True
 
 
 def start_all(

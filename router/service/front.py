@@ -49,6 +49,10 @@ _MAX_HEAD_BYTES = 64 * 1024
 """Bytes a request head may take (431 beyond): far above what OpenAI clients send, far below memory trouble."""
 _RAISE_BODY_LIMIT = " (limits.max_body_bytes, SHOAL_ROUTER_LIMITS__MAX_BODY_BYTES, raises it)"
 _HEAD_TOO_LARGE = f"request head larger than {_MAX_HEAD_BYTES} bytes (a fixed limit)"
+
+
+def _framing_refusal() -> _Refusal:
+    return _Refusal(431, f"chunk framing and trailers larger than {_MAX_HEAD_BYTES} bytes", "head_too_large")
 _LINGER_S = 2.0
 """Seconds a refused connection is read and discarded after its answer, so that the answer is not reset away."""
 _HIGH_WATER_BYTES = 1024 * 1024
@@ -333,9 +337,8 @@ class _Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.state == _BODY:  # a trailer field (after the last chunk): counted as framing, never kept
-            self._framing_bytes += len(name) + len(value) + 4
-            if self._framing_bytes > _MAX_HEAD_BYTES + self._body_bytes:
-                raise _Refusal(431, f"chunk framing and trailers larger than {_MAX_HEAD_BYTES} bytes", "head_too_large")
+            if self._framing_exceeds(len(name) + len(value) + 4):
+                raise _framing_refusal()
             return
         self._fields.append((name, value))
 
@@ -442,11 +445,13 @@ class _Connection(asyncio.Protocol):
     def _check_framing(self, num_bytes: int) -> None:
         """Refuse a body whose chunk framing and trailers outgrow a head's limit plus the body itself (honest
         clients send chunks of kilobytes, whose size lines are a few bytes each, and few trailers if any)."""
+        if self._framing_exceeds(num_bytes):
+            self._end_reading(_framing_refusal())
+
+    def _framing_exceeds(self, num_bytes: int) -> bool:
+        """Count `num_bytes` more of framing or trailers; whether they now outgrow a head's limit plus the body."""
         self._framing_bytes += num_bytes
-        if self._framing_bytes > _MAX_HEAD_BYTES + self._body_bytes:
-            self._end_reading(
-                _Refusal(431, f"chunk framing and trailers larger than {_MAX_HEAD_BYTES} bytes", "head_too_large")
-            )
+        return self._framing_bytes > _MAX_HEAD_BYTES + self._body_bytes
 
     def _end_reading(self, refusal: _Refusal | None) -> None:
         """Parse nothing more; answer the requests already complete, then `refusal` if any, then close."""

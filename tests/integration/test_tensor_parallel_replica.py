@@ -19,6 +19,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.integration.conftest import metric_value
 from tests.integration.ports import free_ports
 from tests.integration.test_seeded_replica import held_out_prompts
 from tests.replica_checkpoint import build_tiny_checkpoint
@@ -143,8 +144,7 @@ def _demo_answers(replica: Replica, prompts: list[str], **params: float) -> list
 
 def _metric(replica: Replica, name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{replica.port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+        return metric_value(response.read().decode(), name) or 0.0
 
 
 def test_two_ranks_with_the_block_drafter_give_one_ranks_text(start) -> None:  # type: ignore[no-untyped-def]
