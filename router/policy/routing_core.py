@@ -294,13 +294,13 @@ class RoutingCore:
             chain = self._memo.chain_tokens(
                 key.token_ids, seed, cfg.token_block_size, max_blocks=cfg.max_blocks, packed=key.packed
             )
-            prompt_tokens = len(key.token_ids)
+            prompt_tokens = key.length
             tokens_per_block = float(cfg.token_block_size)
             is_tokens = True
         else:
             text = key.text or b""
             chain = self._memo.chain_text(text, seed, cfg.text_block_size, max_blocks=cfg.max_blocks)
-            prompt_tokens = math.ceil(len(text) / cfg.bytes_per_token)
+            prompt_tokens = math.ceil(key.length / cfg.bytes_per_token)
             tokens_per_block = cfg.text_block_size / cfg.bytes_per_token
             is_tokens = False
         if cfg.use_index:

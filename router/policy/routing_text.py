@@ -14,6 +14,9 @@ Malformed requests raise `RoutingInputError`, whose message is fit for an OpenAI
 from __future__ import annotations
 
 import json
+import sys
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -37,13 +40,47 @@ class RoutingKey:
     """The units a request is hashed over: UTF-8 text, or token ids (token mode)."""
 
     text: bytes | None = None
-    token_ids: tuple[int, ...] | list[int] | None = None
+    token_ids: Sequence[int] | None = None
     packed: bytes | None = None
     """`token_ids` as `hashing.pack_tokens` packs them, when the parser has packed them already."""
+    num_units: int | None = None
+    """The whole prompt's length (UTF-8 bytes or token ids) when `text` or `token_ids` hold only its head (`head`);
+    None: they hold all of it."""
 
     @property
     def is_tokens(self) -> bool:
         return self.token_ids is not None
+
+    @property
+    def length(self) -> int:
+        """The whole prompt's length in its units: UTF-8 bytes of text, or token ids."""
+        if self.num_units is not None:
+            return self.num_units
+        return len(self.token_ids) if self.token_ids is not None else len(self.text or b"")
+
+    def head(self, max_text_bytes: int, max_token_ids: int) -> RoutingKey:
+        """This key cut to its first `max_text_bytes` of text or `max_token_ids` ids, its whole length kept: all
+        that a router hashing at most that far uses, and little to send between processes."""
+        if self.token_ids is not None:
+            if len(self.token_ids) <= max_token_ids:
+                return self
+            if self.packed is None:
+                return RoutingKey(token_ids=list(self.token_ids[:max_token_ids]), num_units=self.length)
+            packed = self.packed[: 4 * max_token_ids]
+            # The ids as an array over the packed bytes: it pickles as those bytes, where a list pickles id by id.
+            return RoutingKey(token_ids=_unpacked(packed), packed=packed, num_units=self.length)
+        text = self.text or b""
+        if len(text) <= max_text_bytes:
+            return self
+        return RoutingKey(text=text[:max_text_bytes], num_units=len(text))
+
+
+def _unpacked(packed: bytes) -> Sequence[int]:
+    ids = array("I")
+    ids.frombytes(packed)
+    if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
+        ids.byteswap()
+    return ids
 
 
 def _canonical(value: Any, param: str) -> str:

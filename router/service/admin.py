@@ -25,7 +25,7 @@ import orjson
 from aiohttp import web
 
 from router.service.errors import error_response
-from router.service.front import FrontRequest
+from router.service.front import Body, FrontRequest
 from router.service.pool import Replica, ReplicaPool
 from router.service.replica_url import replica_id, split_url
 from router.service.routing import PoolRouting
@@ -68,7 +68,7 @@ class AdminApi:
         self.on_changed = on_changed
         """Called after an add or an undrain: the replica may take traffic (held requests look again)."""
 
-    async def handle(self, request: FrontRequest, body: bytes) -> web.Response:
+    async def handle(self, request: FrontRequest, body: Body) -> web.Response:
         """Any request under /admin: 401 without the token, else the route's answer, or 404."""
         # The header's bytes as received: a value that is not UTF-8 is a wrong token, not an error.
         given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
@@ -99,7 +99,7 @@ class AdminApi:
     def list_replicas(self) -> web.Response:
         return web.json_response({"replicas": [replica_view(r) for r in self.pool]})
 
-    def add_replica(self, raw: bytes) -> web.Response:
+    def add_replica(self, raw: Body) -> web.Response:
         try:
             body = orjson.loads(raw)
         except (ValueError, RecursionError):

@@ -26,7 +26,7 @@ from router.service.admin import AdminApi
 from router.service.deadlines import Deadlines
 from router.service.errors import error_response
 from router.service.fleet import FleetSharing
-from router.service.front import Answer, FrontRequest, Handler
+from router.service.front import Answer, Body, FrontRequest, Handler
 from router.service.health import HealthChecker, MetricsScraper
 from router.service.kv_events import KVEventSubscribers
 from router.service.metrics import RouterMetrics
@@ -96,19 +96,19 @@ def front_routes(app: web.Application) -> tuple[dict[tuple[str, str], Handler], 
     proxy = app[PROXY]
     admin = app.get(ADMIN)
 
-    async def health(request: FrontRequest, body: bytes) -> Answer:
+    async def health(request: FrontRequest, body: Body) -> Answer:
         return web.json_response({"status": "ok"})
 
-    async def ready(request: FrontRequest, body: bytes) -> Answer:
+    async def ready(request: FrontRequest, body: Body) -> Answer:
         return _ready(app)
 
-    async def metrics(request: FrontRequest, body: bytes) -> Answer:
+    async def metrics(request: FrontRequest, body: Body) -> Answer:
         return web.Response(body=app[METRICS].exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def models(request: FrontRequest, body: bytes) -> Answer:
+    async def models(request: FrontRequest, body: Body) -> Answer:
         return await proxy.handle_models(request)
 
-    async def other(request: FrontRequest, body: bytes) -> Answer:
+    async def other(request: FrontRequest, body: Body) -> Answer:
         path = request.path
         if path.startswith("/v1/"):
             return await proxy.handle_passthrough(request, body)
@@ -248,6 +248,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
                 await task
         await probe_session.close()
         await upstream.close()
+        proxy.parser.close()
         if request_log is not None:
             await asyncio.to_thread(request_log.close)  # flushes what is queued; bounded by its close timeout
 

@@ -17,7 +17,7 @@ from typing import Any
 from multidict import CIMultiDict
 
 from router.service.errors import sse_error_event
-from router.service.front import FrontRequest, FrontStream, WholeAnswer
+from router.service.front import Body, FrontRequest, FrontStream, WholeAnswer
 from router.service.metrics import RouterMetrics
 from router.service.pool import Replica
 from router.service.routing import PoolRouting, ReplicaTicket
@@ -103,7 +103,7 @@ class Forwarder:
         request: FrontRequest,
         ticket: ReplicaTicket,
         headers: list[tuple[str, str]],
-        raw: bytes,
+        raw: Body,
         on_sent: Callable[[], object],
     ) -> WholeAnswer | FrontStream:
         replica = ticket.replica

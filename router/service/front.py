@@ -53,6 +53,8 @@ _HEAD_TOO_LARGE = f"request head larger than {_MAX_HEAD_BYTES} bytes (a fixed li
 
 def _framing_refusal() -> _Refusal:
     return _Refusal(431, f"chunk framing and trailers larger than {_MAX_HEAD_BYTES} bytes", "head_too_large")
+
+
 _LINGER_S = 2.0
 """Seconds a refused connection is read and discarded after its answer, so that the answer is not reset away."""
 _HIGH_WATER_BYTES = 1024 * 1024
@@ -71,12 +73,14 @@ _DECODERS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS,), "
 _IDLE, _HEAD, _BODY, _CLOSED = range(4)
 
 Answer: TypeAlias = "web.StreamResponse | WholeAnswer | FrontStream"
+Body: TypeAlias = bytes | bytearray
+"""A request body as read: its one chunk, or the bytearray its chunks were appended to. Never changed once read."""
 
 
 class Handler(Protocol):
     """What serves a parsed request. Returns a whole answer, or the stream it has written."""
 
-    def __call__(self, request: FrontRequest, body: bytes, /) -> Awaitable[Answer]: ...
+    def __call__(self, request: FrontRequest, body: Body, /) -> Awaitable[Answer]: ...
 
 
 class FrontRequest:
@@ -206,7 +210,7 @@ class _Pending:
     __slots__ = ("body", "handler", "refusal", "request")
 
     def __init__(
-        self, request: FrontRequest, body: bytes, handler: Handler | None, refusal: _Refusal | None = None
+        self, request: FrontRequest, body: Body, handler: Handler | None, refusal: _Refusal | None = None
     ) -> None:
         self.request = request
         self.body = body
@@ -241,7 +245,9 @@ class _Connection(asyncio.Protocol):
         # The request being read.
         self._url = b""
         self._fields: list[tuple[bytes, bytes]] = []
-        self._body: list[bytes] = []
+        self._body: Body = b""
+        """The body read so far: its one chunk, or a bytearray the chunks are appended to (glibc grows a large one in
+        place with mremap, where joining a list of chunks at the end copied 20 MB in one go)."""
         self._body_bytes = 0
         self._head_bytes = 0
         self._framing_bytes = 0
@@ -327,7 +333,7 @@ class _Connection(asyncio.Protocol):
         self.since = self.loop.time()
         self._url = b""
         self._fields = []
-        self._body = []
+        self._body = b""
         self._body_bytes = 0
         self._head_bytes = 0
         self._framing_bytes = 0
@@ -407,13 +413,18 @@ class _Connection(asyncio.Protocol):
                 f"request body is larger than {self.limits.max_body_bytes} bytes{_RAISE_BODY_LIMIT}",
                 "request_too_large",
             )
-        self._body.append(body)
+        if not self._body:
+            self._body = body
+        else:
+            if type(self._body) is bytes:
+                self._body = bytearray(self._body)
+            self._body += body
 
     def on_message_complete(self) -> None:
         request = self._request
         assert request is not None
-        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        self._body = []
+        body = self._body
+        self._body = b""
         self._body_bytes = 0
         self._is_continue_due = False
         refusal = None
@@ -589,7 +600,7 @@ class _Connection(asyncio.Protocol):
         self.transport.abort()  # type: ignore[union-attr]
 
 
-def _decode(body: bytes, coding: str, limit: int) -> bytes:
+def _decode(body: Body, coding: str, limit: int) -> bytes:
     """A gzip or deflate body, decoded to at most `limit` bytes (so a small bomb cannot fill memory)."""
     for wbits in _DECODERS[coding]:
         decoder = zlib.decompressobj(wbits)

@@ -1,11 +1,12 @@
 """The OpenAI-compatible proxy's HTTP glue: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, other `/v1/*`.
 
-A request, read by the front under its size and time limits, is validated (400s in OpenAI's error shape, never a
-500), routed by `PoolRouting`, and forwarded (`forwarding.Forwarder`). Until a byte has reached the client, a
-refused connection or a 5xx moves the request to another replica (never the one that just failed), within
-`retry.max_attempts` and `retry.total_timeout_s`. A client that goes away cancels the handler (the front cancels
-its task), which closes the upstream connection at once, so the replica stops generating for nobody. Requests that
-no replica can take yet wait in `holding.HoldLine`; a new request lines up behind those already waiting.
+A request, read by the front under its size and time limits, is parsed and validated (`body_parser`: large bodies
+in a child process; 400s in OpenAI's error shape, never a 500), routed by `PoolRouting`, and forwarded
+(`forwarding.Forwarder`). Until a byte has reached the client, a refused connection or a 5xx moves the request to
+another replica (never the one that just failed), within `retry.max_attempts` and `retry.total_timeout_s`. A
+client that goes away cancels the handler (the front cancels its task), which closes the upstream connection at
+once, so the replica stops generating for nobody. Requests that no replica can take yet wait in
+`holding.HoldLine`; a new request lines up behind those already waiting.
 
 For a model with a router tokenizer (`tokenizer.models`), the validated request's text key is replaced by its
 token ids (`chat_tokenizer.ChatTokenizer`), on a worker thread for large bodies; when the tokenizer cannot take
@@ -21,13 +22,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import orjson
 from aiohttp import web
 
-from router.policy.routing_text import RoutingInputError, RoutingKey, chat_routing_key, completion_routing_key
+from router.policy.routing_text import RoutingKey
+from router.service.body_parser import BodyParser, ParsedBody, ParserDied, Refusal
 from router.service.errors import error_response
 from router.service.forwarding import Forwarder, Retry, request_headers
-from router.service.front import Answer, FrontRequest, WholeAnswer
+from router.service.front import Answer, Body, FrontRequest, WholeAnswer
 from router.service.holding import HoldLine
 from router.service.metrics import RouterMetrics
 from router.service.pool import Replica, ReplicaPool
@@ -40,8 +41,6 @@ if TYPE_CHECKING:
     from router.service.chat_tokenizer import ChatTokenizer
 
 log = logging.getLogger("shoal.router")
-
-_ROUTED_PATHS = {"/v1/completions": completion_routing_key, "/v1/chat/completions": chat_routing_key}
 
 
 class Proxy:
@@ -68,42 +67,53 @@ class Proxy:
         """Where one line per request goes; None: no request log."""
         self.tokenizers = tokenizers or {}
         """Served model name -> its tokenizer and chat template (`tokenizer.models`)."""
+        off_loop_min_bytes = settings.limits.parse_off_loop_min_bytes
+        if self.tokenizers:  # the router's tokenizer needs the whole body, parsed here
+            off_loop_min_bytes = max(off_loop_min_bytes, settings.tokenizer.max_request_bytes + 1)
+        blocks = settings.hashing.max_blocks
+        self.parser = BodyParser(
+            off_loop_min_bytes, blocks * settings.hashing.text_block_size, blocks * settings.hashing.token_block_size
+        )
 
     # --- entry points -----------------------------------------------------------------------------------
 
-    async def handle_front(self, request: FrontRequest, raw: bytes) -> Answer:
+    async def handle_front(self, request: FrontRequest, raw: Body) -> Answer:
         """A routed request the front parsed, its body read: a whole answer to write, or the stream it wrote."""
         started = self._clock()
         if request.content_type != "application/json":
             return _wrong_content_type(request.content_type)
         return await self._route_json(request, raw, started)
 
-    async def _route_json(self, request: FrontRequest, raw: bytes, started: float) -> Answer:
-        try:
-            body = orjson.loads(raw)
-        except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep for the decoder
-            return error_response(400, f"request body is not valid JSON: {exc}", code="invalid_json")
-        if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object", code="invalid_json")
-        try:
-            key = _ROUTED_PATHS[request.path](body)
-        except RoutingInputError as exc:
-            return error_response(400, str(exc), param=exc.param)
+    async def _route_json(self, request: FrontRequest, raw: Body, started: float) -> Answer:
+        parsed = await self._parse(request.path, raw)
+        if isinstance(parsed, Refusal):
+            return error_response(400, parsed.message, code=parsed.code, param=parsed.param)
+        if isinstance(parsed, web.Response):
+            return parsed
+        body, key = parsed.body, parsed.key
+        assert key is not None
         model = body.get("model")
         tokenizer = self.tokenizers.get(model) if isinstance(model, str) else None
         if tokenizer is not None and not key.is_tokens:
-            key = await self._tokenized(tokenizer, request.path, body, len(raw), key)
+            key = await self._tokenized(tokenizer, request.path, parsed, len(raw), key)
         return await self._route_and_forward(request, body, raw, key, started)
 
+    async def _parse(self, path: str, raw: Body) -> ParsedBody | Refusal | web.Response:
+        try:
+            return await self.parser.parse(path, raw)
+        except ParserDied as exc:
+            return error_response(500, str(exc), type_="server_error", code="internal_error")
+
     async def _tokenized(
-        self, tokenizer: ChatTokenizer, path: str, body: dict[str, Any], num_bytes: int, text_key: RoutingKey
+        self, tokenizer: ChatTokenizer, path: str, parsed: ParsedBody, num_bytes: int, text_key: RoutingKey
     ) -> RoutingKey:
         """The request's token-id key, or `text_key` (counted) when the tokenizer cannot take it."""
         from router.service.chat_tokenizer import TokenizeFallback
 
         limits = self.settings.tokenizer
+        body = parsed.body
         try:
-            if num_bytes > limits.max_request_bytes:
+            if num_bytes > limits.max_request_bytes or not parsed.is_whole:
                 raise TokenizeFallback("oversized")
             if num_bytes >= limits.off_loop_min_bytes:
                 return await asyncio.to_thread(tokenizer.routing_key, path, body)
@@ -112,17 +122,17 @@ class Proxy:
             self.metrics.tokenize_fallbacks.inc((fallback.reason,))
             return text_key
 
-    async def handle_passthrough(self, request: FrontRequest, raw: bytes) -> Answer:
+    async def handle_passthrough(self, request: FrontRequest, raw: Body) -> Answer:
         """Any other /v1/* path: no prefix to route on, so the policy balances load alone."""
         started = self._clock()
         body: dict[str, Any] = {}
         if request.content_type == "application/json" and raw:
-            try:
-                decoded = orjson.loads(raw)
-            except (ValueError, RecursionError):  # RecursionError: nesting too deep for the decoder
-                return error_response(400, "request body is not valid JSON", code="invalid_json")
-            if isinstance(decoded, dict):
-                body = decoded
+            parsed = await self._parse(request.path, raw)
+            if isinstance(parsed, Refusal):
+                return error_response(400, parsed.message, code=parsed.code, param=parsed.param)
+            if isinstance(parsed, web.Response):
+                return parsed
+            body = parsed.body
         return await self._route_and_forward(request, body, raw, RoutingKey(text=b""), started)
 
     async def handle_models(self, request: FrontRequest) -> web.Response:
@@ -136,7 +146,7 @@ class Proxy:
     # --- routing and forwarding ---------------------------------------------------------------------------
 
     async def _route_and_forward(
-        self, request: FrontRequest, body: dict[str, Any], raw: bytes, key: RoutingKey, started: float
+        self, request: FrontRequest, body: dict[str, Any], raw: Body, key: RoutingKey, started: float
     ) -> Answer:
         model = body.get("model")
         if model is not None and not isinstance(model, str):

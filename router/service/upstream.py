@@ -529,7 +529,7 @@ class UpstreamPool:
         port: int,
         target: str,
         headers: list[tuple[str, str]],
-        body: bytes,
+        body: bytes | bytearray,
         on_sent: Callable[[], object] | None = None,
     ) -> UpstreamResponse:
         """Sends a request and returns once the response's head is parsed.
@@ -599,7 +599,7 @@ class UpstreamPool:
     # --- one exchange -------------------------------------------------------------------------------------
 
     def _encode_head(
-        self, method: str, key: tuple[str, int], target: str, headers: list[tuple[str, str]], body: bytes
+        self, method: str, key: tuple[str, int], target: str, headers: list[tuple[str, str]], body: bytes | bytearray
     ) -> bytes:
         host = self._host_headers.get(key)
         if host is None:
@@ -621,7 +621,7 @@ class UpstreamPool:
         return head.encode("utf-8", "surrogateescape")
 
     async def _exchange(
-        self, conn: _Connection, method: str, head: bytes, body: bytes, on_sent: Callable[[], object] | None
+        self, conn: _Connection, method: str, head: bytes, body: bytes | bytearray, on_sent: Callable[[], object] | None
     ) -> UpstreamResponse:
         transport = conn.transport
         assert transport is not None

@@ -1,0 +1,245 @@
+"""A request of any legal size moves no other request's latency by more than 50 ms.
+
+`shoal router` runs as a user runs it, in a process of its own, in front of two replicas: a fake replica in this
+process's event loop takes a stream of small completions, one every 5 ms, each timed from when it was due; a
+plain HTTP server on a thread takes one large request (20 MB of token ids, 20 MB of chat text, 200,000 tools),
+sent from another thread, reads it whole and answers without parsing it. The threads spend their time in socket
+calls that release the GIL, so what the small requests measure is the router. Their p99 while the large request is
+in flight must stay within 50 ms of their p99 before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import json
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+
+from router.common.ports import free_port
+from tests.integration.conftest import MODEL, StartFakes, eventually
+from tests.integration.test_autoscaler_local_orphans import is_running
+
+pytestmark = pytest.mark.integration
+
+BIG_MODEL = "big"
+JSON = {"Content-Type": "application/json"}
+ALLOWED_S = 0.050
+INTERVAL_S = 0.005
+"""Small requests arrive one per 5 ms, whatever the router is doing."""
+MAX_SMALL = 4000
+"""Small requests sent at most while the large one is in flight (20 s of them)."""
+
+
+def token_id_body() -> bytes:
+    return b'{"model":"big","max_tokens":1,"prompt":[' + b"0," * 9_999_999 + b"0]}"
+
+
+def chat_text_body() -> bytes:
+    content = "lorem ipsum dolor sit amet " * (20_000_000 // 27)
+    return orjson.dumps({"model": BIG_MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": content}]})
+
+
+def tools_body() -> bytes:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "hi"}]
+    return orjson.dumps({"model": BIG_MODEL, "max_tokens": 1, "tools": [tool] * 200_000, "messages": messages})
+
+
+LARGE = {
+    "token-ids": ("/v1/completions", token_id_body),
+    "chat-text": ("/v1/chat/completions", chat_text_body),
+    "tools": ("/v1/chat/completions", tools_body),
+}
+
+
+class _BigReplica(BaseHTTPRequestHandler):
+    """Serves model `big`: reads each body whole and answers without parsing it."""
+
+    protocol_version = "HTTP/1.1"
+
+    def _answer(self, value: object, status: int = 200) -> None:
+        data = json.dumps(value).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/models":
+            self._answer({"object": "list", "data": [{"id": BIG_MODEL, "object": "model"}]})
+        elif self.path == "/health":
+            self._answer({"status": "ok"})
+        else:
+            self._answer({"error": "not found"}, 404)
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._answer({"object": "text_completion", "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}]})
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def big_replica() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _BigReplica)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class Router:
+    def __init__(self, process: asyncio.subprocess.Process, port: int) -> None:
+        self.process = process
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+
+
+async def ready_with(session: aiohttp.ClientSession, router: Router, num_replicas: int) -> bool:
+    with contextlib.suppress(aiohttp.ClientError):
+        async with session.get(router.url + "/ready") as resp:
+            return resp.status == 200 and (await resp.json()).get("replicas") == num_replicas
+    return False
+
+
+@pytest.fixture
+async def start_router(tmp_path: Path) -> AsyncIterator[StartShoalRouter]:
+    """`shoal router` with the given replicas, ready; killed at the end."""
+    started: list[Router] = []
+
+    async def start(*replicas: str) -> Router:
+        port = free_port()
+        argv = [sys.executable, "-c", "import sys; from router.cli import main; sys.exit(main())", "router"]
+        argv += ["--port", str(port)] + [arg for url in replicas for arg in ("--replica", url)]
+        with (tmp_path / f"router-{port}.log").open("wb") as log:
+            process = await asyncio.create_subprocess_exec(*argv, stdout=log, stderr=log)
+        router = Router(process, port)
+        started.append(router)
+        async with aiohttp.ClientSession() as session:
+            await eventually(
+                lambda: ready_with(session, router, len(replicas)), timeout_s=60.0, what="the router ready"
+            )
+        return router
+
+    yield start
+    for router in started:
+        if router.process.returncode is None:
+            router.process.kill()
+            await router.process.wait()
+
+
+StartShoalRouter = Callable[..., Awaitable[Router]]
+
+
+def post_in_a_thread(url: str, path: str, body: bytes) -> asyncio.Future[int]:
+    """POST `body` from a thread of its own (blocking sockets, which release the GIL); the future gets the status."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[int] = loop.create_future()
+
+    def post() -> None:
+        host, port = url.removeprefix("http://").split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=60)
+        try:
+            connection.request("POST", path, body=body, headers=JSON)
+            response = connection.getresponse()
+            response.read()
+            loop.call_soon_threadsafe(done.set_result, response.status)
+        except Exception as exc:  # handed to the test
+            loop.call_soon_threadsafe(done.set_exception, exc)
+        finally:
+            connection.close()
+
+    threading.Thread(target=post, daemon=True).start()
+    return done
+
+
+def p99(latencies: list[float]) -> float:
+    return statistics.quantiles(latencies, n=100, method="inclusive")[98]
+
+
+@pytest.mark.parametrize("kind", list(LARGE))
+async def test_a_large_request_moves_small_ones_by_at_most_50_ms(
+    kind: str, big_replica: str, start_fakes: StartFakes, start_router: StartShoalRouter
+) -> None:
+    (small,) = await start_fakes(1)
+    router: Router = await start_router(small.url, big_replica)
+    path, build = LARGE[kind]
+    body = build()
+    small_body = orjson.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1})
+
+    async def small_latency(session: aiohttp.ClientSession, due: float) -> float:
+        async with session.post(router.url + "/v1/completions", data=small_body) as resp:
+            await resp.read()
+            assert resp.status == 200
+        return time.perf_counter() - due
+
+    async def open_loop(session: aiohttp.ClientSession, is_done: Callable[[], bool]) -> list[float]:
+        """Small requests every `INTERVAL_S`, each timed from when it was due (so a stall shows in every request
+        it delays, not only in one), until `is_done` or `MAX_SMALL` of them."""
+        tasks: list[asyncio.Task[float]] = []
+        first = time.perf_counter()
+        while not is_done() and len(tasks) < MAX_SMALL:
+            due = first + len(tasks) * INTERVAL_S
+            tasks.append(asyncio.create_task(small_latency(session, due)))
+            await asyncio.sleep(max(0.0, due + INTERVAL_S - time.perf_counter()))
+        return list(await asyncio.gather(*tasks))
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60), headers=JSON) as session:
+        sent = iter(range(200))
+        before = await open_loop(session, lambda: next(sent, None) is None)
+        large = post_in_a_thread(router.url, path, body)
+        during = await open_loop(session, large.done)
+        assert await large == 200
+    assert len(during) >= 10, f"only {len(during)} small requests while the large one was in flight"
+    assert p99(during) <= p99(before) + ALLOWED_S, (
+        f"{kind}: small requests' p99 {p99(during) * 1e3:.1f} ms during the large one, "
+        f"{p99(before) * 1e3:.1f} ms before (worst {max(during) * 1e3:.1f} ms, {len(during)} requests)"
+    )
+
+
+def children_of(pid: int) -> set[int]:
+    """The processes `pid` started, from any of its threads."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            found.update(int(child) for child in (task / "children").read_text().split())
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+async def test_the_parser_process_ends_with_a_router_killed_outright(
+    start_fakes: StartFakes, start_router: StartShoalRouter
+) -> None:
+    (fake,) = await start_fakes(1)
+    router: Router = await start_router(fake.url)
+    pid = router.process.pid
+    body = b'{"model":"%s","max_tokens":1,"prompt":[' % MODEL.encode() + b"7," * 200_000 + b"7]}"
+    before = children_of(pid)
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(router.url + "/v1/completions", data=body, headers=JSON) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+    parser = children_of(pid) - before
+    assert parser, "no child process parsed the 400 KB body"
+    os.kill(pid, signal.SIGKILL)
+    await router.process.wait()
+    await eventually(lambda: not any(map(is_running, parser)), timeout_s=10.0, what="the parser process to end")
