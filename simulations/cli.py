@@ -125,9 +125,12 @@ def add_simulate_command(subparsers: Any) -> None:
         "--jobs",
         type=int,
         metavar="N",
-        help="runs at once, each in its own process (default: every core); 1 runs them one after the other here. "
-        "Results are the same either way",
+        help="runs at once, each in its own process (default: every core, or with --ray every run); 1 runs them one "
+        "after the other here. Results are the same either way",
     )
+    from simulations.sweep import add_ray_argument
+
+    add_ray_argument(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run_simulate)
     commands = parser.add_subparsers(dest="simulate_command", metavar="{fetch-traces,plan}", required=False)
@@ -315,7 +318,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     floor = None if args.no_floor else floor_summary(*floor_ttfts(workload, engine, step_model))
     runs = scenario_runs(scenario, traces_dir=Path(traces_dir) if traces_dir else None)
     with SweepProgress(len(runs), requests_per_run=total, is_disabled=args.no_progress) as progress:
-        outcomes = run_sweep(runs, jobs=jobs, on_done=progress.done, on_progress=progress.start)
+        outcomes = run_sweep(runs, jobs=jobs, on_done=progress.done, on_progress=progress.start, ray_address=args.ray)
     results: list[RunResult] = [o.result for o in outcomes if o.result is not None]
     failures = [o.record() for o in outcomes if not o.is_ok]
     command = command_line(args)
@@ -345,7 +348,9 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def _jobs(args: argparse.Namespace) -> int:
-    jobs: int = args.jobs if args.jobs is not None else os.cpu_count() or 1
+    """Runs at once: --jobs, else every core here, or with --ray no bound of ours (Ray queues them by CPUs)."""
+    default = 1 << 20 if getattr(args, "ray", None) else os.cpu_count() or 1
+    jobs: int = args.jobs if args.jobs is not None else default
     if jobs < 1:
         raise ValueError(f"--jobs must be at least 1, got {jobs}")
     return jobs
@@ -411,6 +416,7 @@ def run_matrix_command(args: argparse.Namespace) -> int:
                 jobs=jobs,
                 on_done=progress.done,
                 on_progress=progress.start,
+                ray_address=args.ray,
             )
         except (ValidationError, ValueError, OSError) as exc:
             print(f"shoal simulate: {exc}", file=sys.stderr)

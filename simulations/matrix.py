@@ -218,12 +218,13 @@ def run_matrix(
     jobs: int = 1,
     on_done: Callable[[Outcome[dict[str, Any]]], None] | None = None,
     on_progress: Callable[[str], Progress | None] | None = None,
+    ray_address: str | None = None,
 ) -> dict[str, Any]:
-    """Every cell's runs, `jobs` at once (`sweep.run_sweep`: `on_done` after each run, `on_progress` for a run in
-    this process). Returns the results document (`format_matrix` prints it); a failed run is left out of its cell's
-    figures and listed under `failures`."""
+    """Every cell's runs, `jobs` at once, on the Ray cluster at `ray_address` if given (`sweep.run_sweep`:
+    `on_done` after each run, `on_progress` for a run in this process). Returns the results document
+    (`format_matrix` prints it); a failed run is left out of its cell's figures and listed under `failures`."""
     runs = matrix_runs(matrix, traces_dir=traces_dir)
-    outcomes = iter(run_sweep(runs, jobs=jobs, on_done=on_done, on_progress=on_progress))
+    outcomes = iter(run_sweep(runs, jobs=jobs, on_done=on_done, on_progress=on_progress, ray_address=ray_address))
     cells: list[dict[str, Any]] = []
     failures: list[dict[str, Any]] = []
     for engine, trace in matrix.cells():  # in matrix_runs' order

@@ -100,6 +100,8 @@ class Planner:
     bounds replace its policy, target, step, window, bounds and initial replicas."""
     on_done: Callable[[Outcome[Any]], None] | None = None
     on_progress: Callable[[str], Progress | None] | None = None
+    ray_address: str | None = None
+    """Runs go to the Ray cluster at this address (`sweep.run_sweep`); None: to local processes."""
     trials: list[Trial] = field(default_factory=list)
 
     def entry(self, policy: str) -> PolicyEntry:
@@ -136,7 +138,9 @@ class Planner:
             Run(c.label, partial(_summary, self.scenario_of(c, lo, hi), self.entry(c.policy), self.traces_dir))
             for c in candidates
         ]
-        outcomes = run_sweep(runs, jobs=self.jobs, on_done=self.on_done, on_progress=self.on_progress)
+        outcomes = run_sweep(
+            runs, jobs=self.jobs, on_done=self.on_done, on_progress=self.on_progress, ray_address=self.ray_address
+        )
         trials = []
         for candidate, outcome in zip(candidates, outcomes, strict=True):
             if outcome.result is None:

@@ -106,6 +106,9 @@ def add_plan_command(subparsers: Any) -> None:
     parser.add_argument("--no-autoscale", action="store_true", help="size static fleets only")
     parser.add_argument("--out", metavar="DIR", help="directory for plan.yaml, plan.json and plan.png (required)")
     parser.add_argument("--jobs", type=int, metavar="N", help="runs at once (default: every core)")
+    from simulations.sweep import add_ray_argument
+
+    add_ray_argument(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run_plan)
 
@@ -193,6 +196,7 @@ def _search_and_report(
             autoscale,
             on_done=progress.done,
             on_progress=progress.start,
+            ray_address=args.ray,
         )
         answers = search_replicas(
             planner,

@@ -6,20 +6,26 @@ each depends only on its own scenario, policy, seed and trace files. So each is 
 trace itself. A run's figures are those of running it alone: the same seeds give the same results, serial or
 parallel, whatever order the runs end in; outcomes come back in the sweep's order.
 
+On a Ray cluster (`ray_address`: an address, `auto` for the cluster this machine belongs to, or `local` for a Ray
+instance started here; the `ray` extra), each run is a Ray task of one CPU, at most `jobs` in flight. Every node
+needs the same Shoal installed (`pip install 'shoal[simulate,ray]'`) and the traces at the same path.
+
 A run that raises is a failed `Outcome` that carries the run's label and the error; the other runs go on. A
-worker process that dies (out of memory, killed) breaks the pool: every run not finished by then fails with that
-error, and the finished ones keep their results. With `jobs=1`, or a single run, runs go one after the other in
-this process, and each gets a callback for its progress in requests (`Run.call(on_finished)`); in a worker
-process it gets None. `SweepProgress` shows a sweep on stderr: runs done / total with the time left, failures as
-they come.
+worker process that dies (out of memory, killed) breaks a local pool: every run not finished by then fails with
+that error, and the finished ones keep their results; on Ray only the run whose worker died fails. With `jobs=1`,
+or a single run, runs go one after the other in this process, and each gets a callback for its progress in
+requests (`Run.call(on_finished)`); elsewhere it gets None. `SweepProgress` shows a sweep on stderr: runs done /
+total with the time left, failures as they come.
 """
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import multiprocessing
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import partial
@@ -71,8 +77,10 @@ def run_sweep(
     jobs: int,
     on_done: Callable[[Outcome[T]], None] | None = None,
     on_progress: Callable[[str], Progress | None] | None = None,
+    ray_address: str | None = None,
 ) -> list[Outcome[T]]:
-    """Every run's outcome, in the order of `runs`, with up to `jobs` runs at once in worker processes.
+    """Every run's outcome, in the order of `runs`, with up to `jobs` runs at once in worker processes (on the Ray
+    cluster at `ray_address` when given).
 
     `on_done(outcome)` after each run ends, in the order they end. `on_progress(label)` gives a run done in this
     process (`jobs=1`, or a single run) its request-progress callback.
@@ -80,7 +88,12 @@ def run_sweep(
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
     outcomes: list[Outcome[T] | None] = [None] * len(runs)
-    if jobs == 1 or len(runs) <= 1:
+    if ray_address is not None:
+        for i, attempt in _on_ray(runs, ray_address, jobs):
+            outcome = outcomes[i] = _outcome(runs[i].label, *attempt)
+            if on_done is not None:
+                on_done(outcome)
+    elif jobs == 1 or len(runs) <= 1:
         for i, run in enumerate(runs):
             progress = on_progress(run.label) if on_progress is not None else None
             outcome = outcomes[i] = _outcome(run.label, *_attempt(run.call, progress))
@@ -103,6 +116,47 @@ def run_sweep(
                 if on_done is not None:
                     on_done(outcome)
     return [outcome for outcome in outcomes if outcome is not None]
+
+
+Attempt = tuple[T | None, str | None, str | None]
+
+
+def _on_ray(runs: Sequence[Run[T]], address: str, max_in_flight: int) -> Iterator[tuple[int, Attempt[T]]]:
+    """(index, attempt) of each run as it ends, each run a Ray task of one CPU, at most `max_in_flight` at once."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("--ray needs Ray: pip install 'shoal[ray]'") from None
+    if not ray.is_initialized():
+        if address == "local":
+            ray.init(include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(address=address, log_to_driver=False)
+    # One retry where a worker or its node died (a node lost on a cluster); a run's own errors are its outcome.
+    attempt: Any = ray.remote(num_cpus=1, max_retries=1)(_attempt)
+    waiting = iter(enumerate(runs))
+    in_flight: dict[Any, int] = {}
+    while True:
+        for i, run in itertools.islice(waiting, max(0, max_in_flight - len(in_flight))):
+            in_flight[attempt.remote(run.call, None)] = i
+        if not in_flight:
+            return
+        (ready,), _ = ray.wait(list(in_flight), num_returns=1)
+        i = in_flight.pop(ready)
+        try:
+            yield i, ray.get(ready)
+        except ray.exceptions.RayError as exc:  # the worker or its node died; `_attempt` catches the run's own errors
+            yield i, (None, f"{type(exc).__name__}: {exc}", None)
+
+
+def add_ray_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="run the sweep's runs as tasks on a Ray cluster: its address, `auto` for the cluster this machine "
+        "belongs to, or `local` for a Ray instance started here (needs `pip install 'shoal[ray]'`; every node needs "
+        "Shoal and the traces at the same path)",
+    )
 
 
 def _attempt(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
@@ -20,8 +21,8 @@ from .test_matrix import MATRIX
 SWEEP_SMALL = Path(__file__).parents[2] / "data" / "scenarios" / "sweep_small.yaml"
 
 
-def run_scenario(out: Path, jobs: int) -> dict[str, object]:
-    argv = ["--scenario", str(SWEEP_SMALL), "--traces-dir", str(TRACES_DIR), "--out", str(out)]
+def run_scenario(out: Path, jobs: int, extra: Sequence[str] = ()) -> dict[str, object]:
+    argv = ["--scenario", str(SWEEP_SMALL), "--traces-dir", str(TRACES_DIR), "--out", str(out), *extra]
     assert simulate([*argv, "--jobs", str(jobs), "--no-plots", "--no-progress"]) == 0
     document: dict[str, object] = json.loads((out / "results.json").read_text())
     return document
