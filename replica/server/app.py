@@ -23,7 +23,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +50,12 @@ from replica.server.protocol import (
     parse_chat,
     parse_completion,
 )
+from replica.server.request_body import OFF_LOOP_BYTES, BodyError, read_json, read_large
 from replica.server.state import STATE, ServerState
 from replica.server.tool_stream import ToolCallStream, split_tool_calls
 from replica.settings import ReplicaSettings
 from replica.tokenizer import Tokenizer
+from router.common.body_process import BodyProcessDied
 
 log = logging.getLogger(__name__)
 
@@ -101,47 +102,8 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
     return response
 
 
-MAX_JSON_DEPTH = 128
-"""Nesting of a request body's objects and arrays: a tool schema may nest 32 deep (`MAX_SCHEMA_DEPTH`) inside a
-dozen levels of the request; deeper is refused before any code that recurses over it (the chat template's
-rendering of tool-call arguments hit Python's recursion limit: a 500)."""
-
-
-OFF_LOOP_BYTES = 64 * 1024
-"""A body larger than this is parsed, rendered and tokenized in a worker thread: tokenizing releases the GIL, so
-the loop keeps serving other requests (15 MB of text took 21 s on the loop)."""
-
-
-def _json_body(raw: bytes) -> Any:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise ProtocolError(f"the body is not valid JSON: {exc}") from None
-    if _depth_exceeds(body, MAX_JSON_DEPTH):
-        raise ProtocolError(f"the body nests objects and arrays more than {MAX_JSON_DEPTH} deep")
-    return body
-
-
-def _depth_exceeds(value: Any, limit: int) -> bool:
-    """Whether `value` nests containers deeper than `limit`; iterative, so no input can exhaust the stack."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return False
-
-
-def _parse(state: ServerState, raw: bytes, *, chat: bool) -> tuple[Any, ParsedRequest | None]:
+def _parse(state: ServerState, body: Any, *, chat: bool) -> tuple[Any, ParsedRequest | None]:
     """-> (the body, the request parsed and tokenized), or (the body, None) when it names another model."""
-    body = _json_body(raw)
     model = body.get("model") if isinstance(body, dict) else None
     if model not in (None, state.model_name):
         return body, None
@@ -180,8 +142,13 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
     arrival_s = time.monotonic()
     try:
         raw = await request.read()
-        read = partial(_parse, state, raw, chat=chat)
-        body, parsed = await asyncio.to_thread(read) if len(raw) > OFF_LOOP_BYTES else read()
+        if len(raw) > OFF_LOOP_BYTES:
+            read = await state.body_process.run(read_large, raw, state.engine.engine.max_model_len)
+            if isinstance(read, BodyError):
+                raise read
+            body, parsed = await asyncio.to_thread(_parse, state, read, chat=chat)
+        else:
+            body, parsed = _parse(state, read_json(raw), chat=chat)
         if parsed is None:
             return _error(
                 404,
@@ -192,8 +159,10 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
         if (too_long := _check_context(state, parsed, body, chat=chat)) is not None:
             return too_long
         streams = state.engine.submit_group(parsed.prompt_token_ids, parsed.choice_params())
-    except ProtocolError as exc:
+    except (ProtocolError, BodyError) as exc:
         return _error(400, str(exc), param=exc.param)
+    except BodyProcessDied as exc:
+        return _error(500, str(exc), code="internal_error")
     except RequestError as exc:
         return _error(400, str(exc), param="messages" if chat else "prompt")
     except QueueFullError as exc:
@@ -500,6 +469,7 @@ def create_app(
         async_engine.start()
         yield
         await hub.close()
+        state.body_process.close()
         await async_engine.stop()
         state.log_speculation()
         if capture is not None and not await asyncio.to_thread(capture.close, _CAPTURE_CLOSE_TIMEOUT_S):

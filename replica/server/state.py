@@ -17,6 +17,7 @@ from replica.server.metrics import ReplicaMetrics, SpeculationSummary
 from replica.server.protocol import now_s
 from replica.settings import ReplicaSettings
 from replica.tokenizer import Tokenizer
+from router.common.body_process import BodyProcess
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ class ServerState:
     capture: CaptureWriter | None = None
     capture_source: CaptureSource | None = None
     created_s: int = field(default_factory=now_s)
+    body_process: BodyProcess = field(default_factory=BodyProcess)
+    """Reads bodies larger than `request_body.OFF_LOOP_BYTES` off the event loop."""
     _last_queries: int = 0
     _last_hits: int = 0
     _last_preemptions: int = 0

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from router.common.body_process import BodyProcessDied
 from router.policy.routing_text import RoutingKey
-from router.service.body_parser import BodyParser, ParsedBody, ParserDied, Refusal
+from router.service.body_parser import BodyParser, ParsedBody, Refusal
 from router.service.errors import error_response
 from router.service.forwarding import Forwarder, Retry, request_headers
 from router.service.front import Answer, Body, FrontRequest, WholeAnswer
@@ -101,7 +102,7 @@ class Proxy:
     async def _parse(self, path: str, raw: Body) -> ParsedBody | Refusal | web.Response:
         try:
             return await self.parser.parse(path, raw)
-        except ParserDied as exc:
+        except BodyProcessDied as exc:
             return error_response(500, str(exc), type_="server_error", code="internal_error")
 
     async def _tokenized(

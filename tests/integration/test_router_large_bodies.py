@@ -1,25 +1,22 @@
 """A request of any legal size moves no other request's latency by more than 50 ms.
 
 `shoal router` runs as a user runs it, in a process of its own, in front of two replicas: a fake replica in this
-process's event loop takes a stream of small completions, one every 5 ms, each timed from when it was due; a
-plain HTTP server on a thread takes one large request (20 MB of token ids, 20 MB of chat text, 200,000 tools),
-sent from another thread, reads it whole and answers without parsing it. The threads spend their time in socket
-calls that release the GIL, so what the small requests measure is the router. Their p99 while the large request is
-in flight must stay within 50 ms of their p99 before it.
+process's event loop takes a stream of small completions, one every 5 ms, each timed from when it was due
+(`latency.py`); a plain HTTP server on a thread takes one large request (20 MB of token ids, 20 MB of chat text,
+200,000 tools), sent from another thread, reads it whole and answers without parsing it. The threads spend their
+time in socket calls that release the GIL, so what the small requests measure is the router. Their p99 while the
+large request is in flight must stay within 50 ms of their p99 before it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import http.client
 import json
 import os
 import signal
-import statistics
 import sys
 import threading
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -30,6 +27,7 @@ import pytest
 
 from router.common.ports import free_port
 from tests.integration.conftest import MODEL, StartFakes, eventually
+from tests.integration.latency import latencies_around, p99
 from tests.integration.test_autoscaler_local_orphans import is_running
 
 pytestmark = pytest.mark.integration
@@ -37,10 +35,6 @@ pytestmark = pytest.mark.integration
 BIG_MODEL = "big"
 JSON = {"Content-Type": "application/json"}
 ALLOWED_S = 0.050
-INTERVAL_S = 0.005
-"""Small requests arrive one per 5 ms, whatever the router is doing."""
-MAX_SMALL = 4000
-"""Small requests sent at most while the large one is in flight (20 s of them)."""
 
 
 def token_id_body() -> bytes:
@@ -149,32 +143,6 @@ async def start_router(tmp_path: Path) -> AsyncIterator[StartShoalRouter]:
 StartShoalRouter = Callable[..., Awaitable[Router]]
 
 
-def post_in_a_thread(url: str, path: str, body: bytes) -> asyncio.Future[int]:
-    """POST `body` from a thread of its own (blocking sockets, which release the GIL); the future gets the status."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[int] = loop.create_future()
-
-    def post() -> None:
-        host, port = url.removeprefix("http://").split(":")
-        connection = http.client.HTTPConnection(host, int(port), timeout=60)
-        try:
-            connection.request("POST", path, body=body, headers=JSON)
-            response = connection.getresponse()
-            response.read()
-            loop.call_soon_threadsafe(done.set_result, response.status)
-        except Exception as exc:  # handed to the test
-            loop.call_soon_threadsafe(done.set_exception, exc)
-        finally:
-            connection.close()
-
-    threading.Thread(target=post, daemon=True).start()
-    return done
-
-
-def p99(latencies: list[float]) -> float:
-    return statistics.quantiles(latencies, n=100, method="inclusive")[98]
-
-
 @pytest.mark.parametrize("kind", list(LARGE))
 async def test_a_large_request_moves_small_ones_by_at_most_50_ms(
     kind: str, big_replica: str, start_fakes: StartFakes, start_router: StartShoalRouter
@@ -185,29 +153,15 @@ async def test_a_large_request_moves_small_ones_by_at_most_50_ms(
     body = build()
     small_body = orjson.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1})
 
-    async def small_latency(session: aiohttp.ClientSession, due: float) -> float:
-        async with session.post(router.url + "/v1/completions", data=small_body) as resp:
-            await resp.read()
-            assert resp.status == 200
-        return time.perf_counter() - due
-
-    async def open_loop(session: aiohttp.ClientSession, is_done: Callable[[], bool]) -> list[float]:
-        """Small requests every `INTERVAL_S`, each timed from when it was due (so a stall shows in every request
-        it delays, not only in one), until `is_done` or `MAX_SMALL` of them."""
-        tasks: list[asyncio.Task[float]] = []
-        first = time.perf_counter()
-        while not is_done() and len(tasks) < MAX_SMALL:
-            due = first + len(tasks) * INTERVAL_S
-            tasks.append(asyncio.create_task(small_latency(session, due)))
-            await asyncio.sleep(max(0.0, due + INTERVAL_S - time.perf_counter()))
-        return list(await asyncio.gather(*tasks))
-
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60), headers=JSON) as session:
-        sent = iter(range(200))
-        before = await open_loop(session, lambda: next(sent, None) is None)
-        large = post_in_a_thread(router.url, path, body)
-        during = await open_loop(session, large.done)
-        assert await large == 200
+
+        async def small() -> None:
+            async with session.post(router.url + "/v1/completions", data=small_body) as resp:
+                await resp.read()
+                assert resp.status == 200
+
+        before, during, (status, answer) = await latencies_around(small, router.url + path, body)
+    assert status == 200, answer[:300]
     assert len(during) >= 10, f"only {len(during)} small requests while the large one was in flight"
     assert p99(during) <= p99(before) + ALLOWED_S, (
         f"{kind}: small requests' p99 {p99(during) * 1e3:.1f} ms during the large one, "

@@ -9,10 +9,11 @@ import signal
 import orjson
 import pytest
 
+from router.common.body_process import BodyProcessDied
 from router.policy.estimated_ttft import EstimatedTTFT, EstimatedTTFTConfig
 from router.policy.prefix_index import PrefixIndex, PrefixIndexConfig
 from router.policy.routing_core import RoutingConfig, RoutingCore
-from router.service.body_parser import BodyParser, ParsedBody, ParserDied, Refusal, parse_body, parse_summary
+from router.service.body_parser import BodyParser, ParsedBody, Refusal, parse_body, parse_summary
 
 MAX_BLOCKS = 64
 CONFIG = RoutingConfig(max_blocks=MAX_BLOCKS, memo_entries=0)
@@ -58,7 +59,7 @@ def core() -> RoutingCore:
 @pytest.mark.parametrize("name", list(BODIES))
 def test_a_summary_routes_as_the_whole_body(name: str) -> None:
     path, raw = BODIES[name]
-    whole, summary = parse_body(path, raw), parse_summary(path, raw, MAX_TEXT, MAX_IDS)
+    whole, summary = parse_body(path, raw), parse_summary(raw, path, MAX_TEXT, MAX_IDS)
     assert isinstance(whole, ParsedBody) and isinstance(summary, ParsedBody)
     assert whole.key is not None and summary.key is not None
     assert summary.body == {
@@ -74,7 +75,7 @@ def test_a_summary_routes_as_the_whole_body(name: str) -> None:
 def test_a_head_shorter_than_the_hashed_prefix_would_route_differently() -> None:
     """The negative control: cut one block short, the summary's hashes differ, so the test above can fail."""
     path, raw = BODIES["long token ids"]
-    whole, short = parse_body(path, raw), parse_summary(path, raw, MAX_TEXT, MAX_IDS - CONFIG.token_block_size)
+    whole, short = parse_body(path, raw), parse_summary(raw, path, MAX_TEXT, MAX_IDS - CONFIG.token_block_size)
     assert isinstance(whole, ParsedBody) and isinstance(short, ParsedBody)
     assert whole.key is not None and short.key is not None
     assert core().prepare(short.key, "m").complete() != core().prepare(whole.key, "m").complete()
@@ -85,7 +86,7 @@ def test_a_summary_refuses_what_the_loop_refuses(name: str) -> None:
     path, raw = REFUSED[name]
     refusal = parse_body(path, raw)
     assert isinstance(refusal, Refusal)
-    assert parse_summary(path, raw, MAX_TEXT, MAX_IDS) == refusal
+    assert parse_summary(raw, path, MAX_TEXT, MAX_IDS) == refusal
 
 
 async def test_large_bodies_go_to_the_child_and_small_ones_stay_here() -> None:
@@ -110,7 +111,7 @@ async def test_a_child_that_dies_fails_its_request_and_the_next_one_gets_a_new_c
         (child,) = multiprocessing.active_children()
         assert child.pid is not None
         os.kill(child.pid, signal.SIGKILL)
-        with pytest.raises(ParserDied):
+        with pytest.raises(BodyProcessDied):
             await parser.parse(path, raw)
         again = await parser.parse(path, raw)
     finally:
