@@ -165,9 +165,9 @@ def _run_demo_requests(endpoint: str, model: str) -> None:
         text, ttft, usage, replica = _stream_chat(endpoint, body)
         cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
         rows.append((question, replica, usage.get("prompt_tokens", 0), cached, ttft, text))
-    print(f"{'request':<10} {'replica':<16} {'prompt':>7} {'cached':>7} {'TTFT':>8}")
+    print(f"{'request':<10} {'replica and routing branch':<28} {'prompt':>7} {'cached':>7} {'TTFT':>8}")
     for i, (_, replica, prompt, cached, ttft, _) in enumerate(rows):
-        print(f"{'cold' if i == 0 else 'warm':<10} {replica:<16} {prompt:>7} {cached:>7} {ttft * 1000:>6.0f}ms")
+        print(f"{'cold' if i == 0 else 'warm':<10} {replica:<28} {prompt:>7} {cached:>7} {ttft * 1000:>6.0f}ms")
     if rows[1][4] > 0:
         print(
             f"time to first token {rows[0][4] / rows[1][4]:.1f}x lower with {rows[1][3]} of {rows[1][2]} prompt "
