@@ -38,35 +38,18 @@ from router.policy.config import POLICY_NAMES
 _INDEX_MODES = ("approximate", "exact", "exact_predicted")
 
 
-def add_simulate_command(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "simulate",
-        help="replay a trace through the routing policies on simulated replicas",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of the workload, fleet and router that `resolve_scenario` reads, for `shoal simulate` and its
+    `plan`."""
     parser.add_argument("--scenario", metavar="FILE", help="scenario YAML (simulations/scenarios/)")
-    parser.add_argument(
-        "--matrix",
-        metavar="FILE",
-        help="engine x trace matrix YAML (simulations/matrices/): every policy on every cell, one table",
-    )
-    parser.add_argument(
-        "--set",
-        action="append",
-        metavar="KEY=VALUE",
-        help="with --matrix: set a field of the matrix file (dotted key, YAML value), e.g. "
-        "router.service_time.learn_fixed=true; repeatable",
-    )
     parser.add_argument(
         "--trace",
         metavar="PATH",
         help="Mooncake .jsonl, Azure .csv or ServeGen aggregate-rate .csv (replaces the scenario's trace)",
     )
     parser.add_argument(
-        "--policies", metavar="A,B,...", help=f"policy kinds to compare, comma-separated: {', '.join(POLICY_NAMES)}"
+        "--policies", metavar="A,B,...", help=f"policy kinds, comma-separated: {', '.join(POLICY_NAMES)}"
     )
-    parser.add_argument("--replicas", type=int, metavar="N", help="replicas in the fleet (default 16)")
     parser.add_argument(
         "--speed",
         type=float,
@@ -113,6 +96,29 @@ def add_simulate_command(subparsers: Any) -> None:
         help="speculate with this mean acceptance length (tokens per sequence per speculative step, bonus included) "
         "on the preset's or the scenario's speculation, e.g. one fitted from a profile",
     )
+
+
+def add_simulate_command(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "simulate",
+        help="replay a trace through the routing policies on simulated replicas",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_workload_arguments(parser)
+    parser.add_argument(
+        "--matrix",
+        metavar="FILE",
+        help="engine x trace matrix YAML (simulations/matrices/): every policy on every cell, one table",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="with --matrix: set a field of the matrix file (dotted key, YAML value), e.g. "
+        "router.service_time.learn_fixed=true; repeatable",
+    )
+    parser.add_argument("--replicas", type=int, metavar="N", help="replicas in the fleet (default 16)")
     parser.add_argument("--out", metavar="DIR", help="directory for results.json and the plots (required)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument(

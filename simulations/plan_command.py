@@ -57,16 +57,9 @@ def add_plan_command(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--scenario", metavar="FILE", help="scenario YAML: workload, engines, router, per-request SLO")
-    parser.add_argument("--trace", metavar="PATH", help="Mooncake .jsonl, Azure .csv or ServeGen aggregate-rate .csv")
-    parser.add_argument("--traces-dir", metavar="DIR", help="directory of a scenario's relative trace paths")
-    parser.add_argument("--speed", type=float, metavar="X", help="replay the trace X times faster")
-    parser.add_argument("--limit", type=int, metavar="N", help="replay only the trace's first N requests")
-    parser.add_argument("--preset", metavar="NAME", help="engine preset (simulations/presets/) or profile JSON")
-    parser.add_argument(
-        "--policies", metavar="A,B,...", help="routing policies to size (default: the scenario's, or the five defaults)"
-    )
-    parser.add_argument("--seed", type=int, help="seed of the trace jitter and the policies' random choices")
+    from simulations.cli import add_workload_arguments
+
+    add_workload_arguments(parser)
     parser.add_argument(
         "--slo",
         action="append",
