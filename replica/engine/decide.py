@@ -95,10 +95,12 @@ def decide(
     ).view(num_seqs, max_drafts)
     seeds = torch.tensor([s.sample_seed for s in seqs], dtype=torch.long, device=device)
     decided_at = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long, device=device)  # row 0's position
-    keys = None
+    keys = drawing = None
     if not sampling.is_all_greedy:
         keys = noise_keys(seeds, decided_at.unsqueeze(-1) + torch.arange(max_drafts + 1, device=device))
-    tokens, num_emitted = verify(target, draft_tokens, torch.tensor(num_drafts, dtype=torch.long, device=device), keys)
+        drawing = sampling.temperature != 0
+    num_drafts_t = torch.tensor(num_drafts, dtype=torch.long, device=device)
+    tokens, num_emitted = verify(target, draft_tokens, num_drafts_t, keys, drawing)
     parts = [tokens.flatten(), num_emitted]
     proposing = [row for row, n in enumerate(num_next_drafts) if n and seqs[row].grammar is None]
     if proposing:

@@ -67,6 +67,11 @@ class SamplingTensors:
             self.is_all_greedy,
         )
 
+    def drawing(self) -> torch.Tensor | None:
+        """The rows that draw (temperature above 0), [D] int64; None when every row does."""
+        rows = (self.temperature != 0).nonzero().squeeze(-1)
+        return None if len(rows) == len(self.temperature) else rows
+
     def select(self, rows: torch.Tensor) -> SamplingTensors:
         """The parameters of `rows` [S] int64, in that order."""
         return SamplingTensors(
@@ -165,18 +170,24 @@ def gather_logprobs(
 
 
 def probabilities(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-    """logits [R, V] -> the distributions [R, V] (float32 rows summing to 1) that the rows' tokens come from."""
-    greedy = params.temperature == 0
+    """logits [R, V] -> the distributions [R, V] (float32 rows summing to 1) that the rows' tokens come from. The
+    temperature, filters and softmax run on the drawing rows only (`SamplingTensors.drawing`); a greedy row is
+    one-hot, whatever its neighbours."""
     onehot = torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     if params.is_all_greedy:
         return onehot
+    rows = params.drawing()
+    drawing = params if rows is None else params.select(rows)
     # At least float32 (float64 stays float64, so exactness tests can run the same code at 1e-12).
-    scaled = logits.to(torch.promote_types(logits.dtype, torch.float32)) / torch.where(
-        greedy, 1.0, params.temperature
-    ).unsqueeze(-1)
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    scaled = (logits if rows is None else logits[rows]).to(dtype) / drawing.temperature.unsqueeze(-1)
     if params.has_filter:
-        scaled = _filter_top_k_top_p(scaled, params.top_k, params.top_p)
-    return torch.where(greedy.unsqueeze(-1), onehot, scaled.softmax(-1))
+        scaled = _filter_top_k_top_p(scaled, drawing.top_k, drawing.top_p)
+    if rows is None:
+        return scaled.softmax(-1)
+    out = onehot.to(dtype)
+    out[rows] = scaled.softmax(-1)
+    return out
 
 
 def _filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -225,12 +236,18 @@ def exponentials(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return -torch.log((bits.to(torch.float64) + 0.5) * 2.0**-53)
 
 
-def sample(probs: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
+def sample(probs: torch.Tensor, keys: torch.Tensor | None, rows: torch.Tensor | None = None) -> torch.Tensor:
     """probs [R, V] (non-negative, need not sum to 1), keys [R] int64 -> token ids [R] int64: argmax_x p(x) / E_x.
-    keys None: every row is one-hot (greedy), and the token is its argmax without drawing anything."""
+    keys None: every row is one-hot (greedy), and the token is its argmax without drawing anything. `rows` [D]
+    int64: only these rows draw, the others are one-hot and take their argmax (the same token, at no cost)."""
     if keys is None:
         return probs.argmax(-1)
-    return (probs.to(torch.float64) / exponentials(keys, probs.shape[-1])).argmax(-1)
+    vocab = probs.shape[-1]
+    if rows is None:
+        return (probs.to(torch.float64) / exponentials(keys, vocab)).argmax(-1)
+    tokens = probs.argmax(-1)
+    tokens[rows] = (probs[rows].to(torch.float64) / exponentials(keys[rows], vocab)).argmax(-1)
+    return tokens
 
 
 def draw(scores: torch.Tensor, params: SamplingTensors, keys: torch.Tensor) -> torch.Tensor:
@@ -238,4 +255,4 @@ def draw(scores: torch.Tensor, params: SamplingTensors, keys: torch.Tensor) -> t
     takes the argmax: the same token, since its distributions are one-hot)."""
     if params.is_all_greedy:
         return scores.argmax(-1)
-    return sample(probabilities(scores, params), keys)
+    return sample(probabilities(scores, params), keys, params.drawing())

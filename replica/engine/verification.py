@@ -35,17 +35,19 @@ def verify(
     draft_tokens: torch.Tensor,
     num_drafts: torch.Tensor,
     keys: torch.Tensor | None,
+    drawing: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (tokens [S, K+1], num_emitted [S]): each row emits `tokens[:num_emitted]`, its accepted drafts then the
     target's token at the first mismatch (or after the last draft).
 
     target_probs [S, K+1, V]; draft_tokens [S, K] int64; num_drafts [S] int64 in 0..K (rows with fewer pad the rest,
     whatever the padding holds); keys [S, K+1] int64, the keys of the K+1 positions, or None when every row is
-    greedy (one-hot)."""
+    greedy (one-hot); drawing [S] bool: the rows that draw, the others greedy (None: all draw)."""
     num_seqs, num_positions, vocab = target_probs.shape
     k = num_positions - 1
     flat_keys = None if keys is None else keys.reshape(-1)
-    tokens = sample(target_probs.reshape(-1, vocab), flat_keys).view(num_seqs, num_positions)
+    rows = None if drawing is None else drawing.repeat_interleave(num_positions).nonzero().squeeze(-1)
+    tokens = sample(target_probs.reshape(-1, vocab), flat_keys, rows).view(num_seqs, num_positions)
     if k == 0:
         return tokens, torch.ones(num_seqs, dtype=torch.long, device=target_probs.device)
     has_draft = torch.arange(k, device=num_drafts.device) < num_drafts.unsqueeze(-1)  # [S, K]

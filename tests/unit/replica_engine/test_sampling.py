@@ -7,10 +7,13 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+import torch
 
 from replica.engine.engine import EngineConfig, LLMEngine, RequestError
+from replica.engine.sampler import SamplingTensors, _filter_top_k_top_p, draw, noise_keys, probabilities, sample
 from replica.engine.sampling import SamplingError, SamplingParams
 from replica.engine.sequence import FinishReason
+from replica.engine.verification import verify
 from replica.model.model import MoEForCausalLM
 from tests.unit.replica_engine.conftest import Run, drive, greedy
 
@@ -189,3 +192,60 @@ def test_abort_finishes_with_abort_and_frees_blocks(model: MoEForCausalLM) -> No
     assert not e.has_work and e.block_manager.num_free_blocks == config.num_blocks
     e.abort(running)  # a finished id is ignored
     assert e.step().outputs == []
+
+
+MIXED = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=1.3, top_k=5, seed=2),
+    SamplingParams(temperature=0.5, seed=3),
+    SamplingParams(temperature=0.0),
+]
+
+
+def every_row(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """`probabilities` as it was before greedy rows were skipped: the formula over every row, then the greedy rows
+    replaced by their one-hot."""
+    greedy = params.temperature == 0
+    onehot = torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    scaled = logits.to(dtype) / torch.where(greedy, 1.0, params.temperature).unsqueeze(-1)
+    if params.has_filter:
+        scaled = _filter_top_k_top_p(scaled, params.top_k, params.top_p)
+    return torch.where(greedy.unsqueeze(-1), onehot, scaled.softmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_mixed_batch_gives_what_every_row_computed_would(dtype: torch.dtype) -> None:
+    """Greedy rows in a batch skip the temperature, filters, softmax and noise of the others; every distribution
+    and token is the one the formula over every row gives, bit for bit."""
+    generator = torch.Generator().manual_seed(0)
+    params = SamplingTensors.build(MIXED, torch.device("cpu"))
+    drawing = params.drawing()
+    assert drawing is not None and drawing.tolist() == [1, 3, 4]
+    assert SamplingTensors.build(MIXED[1:2], torch.device("cpu")).drawing() is None  # every row draws: no subset
+    for trial in range(20):
+        logits = torch.randn(len(MIXED), 512, generator=generator, dtype=dtype) * 3
+        keys = noise_keys(torch.arange(len(MIXED)) + 100 * trial, torch.full((len(MIXED), 1), trial)).squeeze(-1)
+        expected = every_row(logits, params)
+        assert torch.equal(probabilities(logits, params), expected)
+        assert torch.equal(draw(logits, params, keys), sample(expected, keys))
+
+
+def test_verify_with_greedy_rows_marked_emits_what_it_emits_without() -> None:
+    generator = torch.Generator().manual_seed(1)
+    num_seqs, k, vocab = 6, 3, 64
+    logits = torch.randn(num_seqs * (k + 1), vocab, generator=generator)
+    greedy = torch.tensor([True, False, True, False, False, True])
+    temperature = torch.where(greedy, 0.0, 0.9)
+    no_cut = torch.zeros(num_seqs, dtype=torch.long), torch.ones(num_seqs)
+    params = SamplingTensors(temperature, *no_cut, has_filter=False, is_all_greedy=False)
+    target = probabilities(logits, params.repeat([k + 1] * num_seqs)).view(num_seqs, k + 1, vocab)
+    drafts = torch.randint(0, vocab, (num_seqs, k), generator=generator)
+    drafts[:, 0] = target[:, 0].argmax(-1)  # some drafts agree, so acceptance is exercised
+    keys = noise_keys(torch.arange(num_seqs), torch.arange(k + 1).expand(num_seqs, k + 1))
+    num_drafts = torch.full((num_seqs,), k)
+    assert [t.tolist() for t in verify(target, drafts, num_drafts, keys, ~greedy)] == [
+        t.tolist() for t in verify(target, drafts, num_drafts, keys)
+    ]
