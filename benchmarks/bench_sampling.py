@@ -2,9 +2,10 @@
 
 A speculative step verifies k drafts, so each sequence brings k + 1 rows of logits; the replica turns them into
 distributions (`sampler.probabilities`: temperature, top-k/top-p, softmax) and draws (`sampler.sample`: one
-Exp(1) per row and token). Greedy rows need neither: their token is the argmax. The table compares the formula
-over every row (the reference of tests/unit/replica_engine/test_sampling.py, which the replica evaluated before
-greedy rows were skipped) with the replica's, on the same logits; the tokens are checked equal.
+Exp(1) per row and token). On an accelerator the sampler computes every row, sorts every row for top-p and draws
+for every token, so that a step makes one host transfer; on a CPU it skips greedy rows, ranks a nucleus (`topk`)
+and draws for its tokens only (`sampler.HOST_DECISIONS_ON_CPU`). The table times both ways on this CPU, on the same
+logits, and checks their tokens equal.
 
     .venv/bin/python -m benchmarks.bench_sampling              # vocabulary 2048 (the demo model's), k = 8
     .venv/bin/python -m benchmarks.bench_sampling --vocab 32768 --k 4
@@ -21,20 +22,20 @@ from functools import partial
 
 import torch
 
+from replica.engine import sampler
 from replica.engine.sampler import SamplingTensors, noise_keys, probabilities, sample
 from replica.engine.sampling import SamplingParams
-from tests.unit.replica_engine.test_sampling import every_row
 
 MIXES = ((15, 1), (8, 8), (0, 16))
 """(greedy, sampled) sequences per batch."""
 
 
-def _every_row_step(logits: torch.Tensor, tensors: SamplingTensors, keys: torch.Tensor) -> torch.Tensor:
-    return sample(every_row(logits, tensors), keys)
-
-
-def _step(logits: torch.Tensor, tensors: SamplingTensors, keys: torch.Tensor) -> torch.Tensor:
-    return sample(probabilities(logits, tensors), keys, tensors.drawing())
+def _step(logits: torch.Tensor, tensors: SamplingTensors, keys: torch.Tensor, *, host_decisions: bool) -> torch.Tensor:
+    sampler.HOST_DECISIONS_ON_CPU = host_decisions
+    try:
+        return sample(probabilities(logits, tensors), keys, tensors.drawing() if host_decisions else None)
+    finally:
+        sampler.HOST_DECISIONS_ON_CPU = True
 
 
 def median_ms(step: Callable[[], object], repeats: int) -> float:
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{now}; {platform.machine()}, {args.threads} threads; vocabulary {args.vocab}, k = {args.k}; top_p 0.95")
-    print("| batch | rows | every row ms | greedy rows skipped ms | x |")
+    print("| batch | rows | every row, sorted ms | host decisions ms | x |")
     print("| --- | ---: | ---: | ---: | ---: |")
     generator = torch.Generator().manual_seed(0)
     for num_greedy, num_sampled in MIXES:
@@ -69,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         logits = torch.randn(rows, args.vocab, generator=generator) * 3
         keys = noise_keys(torch.arange(rows), torch.full((rows, 1), 7)).squeeze(-1)
 
-        before = partial(_every_row_step, logits, tensors, keys)
-        now_ = partial(_step, logits, tensors, keys)
+        before = partial(_step, logits, tensors, keys, host_decisions=False)
+        now_ = partial(_step, logits, tensors, keys, host_decisions=True)
         assert torch.equal(before(), now_())
         old_ms, new_ms = median_ms(before, args.repeats), median_ms(now_, args.repeats)
         label = f"{num_greedy} greedy + {num_sampled} sampled"

@@ -39,6 +39,7 @@ from replica.engine.sampler import (
     SamplingTensors,
     TokenLogprob,
     apply_penalties,
+    decides_on_host,
     gather_logprobs,
     noise_keys,
     probabilities,
@@ -98,7 +99,7 @@ def decide(
     keys = drawing = None
     if not sampling.is_all_greedy:
         keys = noise_keys(seeds, decided_at.unsqueeze(-1) + torch.arange(max_drafts + 1, device=device))
-        drawing = sampling.temperature != 0
+        drawing = sampling.temperature != 0 if decides_on_host(logits) else None
     num_drafts_t = torch.tensor(num_drafts, dtype=torch.long, device=device)
     tokens, num_emitted = verify(target, draft_tokens, num_drafts_t, keys, drawing)
     parts = [tokens.flatten(), num_emitted]

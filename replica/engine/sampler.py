@@ -6,14 +6,15 @@ batched ops, whatever mix of greedy and sampled requests the step has:
 - temperature 0 (greedy): one-hot on the argmax (the first maximal id), so nothing downstream special-cases greedy
   rows: sampling from it, or accepting a draft against it, gives the argmax;
 - otherwise softmax(logits / temperature) with every token outside the top-k (ties with the k-th kept) and outside
-  the top-p nucleus of the renormalised top-k set to zero (the most likely token always stays).
+  the top-p nucleus of the renormalised top-k (ties with its last token kept) set to zero (the most likely token
+  always stays).
 
 `sample(probs, keys)` draws one token per row by an exponential race, argmax_x p(x) / E_x, where the E_x ~ Exp(1)
 are a pure function of the row's key (a counter-based generator: splitmix64 of the key and x). Each token wins with
 probability p(x) exactly (the Gumbel-max trick in another form), a token without mass never wins, and the key is
 `noise_keys(seed, position)`: the sequence's seed and the position of the token being decided. So a draw never
 depends on what else is in the batch or on how many draws came before it, and the same key decides a position
-whether the target samples it, verifies a draft there, or a drafter drafts it (`replica.engine.rejection`).
+whether the target samples it, verifies a draft there, or a drafter drafts it (`replica.engine.verification`).
 
 `Penalties` (presence, frequency, repetition) adjust the logits before any of that, from each row's own token
 history (`apply_penalties`); `raw_logprobs` and `gather_logprobs` report the model's distribution.
@@ -68,7 +69,8 @@ class SamplingTensors:
         )
 
     def drawing(self) -> torch.Tensor | None:
-        """The rows that draw (temperature above 0), [D] int64; None when every row does."""
+        """The rows that draw (temperature above 0), [D] int64; None when every row does. A host decision
+        (`decides_on_host`)."""
         rows = (self.temperature != 0).nonzero().squeeze(-1)
         return None if len(rows) == len(self.temperature) else rows
 
@@ -169,20 +171,38 @@ def gather_logprobs(
     return chosen, top.values, top.indices
 
 
+HOST_DECISIONS_ON_CPU = True
+"""On a CPU, where reading a tensor's value transfers nothing, the sampler decides per step what to compute: greedy
+rows skip the others' work, a top-p nucleus is ranked (`topk`) instead of sorted, and only its tokens draw. On an
+accelerator it runs the same batched ops on every row, so that a step keeps its one host transfer
+(`decide`). False takes the accelerator's way on a CPU too (its tests)."""
+
+
+def decides_on_host(tensor: torch.Tensor) -> bool:
+    """Whether the sampler may branch on `tensor`'s values (`HOST_DECISIONS_ON_CPU`)."""
+    return HOST_DECISIONS_ON_CPU and tensor.device.type == "cpu"
+
+
 def probabilities(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-    """logits [R, V] -> the distributions [R, V] (float32 rows summing to 1) that the rows' tokens come from. The
-    temperature, filters and softmax run on the drawing rows only (`SamplingTensors.drawing`); a greedy row is
-    one-hot, whatever its neighbours."""
+    """logits [R, V] -> the distributions [R, V] (float32 rows summing to 1) that the rows' tokens come from; a
+    greedy row is one-hot, whatever its neighbours. On a CPU the temperature, filters and softmax run on the drawing
+    rows only (`SamplingTensors.drawing`)."""
     onehot = torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     if params.is_all_greedy:
         return onehot
-    rows = params.drawing()
-    drawing = params if rows is None else params.select(rows)
     # At least float32 (float64 stays float64, so exactness tests can run the same code at 1e-12).
     dtype = torch.promote_types(logits.dtype, torch.float32)
+    if not decides_on_host(logits):
+        greedy = params.temperature == 0
+        scaled = logits.to(dtype) / torch.where(greedy, 1.0, params.temperature).unsqueeze(-1)
+        if params.has_filter:
+            scaled = _sorted_filter(scaled, params.top_k, params.top_p)
+        return torch.where(greedy.unsqueeze(-1), onehot, scaled.softmax(-1))
+    rows = params.drawing()
+    drawing = params if rows is None else params.select(rows)
     scaled = (logits if rows is None else logits[rows]).to(dtype) / drawing.temperature.unsqueeze(-1)
     if params.has_filter:
-        scaled = _filter_top_k_top_p(scaled, drawing.top_k, drawing.top_p)
+        scaled = _ranked_filter(scaled, drawing.top_k, drawing.top_p)
     if rows is None:
         return scaled.softmax(-1)
     out = onehot.to(dtype)
@@ -190,17 +210,58 @@ def probabilities(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor
     return out
 
 
-def _filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+NUCLEUS_CANDIDATES = 256
+"""Tokens ranked per row (`topk`) to find a top-p nucleus; a row whose nucleus is larger is sorted whole. Ranking a
+few hundred of 2,048 costs a quarter of sorting them all."""
+
+
+def _ranked_filter(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Scaled logits [R, V] with everything outside each row's top-k and top-p set to -inf (vLLM's order: top-k
-    first, then top-p over the renormalised top-k)."""
+    first, then top-p over the renormalised top-k). A token is dropped by top-p when the tokens ranked before it
+    already reach top_p, so the first always stays; a token tied with the last one kept stays too. top_p 1 keeps
+    every token. Ranks `NUCLEUS_CANDIDATES` tokens of a row, and sorts the rows whose nucleus is larger (host
+    decisions: the CPU's way)."""
+    vocab = scaled.shape[-1]
+    has_top_k = top_k > 0
+    if bool(has_top_k.any()):
+        k = top_k.clamp(min=1, max=vocab)
+        ranked = scaled.topk(int(k[has_top_k].max()), dim=-1).values  # [R, K] descending
+        kth = ranked.gather(-1, (k.clamp(max=ranked.shape[-1]) - 1).unsqueeze(-1))  # [R, 1]
+        scaled = scaled.masked_fill((scaled < kth) & has_top_k.unsqueeze(-1), -torch.inf)
+    has_top_p = top_p < 1.0
+    if not bool(has_top_p.any()):
+        return scaled
+    probs = scaled.softmax(-1)
+    ranked = probs.topk(min(vocab, NUCLEUS_CANDIDATES), dim=-1).values  # [R, C] descending
+    before = ranked.cumsum(-1) - ranked  # the mass ranked before each candidate
+    dropped = before >= top_p.unsqueeze(-1)
+    found = dropped.any(-1) | (ranked.shape[-1] == vocab)
+    if not bool(found[has_top_p].all()):  # a nucleus past the candidates: rank those rows whole
+        rows = (has_top_p & ~found).nonzero().squeeze(-1)
+        whole = probs[rows].sort(-1, descending=True).values
+        widened = torch.zeros(len(probs), vocab, dtype=probs.dtype, device=probs.device)
+        widened[:, : ranked.shape[-1]] = ranked
+        widened[rows] = whole
+        ranked = widened
+        before = ranked.cumsum(-1) - ranked
+        dropped = before >= top_p.unsqueeze(-1)
+    num_kept = (~dropped).sum(-1, keepdim=True)  # >= 1: nothing is ranked before the first
+    last_kept = ranked.gather(-1, num_kept - 1)  # [R, 1]
+    cut = (probs < last_kept) & has_top_p.unsqueeze(-1)
+    return scaled.masked_fill(cut, -torch.inf)
+
+
+def _sorted_filter(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`_ranked_filter` by a sort of every row, without a host decision (an accelerator's way); tied tokens at the
+    nucleus' edge are kept or dropped as the sort orders them."""
     vocab = scaled.shape[-1]
     ordered, order = scaled.sort(-1, descending=True)  # [R, V]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
     kth = ordered.gather(-1, (k - 1).unsqueeze(-1))  # [R, 1]
     ordered = ordered.masked_fill(ordered < kth, -torch.inf)
     probs = ordered.softmax(-1)
-    # A token is dropped when the tokens strictly before it already reach top_p (so the first always stays).
-    ordered = ordered.masked_fill(probs.cumsum(-1) - probs >= top_p.unsqueeze(-1), -torch.inf)
+    dropped = (probs.cumsum(-1) - probs >= top_p.unsqueeze(-1)) & (top_p < 1.0).unsqueeze(-1)
+    ordered = ordered.masked_fill(dropped, -torch.inf)
     return torch.full_like(scaled, -torch.inf).scatter_(-1, order, ordered)
 
 
@@ -231,8 +292,12 @@ def noise_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 def exponentials(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """keys [R] int64 -> [R, V] float64 draws of Exp(1), independent across tokens and keys: -log of a uniform in
     (0, 1) made of 53 bits of splitmix64(key + (x + 1) * gamma)."""
-    tokens = torch.arange(1, vocab + 1, dtype=torch.long, device=keys.device)
-    bits = _shift_right(_mix(keys.unsqueeze(-1) + tokens * _GAMMA), 11)
+    return _exponential(keys.unsqueeze(-1), torch.arange(vocab, dtype=torch.long, device=keys.device))
+
+
+def _exponential(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The draw of `exponentials` for each (key, token) pair, elementwise (broadcasting)."""
+    bits = _shift_right(_mix(keys + (tokens + 1) * _GAMMA), 11)
     return -torch.log((bits.to(torch.float64) + 0.5) * 2.0**-53)
 
 
@@ -242,12 +307,27 @@ def sample(probs: torch.Tensor, keys: torch.Tensor | None, rows: torch.Tensor | 
     int64: only these rows draw, the others are one-hot and take their argmax (the same token, at no cost)."""
     if keys is None:
         return probs.argmax(-1)
-    vocab = probs.shape[-1]
     if rows is None:
-        return (probs.to(torch.float64) / exponentials(keys, vocab)).argmax(-1)
+        return _race(probs, keys)
     tokens = probs.argmax(-1)
-    tokens[rows] = (probs[rows].to(torch.float64) / exponentials(keys[rows], vocab)).argmax(-1)
+    tokens[rows] = _race(probs[rows], keys[rows])
     return tokens
+
+
+def _race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """argmax_x p(x) / E_x per row. A token without mass scores 0 and never wins, so where most have none (a top-p
+    nucleus) only the others draw: the same scores, and the first best token of each row, as over the vocabulary."""
+    num_rows, vocab = probs.shape
+    support = probs > 0
+    if not decides_on_host(probs) or 4 * int(support.sum()) > support.numel():
+        return (probs.to(torch.float64) / exponentials(keys, vocab)).argmax(-1)
+    row, token = support.nonzero(as_tuple=True)  # row by row, tokens in increasing order
+    score = probs[row, token].to(torch.float64) / _exponential(keys[row], token)
+    best = torch.full((num_rows,), -torch.inf, dtype=torch.float64, device=probs.device)
+    best = best.scatter_reduce(0, row, score, "amax")
+    is_best = score == best[row]
+    first = torch.full((num_rows,), vocab, dtype=torch.long, device=probs.device)
+    return first.scatter_reduce(0, row[is_best], token[is_best], "amin")
 
 
 def draw(scores: torch.Tensor, params: SamplingTensors, keys: torch.Tensor) -> torch.Tensor:
@@ -255,4 +335,4 @@ def draw(scores: torch.Tensor, params: SamplingTensors, keys: torch.Tensor) -> t
     takes the argmax: the same token, since its distributions are one-hot)."""
     if params.is_all_greedy:
         return scores.argmax(-1)
-    return sample(probabilities(scores, params), keys, params.drawing())
+    return sample(probabilities(scores, params), keys, params.drawing() if decides_on_host(scores) else None)

@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import pytest
 import torch
 
+from replica.engine import sampler
 from replica.engine.engine import EngineConfig, LLMEngine, RequestError
-from replica.engine.sampler import SamplingTensors, _filter_top_k_top_p, draw, noise_keys, probabilities, sample
+from replica.engine.sampler import (
+    NUCLEUS_CANDIDATES,
+    SamplingTensors,
+    _ranked_filter,
+    _sorted_filter,
+    draw,
+    exponentials,
+    noise_keys,
+    probabilities,
+    sample,
+)
 from replica.engine.sampling import SamplingError, SamplingParams
 from replica.engine.sequence import FinishReason
 from replica.engine.verification import verify
@@ -194,6 +207,8 @@ def test_abort_finishes_with_abort_and_frees_blocks(model: MoEForCausalLM) -> No
     assert e.step().outputs == []
 
 
+CPU = torch.device("cpu")
+T = TypeVar("T")
 MIXED = [
     SamplingParams(temperature=0.0),
     SamplingParams(temperature=0.8, top_p=0.9, seed=1),
@@ -204,33 +219,35 @@ MIXED = [
 ]
 
 
-def every_row(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-    """`probabilities` as it was before greedy rows were skipped: the formula over every row, then the greedy rows
-    replaced by their one-hot."""
-    greedy = params.temperature == 0
-    onehot = torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    scaled = logits.to(dtype) / torch.where(greedy, 1.0, params.temperature).unsqueeze(-1)
-    if params.has_filter:
-        scaled = _filter_top_k_top_p(scaled, params.top_k, params.top_p)
-    return torch.where(greedy.unsqueeze(-1), onehot, scaled.softmax(-1))
+@pytest.fixture
+def accelerator_way(monkeypatch: pytest.MonkeyPatch) -> Callable[[Callable[[], T]], T]:
+    """Runs a call the way the sampler runs on an accelerator (no host decisions), on this CPU."""
+
+    def run(call: Callable[[], T]) -> T:
+        with monkeypatch.context() as patch:
+            patch.setattr(sampler, "HOST_DECISIONS_ON_CPU", False)
+            return call()
+
+    return run
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_a_mixed_batch_gives_what_every_row_computed_would(dtype: torch.dtype) -> None:
-    """Greedy rows in a batch skip the temperature, filters, softmax and noise of the others; every distribution
-    and token is the one the formula over every row gives, bit for bit."""
+def test_a_mixed_batch_gives_what_every_row_computed_would(
+    dtype: torch.dtype, accelerator_way: Callable[[Callable[[], torch.Tensor]], torch.Tensor]
+) -> None:
+    """On a CPU greedy rows skip the temperature, filters, softmax and noise of the others, a nucleus is ranked and
+    only its tokens draw; every distribution and token is the one of the accelerator's way, which computes every
+    row and sorts, bit for bit."""
     generator = torch.Generator().manual_seed(0)
-    params = SamplingTensors.build(MIXED, torch.device("cpu"))
+    params = SamplingTensors.build(MIXED, CPU)
     drawing = params.drawing()
     assert drawing is not None and drawing.tolist() == [1, 3, 4]
-    assert SamplingTensors.build(MIXED[1:2], torch.device("cpu")).drawing() is None  # every row draws: no subset
+    assert SamplingTensors.build(MIXED[1:2], CPU).drawing() is None  # every row draws: no subset
     for trial in range(20):
         logits = torch.randn(len(MIXED), 512, generator=generator, dtype=dtype) * 3
         keys = noise_keys(torch.arange(len(MIXED)) + 100 * trial, torch.full((len(MIXED), 1), trial)).squeeze(-1)
-        expected = every_row(logits, params)
-        assert torch.equal(probabilities(logits, params), expected)
-        assert torch.equal(draw(logits, params, keys), sample(expected, keys))
+        assert torch.equal(probabilities(logits, params), accelerator_way(partial(probabilities, logits, params)))
+        assert torch.equal(draw(logits, params, keys), accelerator_way(partial(draw, logits, params, keys)))
 
 
 def test_verify_with_greedy_rows_marked_emits_what_it_emits_without() -> None:
@@ -249,3 +266,41 @@ def test_verify_with_greedy_rows_marked_emits_what_it_emits_without() -> None:
     assert [t.tolist() for t in verify(target, drafts, num_drafts, keys, ~greedy)] == [
         t.tolist() for t in verify(target, drafts, num_drafts, keys)
     ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_filter_keeps_what_a_sort_of_every_row_keeps(dtype: torch.dtype) -> None:
+    """Over peaked and flat rows (nuclei of 1 to 2,000 tokens, past the ranked candidates too), with and without
+    top-k: the tokens a sort of every row keeps. top_p 1 keeps the whole top-k (a float32 cumsum over a sorted row
+    reaches 1 early: it once kept 14 tokens of a top-k of 202)."""
+    generator = torch.Generator().manual_seed(0)
+    num_flat = 0
+    for trial in range(200):
+        rows, vocab = 12, 2048
+        scaled = torch.randn(rows, vocab, generator=generator, dtype=dtype) * (0.3, 1.0, 3.0, 10.0)[trial % 4]
+        top_k = torch.randint(0, 3, (rows,), generator=generator) * torch.randint(1, 400, (rows,), generator=generator)
+        nucleus = torch.rand(rows, generator=generator, dtype=dtype) * 0.99 + 0.01
+        top_p = torch.where(torch.rand(rows, generator=generator) < 0.3, 1.0, nucleus)
+        kept = torch.isfinite(_ranked_filter(scaled, top_k, top_p))
+        assert torch.equal(kept, torch.isfinite(_sorted_filter(scaled, top_k, top_p)))
+        k = torch.where(top_k > 0, top_k, 2048)
+        assert torch.equal(kept.sum(-1)[top_p == 1], k[top_p == 1])  # no ties among random floats
+        num_flat += int((kept.sum(-1)[top_p < 1] > NUCLEUS_CANDIDATES).sum())
+    assert num_flat > 20  # rows whose nucleus is past the ranked candidates, sorted whole
+
+
+def test_a_race_over_a_nucleus_is_the_race_over_the_vocabulary() -> None:
+    """Where most tokens have no mass, only the others draw; the winner is the one the race over every token
+    picks."""
+    generator = torch.Generator().manual_seed(0)
+    num_sparse = 0
+    for trial in range(60):
+        rows, vocab = 40, 2048
+        top_p = float(torch.rand(1, generator=generator)) * 0.98 + 0.01
+        params = [SamplingParams(temperature=0.9, top_p=top_p, top_k=trial % 3 * 20) for _ in range(rows)]
+        probs = probabilities(torch.randn(rows, vocab, generator=generator) * 3, SamplingTensors.build(params, CPU))
+        keys = noise_keys(torch.arange(rows) + trial, torch.full((rows, 1), trial)).squeeze(-1)
+        over_vocabulary = (probs.double() / exponentials(keys, vocab)).argmax(-1)
+        assert torch.equal(sample(probs, keys), over_vocabulary)
+        num_sparse += int(4 * (probs > 0).sum() <= probs.numel())
+    assert num_sparse > 30  # most trials took the nucleus path
