@@ -1,4 +1,4 @@
-"""Token distributions and sampling, batched over rows, without a host transfer.
+"""Token distributions and sampling, batched over rows, without a host transfer on an accelerator.
 
 `SamplingTensors` holds each row's temperature, top-k and top-p as tensors on the model's device, so
 `probabilities(logits, tensors)` turns a step's logits into the distributions its tokens are drawn from in a few
