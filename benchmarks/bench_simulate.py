@@ -3,7 +3,7 @@
 Reads and hashes the trace once (the workload is shared by every policy; its memo keeps the sub-block hashes of
 the most recent trace blocks, so a run re-hashes what the memo no longer holds), then runs each policy and prints,
 per policy, the CPU and wall seconds, the events run and the simulated requests per second of wall time; then the
-totals. Run it pinned to one core:
+totals and the process's peak RSS. Run it pinned to one core:
 
     export SHOAL_TRACES_DIR=DIR   # where `shoal simulate fetch-traces` put the traces
     taskset -c 0 .venv/bin/python -m benchmarks.bench_simulate
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -88,6 +89,8 @@ def main() -> None:
     all_cpu, all_wall = total_cpu + load_cpu, total_wall + load_wall
     print(f"{'all policies':<20} {total_cpu:7.1f} {total_wall:7.1f}")
     print(f"{'with loading':<20} {all_cpu:7.1f} {all_wall:7.1f}")
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    print(f"peak RSS of this process: {peak_mib:.0f} MiB")
 
 
 if __name__ == "__main__":
