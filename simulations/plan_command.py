@@ -45,11 +45,13 @@ _SCENARIO_FLAGS = (
     "seed",
     "acceptance_length",
 )
-"""The flags `cli.resolve_scenario` reads; the plan takes some of them."""
+"""The flags `cli.resolve_scenario` reads; the plan has all but --replicas, which it searches."""
 
 
 def add_plan_command(subparsers: Any) -> None:
+    from simulations.cli import add_workload_arguments
     from simulations.objectives import KEYS
+    from simulations.sweep import add_ray_argument
 
     parser = subparsers.add_parser(
         "plan",
@@ -57,8 +59,6 @@ def add_plan_command(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from simulations.cli import add_workload_arguments
-
     add_workload_arguments(parser)
     parser.add_argument(
         "--slo",
@@ -99,8 +99,6 @@ def add_plan_command(subparsers: Any) -> None:
     parser.add_argument("--no-autoscale", action="store_true", help="size static fleets only")
     parser.add_argument("--out", metavar="DIR", help="directory for plan.yaml, plan.json and plan.png (required)")
     parser.add_argument("--jobs", type=int, metavar="N", help="runs at once (default: every core)")
-    from simulations.sweep import add_ray_argument
-
     add_ray_argument(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(run=run_plan)
