@@ -18,8 +18,9 @@ MAX_SMALL = 4000
 """Small requests sent at most (20 s of them)."""
 
 
-def post_in_a_thread(url: str, body: bytes) -> asyncio.Future[tuple[int, bytes]]:
-    """POST `body` to `url` from a thread; the future gets the status and the answer's body."""
+def post_in_a_thread(url: str, body: bytes, headers: dict[str, str] | None = None) -> asyncio.Future[tuple[int, bytes]]:
+    """POST `body` (JSON, with `headers` besides) to `url` from a thread; the future gets the status and the
+    answer's body."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[tuple[int, bytes]] = loop.create_future()
     parts = urlsplit(url)
@@ -27,7 +28,9 @@ def post_in_a_thread(url: str, body: bytes) -> asyncio.Future[tuple[int, bytes]]
     def post() -> None:
         connection = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=120)
         try:
-            connection.request("POST", parts.path, body=body, headers={"Content-Type": "application/json"})
+            connection.request(
+                "POST", parts.path, body=body, headers={"Content-Type": "application/json", **(headers or {})}
+            )
             response = connection.getresponse()
             answer = response.read()
             loop.call_soon_threadsafe(done.set_result, (response.status, answer))
@@ -58,12 +61,17 @@ async def open_loop(small: Callable[[], Awaitable[None]], is_done: Callable[[], 
 
 
 async def latencies_around(
-    small: Callable[[], Awaitable[None]], url: str, body: bytes, *, num_before: int = 200
+    small: Callable[[], Awaitable[None]],
+    url: str,
+    body: bytes,
+    *,
+    headers: dict[str, str] | None = None,
+    num_before: int = 200,
 ) -> tuple[list[float], list[float], tuple[int, bytes]]:
     """(small latencies before, small latencies while `body` is POSTed to `url`, its status and answer)."""
     sent = iter(range(num_before))
     before = await open_loop(small, lambda: next(sent, None) is None)
-    large = post_in_a_thread(url, body)
+    large = post_in_a_thread(url, body, headers)
     during = await open_loop(small, large.done)
     return before, during, await large
 

@@ -13,7 +13,7 @@ import pytest
 
 from router.service.settings import LimitSettings
 from tests.fakes import FakeReplica
-from tests.integration.conftest import MODEL, RouterHandle, StartFakes, StartRouter
+from tests.integration.conftest import MODEL, RouterHandle, StartFakes, StartRouter, unique_text
 
 pytestmark = pytest.mark.integration
 
@@ -119,16 +119,33 @@ async def test_json_nested_a_thousand_deep_is_400(fake_and_router: tuple[FakeRep
     assert inference_count(fake) == 0
 
 
-async def test_a_body_labelled_gzip_that_is_not_is_400(fake_and_router: tuple[FakeReplica, RouterHandle]) -> None:
+@pytest.mark.parametrize("size", ["small", "decoded on a thread"])
+async def test_a_body_labelled_gzip_that_is_not_is_400(
+    fake_and_router: tuple[FakeReplica, RouterHandle], size: str
+) -> None:
     fake, router = fake_and_router
-    good = gzip.compress(json.dumps({"model": MODEL, "prompt": "zipped"}).encode())
-    data = post("/v1/completions", b"{not gzip}", b"Content-Encoding: gzip\r\n") + post(
+    not_gzip = b"{not gzip}" * (1 if size == "small" else 4000)  # 40 KB: past the 16 KiB decoded on the loop
+    prompt = "zipped" if size == "small" else unique_text(200_000)
+    good = gzip.compress(json.dumps({"model": MODEL, "prompt": prompt}).encode())
+    data = post("/v1/completions", not_gzip, b"Content-Encoding: gzip\r\n") + post(
         "/v1/completions", good, b"Content-Encoding: gzip\r\nConnection: close\r\n"
     )
     got = await answers(router, data)
     assert [s for s, _, _ in got] == [400, 200]  # and the connection served the next request
     assert got[0][2]["error"]["code"] == "invalid_encoding"
     assert inference_count(fake) == 1
+
+
+async def test_a_gzip_bomb_decoded_on_a_thread_is_413_at_the_body_limit(
+    fake_and_router: tuple[FakeReplica, RouterHandle],
+) -> None:
+    fake, router = fake_and_router
+    bomb = gzip.compress(b" " * (40 * 1024 * 1024))  # 40 KB that decode to 40 MiB, past the 32 MiB body limit
+    assert len(bomb) > 16 * 1024
+    got = await answers(router, post("/v1/completions", bomb, b"Content-Encoding: gzip\r\nConnection: close\r\n"))
+    assert [s for s, _, _ in got] == [413]
+    assert "SHOAL_ROUTER_LIMITS__MAX_BODY_BYTES" in got[0][2]["error"]["message"]
+    assert inference_count(fake) == 0
 
 
 async def test_a_non_utf8_authorization_is_401(fake_and_router: tuple[FakeReplica, RouterHandle]) -> None:
