@@ -33,7 +33,7 @@ MIXES = ((15, 1), (8, 8), (0, 16))
 def _step(logits: torch.Tensor, tensors: SamplingTensors, keys: torch.Tensor, *, host_decisions: bool) -> torch.Tensor:
     sampler.HOST_DECISIONS_ON_CPU = host_decisions
     try:
-        return sample(probabilities(logits, tensors), keys, tensors.drawing() if host_decisions else None)
+        return sample(probabilities(logits, tensors), keys, tensors.drawing if host_decisions else None)
     finally:
         sampler.HOST_DECISIONS_ON_CPU = True
 

@@ -228,21 +228,23 @@ async def exchange(port: int, data: bytes, deadline_s: float, *, half_close: boo
                     if half_close:
                         writer.write_eof()
                     await writer.drain()  # the router may close before it has read all: its answer is still read
-                try:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                except asyncio.IncompleteReadError as exc:
-                    if not exc.partial:
-                        return "closed", False
-                    head = exc.partial
-                except ConnectionError:
-                    return "reset", False
+                return await _judged(reader.readuntil(b"\r\n\r\n"))
             finally:
                 writer.close()
     except TimeoutError:
         return "silent", True
     except OSError:
         return "reset", False
-    return _judge(head)
+
+
+async def _judged(head: Awaitable[bytes]) -> tuple[str, bool]:
+    """The outcome of an answer's head once read: its status, or how the connection ended without one."""
+    try:
+        return _judge(await head)
+    except asyncio.IncompleteReadError as exc:
+        return _judge(exc.partial) if exc.partial else ("closed", False)
+    except ConnectionError:
+        return "reset", False
 
 
 def _judge(head: bytes) -> tuple[str, bool]:
@@ -269,15 +271,9 @@ async def slow_head(port: int, pace_s: float, deadline_s: float) -> tuple[str, b
                     if answer.done():
                         break
                     writer.write(data[i : i + 1])
-                    with contextlib.suppress(TimeoutError):
+                    with contextlib.suppress(TimeoutError, asyncio.IncompleteReadError, ConnectionError):
                         await asyncio.wait_for(asyncio.shield(answer), pace_s)  # the pace of a slow client
-                head = await answer
-            except asyncio.IncompleteReadError as exc:
-                if not exc.partial:
-                    return "closed", False
-                head = exc.partial
-            except ConnectionError:
-                return "reset", False
+                return await _judged(answer)
             finally:
                 answer.cancel()
                 writer.close()
@@ -285,7 +281,6 @@ async def slow_head(port: int, pace_s: float, deadline_s: float) -> tuple[str, b
         return "silent", True
     except OSError:
         return "reset", False
-    return _judge(head)
 
 
 class RedisGarbage:

@@ -29,24 +29,6 @@ if TYPE_CHECKING:
     from simulations.scaling import AutoscaleConfig
     from simulations.scenario import Scenario
 
-_SCENARIO_FLAGS = (
-    "scenario",
-    "trace",
-    "policies",
-    "replicas",
-    "speed",
-    "limit",
-    "tile",
-    "tile_to",
-    "preset",
-    "index_mode",
-    "routers",
-    "sharing",
-    "seed",
-    "acceptance_length",
-)
-"""The flags `cli.resolve_scenario` reads; the plan has all but --replicas, which it searches."""
-
 
 def add_plan_command(subparsers: Any) -> None:
     from simulations.cli import add_workload_arguments
@@ -101,7 +83,7 @@ def add_plan_command(subparsers: Any) -> None:
     parser.add_argument("--jobs", type=int, metavar="N", help="runs at once (default: every core)")
     add_ray_argument(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.set_defaults(run=run_plan)
+    parser.set_defaults(run=run_plan, replicas=None)  # replicas are what the plan searches
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -128,8 +110,7 @@ def run_plan(args: argparse.Namespace) -> int:
             _numbers("--windows", args.windows, float),
         )
         jobs = _jobs(args)
-        flags = {name: getattr(args, name, None) for name in _SCENARIO_FLAGS}
-        scenario = resolve_scenario(argparse.Namespace(**flags))
+        scenario = resolve_scenario(args)
         if scenario.variants:
             raise ValueError("the scenario has fleet variants; a plan sizes one fleet: remove `variants`")
         labels = [entry.label for entry in scenario.policies]

@@ -25,6 +25,7 @@ R = rows, V = vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -68,9 +69,10 @@ class SamplingTensors:
             self.is_all_greedy,
         )
 
+    @cached_property
     def drawing(self) -> torch.Tensor | None:
         """The rows that draw (temperature above 0), [D] int64; None when every row does. A host decision
-        (`decides_on_host`)."""
+        (`decides_on_host`), made once per step's tensors."""
         rows = (self.temperature != 0).nonzero().squeeze(-1)
         return None if len(rows) == len(self.temperature) else rows
 
@@ -198,7 +200,7 @@ def probabilities(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor
         if params.has_filter:
             scaled = _sorted_filter(scaled, params.top_k, params.top_p)
         return torch.where(greedy.unsqueeze(-1), onehot, scaled.softmax(-1))
-    rows = params.drawing()
+    rows = params.drawing
     drawing = params if rows is None else params.select(rows)
     scaled = (logits if rows is None else logits[rows]).to(dtype) / drawing.temperature.unsqueeze(-1)
     if params.has_filter:
@@ -335,4 +337,4 @@ def draw(scores: torch.Tensor, params: SamplingTensors, keys: torch.Tensor) -> t
     takes the argmax: the same token, since its distributions are one-hot)."""
     if params.is_all_greedy:
         return scores.argmax(-1)
-    return sample(probabilities(scores, params), keys, params.drawing() if decides_on_host(scores) else None)
+    return sample(probabilities(scores, params), keys, params.drawing if decides_on_host(scores) else None)

@@ -514,17 +514,17 @@ class _Connection(asyncio.Protocol):
             self.close_after = True  # the client asked to close, or the request asked for an upgrade
         is_head = request.method == "HEAD"
         try:
+            body, refusal = item.body, item.refusal
             if item.coding is not None:
                 try:  # zlib releases the GIL: the loop serves other requests meanwhile
-                    body = await asyncio.to_thread(_decode, item.body, item.coding, self.limits.max_body_bytes)
-                    item = _Pending(request, body, item.handler)
+                    body = await asyncio.to_thread(_decode, body, item.coding, self.limits.max_body_bytes)
                 except _Refusal as exc:
-                    item = _Pending(request, b"", None, exc)
-            if item.refusal is not None:
-                response: Answer = item.refusal.answer()
+                    refusal = exc
+            if refusal is not None:
+                response: Answer = refusal.answer()
             else:
                 assert item.handler is not None
-                response = await item.handler(request, item.body)
+                response = await item.handler(request, body)
             if not isinstance(response, FrontStream) and self.state != _CLOSED and not self.has_written:
                 self._send(encode_response(response, not self._must_close(), is_head=is_head))
         except asyncio.CancelledError:

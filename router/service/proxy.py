@@ -87,8 +87,6 @@ class Proxy:
 
     async def _route_json(self, request: FrontRequest, raw: Body, started: float) -> Answer:
         parsed = await self._parse(request.path, raw)
-        if isinstance(parsed, Refusal):
-            return error_response(400, parsed.message, code=parsed.code, param=parsed.param)
         if isinstance(parsed, web.Response):
             return parsed
         body, key = parsed.body, parsed.key
@@ -99,11 +97,16 @@ class Proxy:
             key = await self._tokenized(tokenizer, request.path, parsed, len(raw), key)
         return await self._route_and_forward(request, body, raw, key, started)
 
-    async def _parse(self, path: str, raw: Body) -> ParsedBody | Refusal | web.Response:
+    async def _parse(self, path: str, raw: Body) -> ParsedBody | web.Response:
+        """The parsed body, or the answer to a body that cannot be served: a 400 naming what is wrong, or a 500
+        when the process parsing it died."""
         try:
-            return await self.parser.parse(path, raw)
+            parsed = await self.parser.parse(path, raw)
         except BodyProcessDied as exc:
             return error_response(500, str(exc), type_="server_error", code="internal_error")
+        if isinstance(parsed, Refusal):
+            return error_response(400, parsed.message, code=parsed.code, param=parsed.param)
+        return parsed
 
     async def _tokenized(
         self, tokenizer: ChatTokenizer, path: str, parsed: ParsedBody, num_bytes: int, text_key: RoutingKey
@@ -129,8 +132,6 @@ class Proxy:
         body: dict[str, Any] = {}
         if request.content_type == "application/json" and raw:
             parsed = await self._parse(request.path, raw)
-            if isinstance(parsed, Refusal):
-                return error_response(400, parsed.message, code=parsed.code, param=parsed.param)
             if isinstance(parsed, web.Response):
                 return parsed
             body = parsed.body

@@ -240,9 +240,9 @@ def test_a_mixed_batch_gives_what_every_row_computed_would(
     row and sorts, bit for bit."""
     generator = torch.Generator().manual_seed(0)
     params = SamplingTensors.build(MIXED, CPU)
-    drawing = params.drawing()
+    drawing = params.drawing
     assert drawing is not None and drawing.tolist() == [1, 3, 4]
-    assert SamplingTensors.build(MIXED[1:2], CPU).drawing() is None  # every row draws: no subset
+    assert SamplingTensors.build(MIXED[1:2], CPU).drawing is None  # every row draws: no subset
     for trial in range(20):
         logits = torch.randn(len(MIXED), 512, generator=generator, dtype=dtype) * 3
         keys = noise_keys(torch.arange(len(MIXED)) + 100 * trial, torch.full((len(MIXED), 1), trial)).squeeze(-1)
