@@ -9,7 +9,7 @@ scattered back weighted. On the CPU at inference the grouped rows go through one
 expert's rows in one GEMM, as the expert-by-expert loop computes them (the same numbers, bit for bit, tested), in
 two ops instead of ~12 per expert. Elsewhere (training, other devices, torch without `grouped_mm`) experts run in
 one padded batched matmul while the padding is cheap, else one by one. A single token (a batch-1 decode step)
-skips the grouping: its A experts' weights are gathered for two batched matmuls of one row each.
+skips the grouping: its A experts run one by one on views of their weights.
 
 `Experts.expert_forward(e, x)` is the one per-expert step; `replica.quant.NVFP4Experts` overrides only that (and
 sets `has_stacked_weights` False), so quantized experts are drop-in with the same `forward(x, topk_ids, topk_weights)`.
@@ -138,17 +138,19 @@ class Experts(nn.Module):
         return out.to(x.dtype)
 
     def _forward_one_token(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """One token (a batch-1 decode step): its A experts' weights gathered, two batched matmuls of one row each.
+        """One token (a batch-1 decode step): its A experts one after the other, each on views of its weights.
 
-        Each expert multiplies exactly the one row it gets on the other paths, and the weighted rows are summed in
-        expert order, as `index_add_` adds them there: on the CPU the result is the same to the bit (tested).
+        The same `expert_forward` and the same sum in increasing expert id as the expert-by-expert path (`index_add_`
+        into zeros adds in that order), so the result is the same to the bit (tested). Gathering the A experts'
+        weights for one batched matmul would copy them first, a strided copy in the serving layout that took
+        longer than the matmuls.
         """
         ids, order = topk_ids[0].sort()  # [A], experts in increasing id
-        rows = x.expand(ids.shape[0], 1, -1)  # [A, 1, H]
-        gate, up = torch.bmm(rows, self.gate_up[ids].transpose(1, 2)).chunk(2, dim=-1)  # [A, 1, I] each
-        y = torch.bmm(F.silu(gate) * up, self.down[ids].transpose(1, 2))  # [A, 1, H]
-        weights = topk_weights[0, order].to(torch.float32).unsqueeze(-1)  # [A, 1]
-        return (y.squeeze(1).float() * weights).sum(0, keepdim=True).to(x.dtype)  # [1, H]
+        weights = topk_weights[0, order].to(torch.float32).tolist()
+        out = torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device)
+        for expert, weight in zip(ids.tolist(), weights, strict=True):
+            out += self.expert_forward(expert, x).float() * weight
+        return out.to(x.dtype)
 
     def _can_group(self, x: torch.Tensor) -> bool:
         return (

@@ -90,13 +90,18 @@ def test_grouped_path_equals_expert_by_expert_to_the_bit(num_tokens: int) -> Non
 @pytest.mark.parametrize(
     ("num_experts_per_tok", "dtype"), [(2, torch.float32), (3, torch.float32), (2, torch.bfloat16)]
 )
-def test_one_token_path_equals_expert_by_expert_to_the_bit(num_experts_per_tok: int, dtype: torch.dtype) -> None:
-    """A batch-1 decode step gathers its experts' weights; the sum over them keeps the loop path's expert order."""
+@pytest.mark.parametrize("serving_layout", [False, True])
+def test_one_token_path_equals_expert_by_expert_to_the_bit(
+    num_experts_per_tok: int, dtype: torch.dtype, serving_layout: bool
+) -> None:
+    """A batch-1 decode step runs its experts one by one; the sum over them keeps the loop path's expert order."""
     experts = Experts(6, 32, 24, dtype=dtype)
     g = torch.Generator().manual_seed(4)
     with torch.no_grad():
         for p in experts.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    if serving_layout:
+        experts.use_serving_layout()
     with torch.inference_mode():
         for _ in range(20):
             x = torch.randn(1, 32, generator=g).to(dtype)
