@@ -3,7 +3,7 @@
 Each row is an engine setting on a checkpoint, served over HTTP on 127.0.0.1 by a server started alone for its turn
 of a round and stopped (by process group) after it; rounds run the settings in an order that alternates, so the
 machine's drift over minutes falls on every row alike. Both engines get the same cores (`--cores`: vLLM binds its
-OpenMP threads to them, `VLLM_CPU_OMP_THREADS_BIND`; Shoal runs under `taskset` with `--threads` = their number),
+OpenMP threads to them, `VLLM_CPU_OMP_THREADS_BIND`; Shoal owns them the same way, `--cpus`),
 float32 and prefix caching; otherwise each runs as it ships (Shoal prefills 512 tokens a step, vLLM's CPU build
 2048; KV events on, as Shoal's stack runs both).
 
@@ -59,6 +59,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from benchmarks import command_argv
 from benchmarks.bench_proxy import machine_description
 from replica.demo.build import PACKAGED_DIR
+from replica.settings import parse_cpus
 from replica.vllm_engine import VllmServer, find_vllm_python, stop, wait_ready
 from router.common.child_processes import parent_death_signal
 
@@ -216,9 +217,8 @@ def free_ports(count: int) -> int:
 
 def start_shoal(checkpoint: Checkpoint, setting: str, cores: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_ports(1)
-    command = ["taskset", "-c", cores] if shutil.which("taskset") else []
-    command += [sys.executable, "-c", SHOAL_MAIN, "replica", "--model", str(checkpoint.path)]
-    command += ["--served-model-name", MODEL, "--port", str(port), "--threads", str(len(parse_cores(cores)))]
+    command = [sys.executable, "-c", SHOAL_MAIN, "replica", "--model", str(checkpoint.path), "--cpus", cores]
+    command += ["--served-model-name", MODEL, "--port", str(port)]
     command += ["--dtype", "float32"]
     if setting == "shoal":
         command += ["--num-speculative-tokens", "0"]
@@ -436,15 +436,6 @@ def table(checkpoint: Checkpoint, turns: dict[str, list[dict[str, Any]]], failed
     return lines
 
 
-def parse_cores(spec: str) -> list[int]:
-    """ "0-1,4" -> [0, 1, 4]."""
-    cores: list[int] = []
-    for part in spec.split(","):
-        low, _, high = part.partition("-")
-        cores.extend(range(int(low), int(high or low) + 1))
-    return cores
-
-
 def format_cores(cores: list[int]) -> str:
     """[0, 1, 4] -> "0-1,4"."""
     runs: list[list[int]] = []
@@ -518,7 +509,7 @@ def main() -> int:
         python = python.relative_to(ROOT)
     print("$ " + shlex.join([str(python), *command_argv()]))
     print(f"date: {now:%Y-%m-%d %H:%M} UTC; machine: {machine_description()}")
-    threads = len(parse_cores(args.cores))
+    threads = len(parse_cpus(args.cores))
     vllm = vllm_version(args.vllm_python) if args.vllm_python else "-"
     revision = shoal_revision()
     print(

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from replica.loading import sleeping_omp_threads
+from replica.loading import check_cores, own_cores, sleeping_omp_threads
 
 _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--config", {"metavar": "FILE", "help": "YAML file of settings (SHOAL_REPLICA_CONFIG_FILE)"}),
@@ -24,6 +24,10 @@ _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--num-blocks", {"type": int, "help": "KV cache blocks"}),
     ("--max-num-seqs", {"type": int}),
     ("--threads", {"type": int, "help": "torch CPU threads (default: torch's choice)"}),
+    (
+        "--cpus",
+        {"metavar": "LIST", "help": "cores the replica has to itself, e.g. 0-3: it runs on them, a thread each"},
+    ),
     (
         "--drafter",
         {"help": "speculative drafter folder, `none`, or `auto` (default: the checkpoint's drafter/ if it has one)"},
@@ -178,6 +182,7 @@ def _settings_from_args(args: argparse.Namespace) -> Any:
         "num_speculative_tokens",
         "adaptive_speculation",
         "tensor_parallel_size",
+        "cpus",
     ):
         value = getattr(args, flag, None)
         if value is not None:
@@ -189,13 +194,38 @@ def _settings_from_args(args: argparse.Namespace) -> Any:
         raise SystemExit(2) from exc
 
 
+def _cpu_threads(settings: Any, threads: int | None, command: str) -> int | None:
+    """Before torch loads: the process's cores and how its idle OpenMP threads wait (`replica.loading`); -> the
+    engine's torch threads (per rank), None for torch's choice."""
+    cores = settings.rank_cores(0)
+    if cores is None:
+        sleeping_omp_threads()
+        return threads
+    if threads is not None and threads != len(cores):
+        print(
+            f"{command}: --threads {threads} with cpus {settings.cpus}: a replica that owns its cores runs one "
+            f"thread per core ({len(cores)} per rank)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    from replica.settings import parse_cpus
+
+    try:
+        check_cores(parse_cpus(settings.cpus))
+    except ValueError as exc:
+        print(f"{command}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+    own_cores(cores)
+    return len(cores)
+
+
 def _run_serve(args: argparse.Namespace) -> int:
-    sleeping_omp_threads()
     settings = _settings_from_args(args)
+    threads = _cpu_threads(settings, args.threads, "shoal replica")
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     from replica.server.serve import serve
 
-    return serve(settings, threads=args.threads)
+    return serve(settings, threads=threads)
 
 
 def _run_build_demo(args: argparse.Namespace) -> int:
@@ -236,10 +266,10 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 
 
 def _run_profile(args: argparse.Namespace) -> int:
-    sleeping_omp_threads()  # as `shoal replica` serves: the profile must time the same threads
+    settings = _settings_from_args(args)
+    threads = _cpu_threads(settings, args.threads, "shoal replica profile")  # the profile times the served threads
     from replica.profile import ProfileGrid, run_profile
 
-    settings = _settings_from_args(args)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if args.repeats < 1:
         print("shoal replica profile: --repeats must be at least 1", file=sys.stderr)
@@ -257,7 +287,7 @@ def _run_profile(args: argparse.Namespace) -> int:
             repeats=min(args.repeats, 2),
             warmup_steps=1,
         )
-    document = run_profile(settings, out=args.out, grid=grid, threads=args.threads, seed=args.seed)
+    document = run_profile(settings, out=args.out, grid=grid, threads=threads, seed=args.seed)
     print(f"wrote {len(document['samples'])} step samples to {args.out} in {document['profile_s']} s")
     return 0
 

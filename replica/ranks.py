@@ -11,7 +11,8 @@ server's graceful shutdown, in-flight requests fail so the router fails over), w
 exit code, and a hard exit after `_EXIT_GRACE_S` if shutdown itself hangs on the broken group.
 
 Threads: `--threads` is per rank (each rank runs a full forward over its shard); without it each rank takes
-cores / N, so the ranks together use the machine's cores and do not oversubscribe them.
+cores / N, so the ranks together use the machine's cores and do not oversubscribe them. With `cpus` each rank
+runs on its own equal share of those cores, a thread per core.
 """
 
 from __future__ import annotations
@@ -189,9 +190,8 @@ def run_rank(settings: ReplicaSettings, *, rank: int, master_port: int, threads:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from replica.loading import sleeping_omp_threads
+    from replica.loading import own_cores, sleeping_omp_threads
 
-    sleeping_omp_threads()
     parser = argparse.ArgumentParser(prog="python -m replica.ranks", description="a tensor-parallel rank > 0")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--master-port", type=int, required=True)
@@ -199,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settings", required=True, help="ReplicaSettings as JSON")
     args = parser.parse_args(argv)
     settings = ReplicaSettings(**json.loads(args.settings))
+    cores = settings.rank_cores(args.rank)  # rank 0 checked the whole list
+    if cores is None:
+        sleeping_omp_threads()
+    else:
+        own_cores(cores)
     log_format = f"%(asctime)s %(levelname)s rank{args.rank} %(message)s"
     logging.basicConfig(level=settings.log_level.upper(), format=log_format)
     return run_rank(settings, rank=args.rank, master_port=args.master_port, threads=args.threads)

@@ -19,6 +19,20 @@ if TYPE_CHECKING:
     from replica.engine.engine import EngineConfig
 
 
+def parse_cpus(text: str) -> list[int]:
+    """A CPU list as `taskset -c` and cgroups write it ("0-3", "0,2,5-7") -> its cores, in increasing order."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"cpus must be a list like 0-3 or 0,2,4-7, got {text!r}")
+        low, high = int(first), int(last) if dash else int(first)
+        if high < low:
+            raise ValueError(f"cpus: the range {part.strip()} runs backwards")
+        cores.update(range(low, high + 1))
+    return sorted(cores)
+
+
 class ReplicaSettings(CommandSettings):
     model_config = SettingsConfigDict(
         env_prefix="SHOAL_REPLICA_", env_nested_delimiter="__", extra="forbid", use_attribute_docstrings=True
@@ -34,6 +48,12 @@ class ReplicaSettings(CommandSettings):
     port: int = Field(8100, ge=0, le=65535)
     device: str = "cpu"
     """torch device: `cpu`, `cuda`, `cuda:1`."""
+    cpus: str | None = None
+    """CPU cores the replica has to itself, as `taskset -c` writes them (`0-3`, `0,2,4-7`): it runs on them only,
+    one torch thread per core (per rank under tensor parallelism: the cores split evenly), and idle threads spin
+    briefly between operations instead of sleeping. For a pinned container or a host of its own; on 2 cores it
+    doubled CPU decode throughput (benchmarks/README.md). Unset: any core, threads that sleep when idle (safe where
+    the cores are shared), and torch's thread count or `--threads`."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of attention, router and shared experts. float32 on CPUs (few have fast BF16); bfloat16 on GPUs."""
     quantization: Quantization = "none"
@@ -104,7 +124,20 @@ class ReplicaSettings(CommandSettings):
             raise ValueError("quantization=nvfp4-w4a4 needs activation_scales (run `shoal replica calibrate`)")
         if self.capture_file_max_bytes > self.capture_total_max_bytes:
             raise ValueError("capture_file_max_bytes must not exceed capture_total_max_bytes")
+        if self.cpus is not None and len(parse_cpus(self.cpus)) % self.tensor_parallel_size:
+            raise ValueError(
+                f"cpus: {len(parse_cpus(self.cpus))} cores do not split evenly over "
+                f"{self.tensor_parallel_size} tensor-parallel ranks"
+            )
         return self
+
+    def rank_cores(self, rank: int) -> list[int] | None:
+        """The cores of tensor-parallel rank `rank` (consecutive, equal shares of `cpus`); None without `cpus`."""
+        if self.cpus is None:
+            return None
+        cores = parse_cpus(self.cpus)
+        share = len(cores) // self.tensor_parallel_size
+        return cores[rank * share : (rank + 1) * share]
 
     def speculative_tokens(self, drafter_default: int) -> int:
         """k for a drafter whose own default is `drafter_default`."""

@@ -23,6 +23,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -405,11 +406,13 @@ def create_app(
     checkpoint_dir: Path | None = None,
     drafter: DrafterModel | None = None,
     warm_up: bool = False,
+    engine_thread: ThreadPoolExecutor | None = None,
 ) -> web.Application:
     """`checkpoint_dir` (config.json, *.safetensors, tokenizer.json) is fingerprinted for capture records; it is
     needed, and read, only when `settings.capture_dir` is set. With a `drafter` (and `num_speculative_tokens` > 0)
     the engine speculates. `warm_up`: the engine runs one throwaway request before it serves
-    (`LLMEngine.warm_up`)."""
+    (`LLMEngine.warm_up`). `engine_thread`: the one-thread executor the steps run in (`AsyncEngine`), where the
+    model was loaded; default: a new one."""
     model_name = settings.model_name
     k = settings.speculative_tokens(default_num_speculative_tokens(drafter)) if drafter is not None else 0
     config = settings.engine_config(num_speculative_tokens=k)
@@ -429,7 +432,12 @@ def create_app(
     metrics_.max_num_seqs.labels(model_name).set(config.max_num_seqs)
     hub = KVEventHub(settings.replica_id or f"{settings.host}:{settings.port}")
     state_holder: list[ServerState] = []
-    async_engine = AsyncEngine(engine, max_waiting=settings.max_waiting, on_step=lambda r: state_holder[0].on_step(r))
+    async_engine = AsyncEngine(
+        engine,
+        max_waiting=settings.max_waiting,
+        on_step=lambda r: state_holder[0].on_step(r),
+        executor=engine_thread,
+    )
     state = ServerState(
         settings=settings,
         tokenizer=tokenizer,

@@ -63,13 +63,15 @@ class AsyncEngine:
         *,
         max_waiting: int,
         on_step: Callable[[StepResult], None] | None = None,
+        executor: ThreadPoolExecutor | None = None,
     ) -> None:
+        """`executor`: a one-thread executor to step in (the thread the model was loaded in); default: a new one."""
         self.engine = engine
         self.max_waiting = max_waiting
         self._on_step = on_step
         self._streams: dict[int, RequestStream] = {}
         self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-engine")
+        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-engine")
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._in_step = False

@@ -48,7 +48,7 @@ class Replica:
             f"--model={checkpoint}",
             f"--port={self.port}",
             f"--tensor-parallel-size={tensor_parallel_size}",
-            "--threads=1",
+            *(() if any(o.startswith("--cpus=") for o in options) else ("--threads=1",)),
             "--served-model-name=shoal-demo",
             "--num-blocks=256",
             *(options or ("--drafter=none",)),
@@ -133,6 +133,27 @@ def test_two_ranks_serve_like_one_and_stop_together(start) -> None:  # type: ign
     assert sharded.wait_exit() == 0, sharded.stderr
     assert "tensor-parallel rank 1 stopped after" in sharded.stderr
     assert not _is_alive(rank1)
+
+
+def test_owned_cpus_split_over_the_ranks(start) -> None:  # type: ignore[no-untyped-def]
+    """`--cpus` with two ranks: each rank runs on its own core alone, and the ranks answer as one rank does."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    single = start(1, options=("--drafter=none", f"--cpus={cores[0]}"))
+    single.wait_ready()
+    assert os.sched_getaffinity(single.process.pid) == {cores[0]}
+    expected = _complete(single)
+    single.process.send_signal(signal.SIGTERM)
+    assert single.wait_exit() == 0
+
+    sharded = start(2, options=("--drafter=none", f"--cpus={cores[0]},{cores[1]}"))
+    sharded.wait_ready()
+    assert os.sched_getaffinity(sharded.process.pid) == {cores[0]}
+    assert os.sched_getaffinity(sharded.rank_pid(1)) == {cores[1]}
+    assert _complete(sharded) == expected
+    sharded.process.send_signal(signal.SIGTERM)
+    assert sharded.wait_exit() == 0, sharded.stderr
 
 
 def _demo_answers(replica: Replica, prompts: list[str], **params: float) -> list[str]:
