@@ -52,7 +52,7 @@ class ReplicaSettings(CommandSettings):
     """CPU cores the replica has to itself, as `taskset -c` writes them (`0-3`, `0,2,4-7`): it runs on them only,
     one torch thread per core (per rank under tensor parallelism: the cores split evenly), and idle threads spin
     briefly between operations instead of sleeping. For a pinned container or a host of its own; on 2 cores it
-    doubled CPU decode throughput (benchmarks/README.md). Unset: any core, threads that sleep when idle (safe where
+    made CPU decoding 1.3-2.3x faster (benchmarks/README.md). Unset: any core, threads that sleep when idle (safe where
     the cores are shared), and torch's thread count or `--threads`."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of attention, router and shared experts. float32 on CPUs (few have fast BF16); bfloat16 on GPUs."""
