@@ -316,13 +316,17 @@ class Server:
     log: Path
 
 
-def start_server(name: str, options: list[str], threads: int | None, logs: Path) -> Server:
+def start_server(name: str, options: list[str], threads: int | None, cpus: str | None, logs: Path) -> Server:
     port = free_port()
     log = logs / f"{name}.log"
+    cores = [f"--cpus={cpus}"] if cpus else [f"--threads={threads}"] if threads else []
     command = [sys.executable, "-c", "from router.cli import main; raise SystemExit(main())", "replica",
-               f"--port={port}", *options, *([f"--threads={threads}"] if threads else [])]  # fmt: skip
+               f"--port={port}", *options, *cores]  # fmt: skip
+    env = dict(os.environ)
+    if cpus:  # this process sleeps its threads (above); servers that own their cores spin theirs
+        env.pop("OMP_WAIT_POLICY", None)
     with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     server = Server(process, f"http://127.0.0.1:{port}", log)
     deadline = time.monotonic() + 300
     while '"event": "ready"' not in log.read_text(errors="replace"):
@@ -358,15 +362,16 @@ def http(args: argparse.Namespace) -> None:
     threads = args.threads[0] if args.threads != [1, 2] else None  # default: what `shoal replica` picks
     with tempfile.TemporaryDirectory() as tmp:
         servers = {
-            "on": start_server("on", [], threads, Path(tmp)),
-            "off": start_server("off", ["--num-speculative-tokens=0"], threads, Path(tmp)),
+            "on": start_server("on", [], threads, args.cpus, Path(tmp)),
+            "off": start_server("off", ["--num-speculative-tokens=0"], threads, args.cpus, Path(tmp)),
         }
         try:
             for server in servers.values():  # warm both: first requests pay allocations
                 for body in bodies[:2]:
                     post_chat(server, body)
+            cores = f"cpus {args.cpus}" if args.cpus else f"threads {threads or 'default'}"
             print(f"\n## Speculation through HTTP, as a client sees it (demo model, greedy chats, max_tokens 96, "
-                  f"threads {threads or 'default'}, {args.rounds} rounds, median)")  # fmt: skip
+                  f"{cores}, {args.rounds} rounds, median)")  # fmt: skip
             print(f"{'batch':>5} {'off tok/s':>10} {'on tok/s':>9} {'x':>6} {'accept len':>10} {'tokens':>7}")
             for batch in args.batches:
                 rates: dict[str, list[float]] = {"on": [], "off": []}
@@ -405,6 +410,7 @@ def main() -> None:
     parser.add_argument("--drafter", type=Path, help="block drafter folder (default: the checkpoint's drafter/)")
     parser.add_argument("--dense", type=Path, help="a dense drafter folder, for --drafters")
     parser.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
+    parser.add_argument("--cpus", help="--http: the servers own these cores (`shoal replica --cpus`), e.g. 0-1")
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
     parser.add_argument("--experts", type=lambda s: s.split(","), default=["fp32", "nvfp4"])
     parser.add_argument("--k", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8])

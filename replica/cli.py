@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -223,6 +224,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     settings = _settings_from_args(args)
     threads = _cpu_threads(settings, args.threads, "shoal replica")
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if settings.cpus is not None:
+        log = logging.getLogger("replica")
+        log.info("owning cpus %s: %d thread(s) per rank on its own share", settings.cpus, threads)
+        if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
+            log.warning("OMP_WAIT_POLICY=PASSIVE in the environment: idle threads sleep, and steps run slower")
     from replica.server.serve import serve
 
     return serve(settings, threads=threads)
