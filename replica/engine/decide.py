@@ -39,7 +39,6 @@ from replica.engine.sampler import (
     SamplingTensors,
     TokenLogprob,
     apply_penalties,
-    decides_on_host,
     gather_logprobs,
     noise_keys,
     probabilities,
@@ -47,6 +46,7 @@ from replica.engine.sampler import (
 )
 from replica.engine.sequence import Sequence
 from replica.engine.verification import verify
+from replica.model.host import decides_on_host
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from functools import cached_property
 import torch
 
 from replica.engine.sampling import SamplingParams
+from replica.model.host import decides_on_host
 
 
 @dataclass(frozen=True)
@@ -171,18 +172,6 @@ def gather_logprobs(
         empty = logprobs.new_zeros(*logprobs.shape[:-1], 0)
         return chosen, empty, empty.long()
     return chosen, top.values, top.indices
-
-
-HOST_DECISIONS_ON_CPU = True
-"""On a CPU, where reading a tensor's value transfers nothing, the sampler decides per step what to compute: greedy
-rows skip the others' work, a top-p nucleus is ranked (`topk`) instead of sorted, and only its tokens draw. On an
-accelerator it runs the same batched ops on every row, so that a step keeps its one host transfer
-(`decide`). False takes the accelerator's way on a CPU too (its tests)."""
-
-
-def decides_on_host(tensor: torch.Tensor) -> bool:
-    """Whether the sampler may branch on `tensor`'s values (`HOST_DECISIONS_ON_CPU`)."""
-    return HOST_DECISIONS_ON_CPU and tensor.device.type == "cpu"
 
 
 def probabilities(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:

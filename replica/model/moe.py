@@ -9,7 +9,8 @@ scattered back weighted. On the CPU at inference the grouped rows go through one
 expert's rows in one GEMM, as the expert-by-expert loop computes them (the same numbers, bit for bit, tested), in
 two ops instead of ~12 per expert. Elsewhere (training, other devices, torch without `grouped_mm`) experts run in
 one padded batched matmul while the padding is cheap, else one by one. A single token (a batch-1 decode step)
-skips the grouping: its A experts run one by one on views of their weights.
+skips the grouping on a CPU: its A experts run one by one on views of their weights (the experts' ids are read
+on the host, which on an accelerator would cost a transfer per layer).
 
 `Experts.expert_forward(e, x)` is the one per-expert step; `replica.quant.NVFP4Experts` overrides only that (and
 sets `has_stacked_weights` False), so quantized experts are drop-in with the same `forward(x, topk_ids, topk_weights)`.
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from replica.model.config import ModelConfig
+from replica.model.host import decides_on_host
 
 ObservePoint = Literal["gate_up", "down"]
 
@@ -112,7 +114,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids [T, A], topk_weights [T, A] -> [T, H] in x's dtype."""
-        if x.shape[0] == 1 and self.has_stacked_weights and self.observer is None:
+        if x.shape[0] == 1 and self.has_stacked_weights and self.observer is None and decides_on_host(topk_ids):
             return self._forward_one_token(x, topk_ids, topk_weights)
         num_slots = topk_ids.shape[1]
         flat_ids = topk_ids.reshape(-1)  # [S], S = T*A

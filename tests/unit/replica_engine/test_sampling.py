@@ -11,7 +11,6 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-from replica.engine import sampler
 from replica.engine.engine import EngineConfig, LLMEngine, RequestError
 from replica.engine.sampler import (
     NUCLEUS_CANDIDATES,
@@ -27,6 +26,7 @@ from replica.engine.sampler import (
 from replica.engine.sampling import SamplingError, SamplingParams
 from replica.engine.sequence import FinishReason
 from replica.engine.verification import verify
+from replica.model import host
 from replica.model.model import MoEForCausalLM
 from tests.unit.replica_engine.conftest import Run, drive, greedy
 
@@ -225,7 +225,7 @@ def accelerator_way(monkeypatch: pytest.MonkeyPatch) -> Callable[[Callable[[], T
 
     def run(call: Callable[[], T]) -> T:
         with monkeypatch.context() as patch:
-            patch.setattr(sampler, "HOST_DECISIONS_ON_CPU", False)
+            patch.setattr(host, "HOST_DECISIONS_ON_CPU", False)
             return call()
 
     return run

@@ -21,10 +21,10 @@ import torch
 
 from replica.drafters.block import BlockDrafter, BlockDrafterConfig, BlockDrafterModel
 from replica.drafters.dense import DenseDrafterConfig, DenseDrafterModel, ModelDrafter
-from replica.engine import sampler
 from replica.engine.drafting import Drafter
 from replica.engine.engine import EngineConfig, LLMEngine
 from replica.engine.sampling import SamplingParams
+from replica.model import host
 from replica.model.model import MoEForCausalLM
 from replica.quant.experts import quantize_model_experts
 from router.policy.kv_events import BlockStored
@@ -223,8 +223,8 @@ def test_a_seed_gives_one_text_with_speculation_on_or_off_alone_or_amid_others(m
 
 @contextmanager
 def count_host_transfers() -> Iterator[list[str]]:
-    """Every Python-level call that makes the host wait for a tensor's value, with the sampler taking an
-    accelerator's way (on a CPU it decides what to compute from values: `sampler.HOST_DECISIONS_ON_CPU`)."""
+    """Every Python-level call that makes the host wait for a tensor's value, with the sampler and the MoE layer
+    taking an accelerator's way (on a CPU they decide what to compute from values: `host.HOST_DECISIONS_ON_CPU`)."""
     calls: list[str] = []
     names = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero")
     originals = {name: getattr(torch.Tensor, name) for name in names}
@@ -239,14 +239,14 @@ def count_host_transfers() -> Iterator[list[str]]:
         return counted
 
     try:
-        sampler.HOST_DECISIONS_ON_CPU = False
+        host.HOST_DECISIONS_ON_CPU = False
         for name in names:
             setattr(torch.Tensor, name, wrap(name))
         yield calls
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
-        sampler.HOST_DECISIONS_ON_CPU = True
+        host.HOST_DECISIONS_ON_CPU = True
 
 
 @pytest.mark.parametrize("kind", ["block", "dense"])
