@@ -12,8 +12,21 @@ import itertools
 import aiohttp
 from aiohttp import web
 
-HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host", "te", "trailer",
-                        "upgrade", "proxy-authorization", "proxy-authenticate", "content-encoding"})
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "content-length",
+        "host",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-authorization",
+        "proxy-authenticate",
+        "content-encoding",
+    }
+)
 
 UPSTREAMS = web.AppKey("upstreams", "itertools.cycle[str]")
 SESSION = web.AppKey("session", aiohttp.ClientSession)
@@ -23,10 +36,13 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     upstream = next(request.app[UPSTREAMS])
     body = await request.read()
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-    async with request.app[SESSION].request(request.method, upstream + request.path_qs, data=body,
-                                            headers=headers) as upstream_resp:
-        response = web.StreamResponse(status=upstream_resp.status, headers={
-            k: v for k, v in upstream_resp.headers.items() if k.lower() not in HOP_BY_HOP})
+    async with request.app[SESSION].request(
+        request.method, upstream + request.path_qs, data=body, headers=headers
+    ) as upstream_resp:
+        response = web.StreamResponse(
+            status=upstream_resp.status,
+            headers={k: v for k, v in upstream_resp.headers.items() if k.lower() not in HOP_BY_HOP},
+        )
         if upstream_resp.content_length is not None:
             response.content_length = upstream_resp.content_length
         await response.prepare(request)
@@ -42,8 +58,9 @@ def create_app(upstreams: list[str]) -> web.Application:
 
     async def session_ctx(app: web.Application):  # type: ignore[no-untyped-def]
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None)
-        async with aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                         timeout=aiohttp.ClientTimeout(total=None)) as session:
+        async with aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None)
+        ) as session:
             app[SESSION] = session
             yield
 
@@ -58,8 +75,14 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--upstream", action="append", required=True, help="upstream base URL, repeatable")
     args = parser.parse_args()
-    web.run_app(create_app(args.upstream), host=args.host, port=args.port, access_log=None, print=None,
-                handler_cancellation=True)
+    web.run_app(
+        create_app(args.upstream),
+        host=args.host,
+        port=args.port,
+        access_log=None,
+        print=None,
+        handler_cancellation=True,
+    )
 
 
 if __name__ == "__main__":

@@ -151,8 +151,10 @@ class LoadResult:
 
 def encode_request(url: str, body: bytes) -> bytes:
     parts = urlsplit(url)
-    head = (f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
-            f"Accept: */*\r\nContent-Length: {len(body)}\r\n\r\n")
+    head = (
+        f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+        f"Accept: */*\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
     return head.encode() + body
 
 
@@ -222,8 +224,9 @@ async def run_raw(url: str, bodies: list[bytes], concurrency: int, num_requests:
     return summarize(result, latencies_s, cpu_start_s)
 
 
-async def run_aiohttp(url: str, bodies: list[bytes], concurrency: int, num_requests: int,
-                      duration_s: float) -> LoadResult:
+async def run_aiohttp(
+    url: str, bodies: list[bytes], concurrency: int, num_requests: int, duration_s: float
+) -> LoadResult:
     import aiohttp
 
     result, latencies_s = LoadResult(url, concurrency), []
@@ -282,10 +285,14 @@ async def run_stream_probe(url: str, body: bytes, num_requests: int, duration_s:
         end_ms.append((answer.end_s - sent) * 1e3)
     if conn.transport is not None:
         conn.transport.close()
-    return {"num_ok": len(end_ms), "num_errors": num_errors,
-            "first_byte_p50_ms": statistics.median(first_ms) if first_ms else 0.0,
-            "first_byte_max_ms": max(first_ms, default=0.0),
-            "end_p50_ms": statistics.median(end_ms) if end_ms else 0.0, "end_max_ms": max(end_ms, default=0.0)}
+    return {
+        "num_ok": len(end_ms),
+        "num_errors": num_errors,
+        "first_byte_p50_ms": statistics.median(first_ms) if first_ms else 0.0,
+        "first_byte_max_ms": max(first_ms, default=0.0),
+        "end_p50_ms": statistics.median(end_ms) if end_ms else 0.0,
+        "end_max_ms": max(end_ms, default=0.0),
+    }
 
 
 def make_bodies(num_prompts: int, prompt_bytes: int, model: str, stream: bool = False) -> list[bytes]:
@@ -294,8 +301,12 @@ def make_bodies(num_prompts: int, prompt_bytes: int, model: str, stream: bool = 
     bodies = []
     for i in range(num_prompts):
         question = (f"Question {i}: what is {i} times {i + 7}? " * 64)[: prompt_bytes - len(system)]
-        request = {"model": model, "max_tokens": 8, "stream": stream,
-                   "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+        request = {
+            "model": model,
+            "max_tokens": 8,
+            "stream": stream,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        }
         bodies.append(json.dumps(request).encode())
     return bodies
 

@@ -119,9 +119,7 @@ def check_tool_calls(
     ids = []
     for i, prompt in enumerate(prompts):
         text = tokenizer.apply_chat_template(prompt.messages, tools=TOOLS)
-        params = SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, seed=i, stop_token_ids=frozenset({end})
-        )
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, stop_token_ids=frozenset({end}))
         ids.append(engine.add_request(tokenizer.encode(text), params))
     outputs: dict[int, list[int]] = {i: [] for i in ids}
     while engine.has_work:

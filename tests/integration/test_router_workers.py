@@ -185,7 +185,9 @@ async def test_without_redis_each_worker_sees_only_its_own_requests(
     assert "each sees only the requests it serves" in workers.log_text()
     groups = await route_prefixes(workers, 2, shared=False)
     misses_at_the_other = [
-        line for first, *follow_ups in groups for line in follow_ups
+        line
+        for first, *follow_ups in groups
+        for line in follow_ups
         if line["worker"] != first["worker"] and line["branch"] != "cache_hit"
     ]
     assert misses_at_the_other  # the other worker had not seen the prefix
