@@ -34,7 +34,7 @@ def serve(settings: ReplicaSettings, *, threads: int | None = None) -> int:
         threads = ranks.threads
     # Every multi-threaded torch operation runs on the engine's thread, loading included: OpenMP gives each thread
     # that starts parallel work a team of its own, and once a process has more team threads than cores, libgomp
-    # cuts how long idle threads spin (2.2x slower decode steps on 2 owned cores, where one team ran them).
+    # cuts how long idle threads spin (decode steps 2.4x slower on 2 owned cores than where one team ran them).
     engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-engine")
 
     def load() -> tuple[object, object]:
