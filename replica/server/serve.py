@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from replica.loading import checkpoint_dir, load_drafter_for_serving, load_for_serving
 from replica.settings import ReplicaSettings
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def serve(settings: ReplicaSettings, *, threads: int | None = None) -> int:
@@ -47,7 +52,7 @@ def serve(settings: ReplicaSettings, *, threads: int | None = None) -> int:
         return model, tokenizer
 
     try:
-        model, tokenizer = engine_thread.submit(load).result()
+        model, tokenizer = _on(engine_thread, load)
     except (OSError, RuntimeError, ValueError) as exc:
         print(f"shoal replica: cannot load the model: {exc}", file=sys.stderr)
         engine_thread.shutdown()
@@ -57,7 +62,7 @@ def serve(settings: ReplicaSettings, *, threads: int | None = None) -> int:
     torch.set_num_threads(1)  # this thread's own torch work (the app's buffers) starts no second team
     checkpoint = checkpoint_dir(settings)
     try:
-        drafter = engine_thread.submit(load_drafter_for_serving, settings, model, checkpoint).result()
+        drafter = _on(engine_thread, lambda: load_drafter_for_serving(settings, model, checkpoint))
     except (OSError, ValueError) as exc:
         print(f"shoal replica: cannot load the drafter: {exc}", file=sys.stderr)
         engine_thread.shutdown()
@@ -88,3 +93,13 @@ def serve(settings: ReplicaSettings, *, threads: int | None = None) -> int:
     finally:
         code = 0 if ranks is None else ranks.stop()
     return code
+
+
+def _on(engine_thread: ThreadPoolExecutor, load: Callable[[], T]) -> T:
+    """`load()` on the engine thread. Ctrl-C ends the process at once, as it did when loading ran on this thread:
+    an executor's thread cannot be interrupted, and the interpreter would wait at exit for the load to finish."""
+    try:
+        return engine_thread.submit(load).result()
+    except KeyboardInterrupt:
+        print("shoal replica: interrupted while loading", file=sys.stderr, flush=True)
+        os._exit(130)

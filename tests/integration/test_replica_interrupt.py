@@ -1,0 +1,76 @@
+"""Ctrl-C while `shoal replica` loads its model ends the process at once. The load runs on the engine's thread, which
+nothing can interrupt. A long load is stood in for by one that first opens a FIFO nobody writes (blocked in the
+kernel, the GIL released, as reading a large checkpoint mostly is), so a replica that waited for its load, at
+exit or anywhere, would never end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.replica_checkpoint import build_tiny_checkpoint
+
+DEADLINE_S = 60.0
+
+
+def _blocked_opening_a_fifo(pid: int) -> bool:
+    """Whether a thread of `pid` waits in the kernel for a FIFO's writer (its wchan)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            if (task / "wchan").read_text() == "wait_for_partner":
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _kernel_names_waits() -> bool:
+    """Whether /proc/*/wchan names where a sleeping task waits (some kernels hide it: "0")."""
+    with subprocess.Popen(["sleep", "30"]) as sleeper:
+        try:
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline:
+                wchan = Path(f"/proc/{sleeper.pid}/wchan").read_text()
+                if wchan not in ("", "0"):
+                    return True
+                time.sleep(0.05)  # until the sleeper sleeps, with a deadline
+            return False
+        finally:
+            sleeper.kill()
+
+
+def test_ctrl_c_during_the_load_ends_the_replica(tmp_path: Path) -> None:
+    if not _kernel_names_waits():
+        pytest.skip("this kernel does not say where a task waits (/proc/*/wchan)")
+    checkpoint = build_tiny_checkpoint(tmp_path / "tiny")
+    fifo = tmp_path / "load-gate"
+    os.mkfifo(fifo)
+    main = (
+        "import pathlib, replica.server.serve as serve\n"
+        "real = serve.load_for_serving\n"
+        f"serve.load_for_serving = lambda settings: (pathlib.Path({str(fifo)!r}).read_bytes(), real(settings))[1]\n"
+        "from router.cli import main\n"
+        "raise SystemExit(main())\n"
+    )
+    command = [sys.executable, "-c", main, "replica", f"--model={checkpoint}", "--port=0", "--threads=1"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while not _blocked_opening_a_fifo(process.pid):
+            assert process.poll() is None, process.communicate()[1]
+            assert time.monotonic() < deadline, "the replica never started loading"
+            time.sleep(0.05)  # polling another process's progress, with a deadline
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=DEADLINE_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130, stderr
+    assert "interrupted while loading" in stderr
