@@ -27,7 +27,7 @@ _ENGINE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--threads", {"type": int, "help": "torch CPU threads (default: torch's choice)"}),
     (
         "--cpus",
-        {"metavar": "LIST", "help": "cores the replica has to itself, e.g. 0-3: it runs on them, a thread each"},
+        {"metavar": "LIST", "help": "cores the replica has to itself (0-3, or all): it runs on them, a thread each"},
     ),
     (
         "--drafter",
@@ -195,13 +195,15 @@ def _settings_from_args(args: argparse.Namespace) -> Any:
         raise SystemExit(2) from exc
 
 
-def _cpu_threads(settings: Any, threads: int | None, command: str) -> int | None:
+def _cpu_threads(settings: Any, threads: int | None, command: str) -> tuple[Any, int | None]:
     """Before torch loads: the process's cores and how its idle OpenMP threads wait (`replica.loading`); -> the
-    engine's torch threads (per rank), None for torch's choice."""
+    settings with their cores listed (`cpus: all` resolved here, before this process pins itself to its share) and
+    the engine's torch threads (per rank), None for torch's choice."""
+    settings = settings.with_cores_listed()
     cores = settings.rank_cores(0)
     if cores is None:
         sleeping_omp_threads()
-        return threads
+        return settings, threads
     if threads is not None and threads != len(cores):
         print(
             f"{command}: --threads {threads} with cpus {settings.cpus}: a replica that owns its cores runs one "
@@ -217,12 +219,12 @@ def _cpu_threads(settings: Any, threads: int | None, command: str) -> int | None
         print(f"{command}: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
     own_cores(cores)
-    return len(cores)
+    return settings, len(cores)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
     settings = _settings_from_args(args)
-    threads = _cpu_threads(settings, args.threads, "shoal replica")
+    settings, threads = _cpu_threads(settings, args.threads, "shoal replica")
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if settings.cpus is not None:
         log = logging.getLogger("replica")
@@ -273,7 +275,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 
 def _run_profile(args: argparse.Namespace) -> int:
     settings = _settings_from_args(args)
-    threads = _cpu_threads(settings, args.threads, "shoal replica profile")  # the profile times the served threads
+    settings, threads = _cpu_threads(settings, args.threads, "shoal replica profile")  # times the served threads
     from replica.profile import ProfileGrid, run_profile
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -20,12 +21,15 @@ if TYPE_CHECKING:
 
 
 def parse_cpus(text: str) -> list[int]:
-    """A CPU list as `taskset -c` and cgroups write it ("0-3", "0,2,5-7") -> its cores, in increasing order."""
+    """A CPU list as `taskset -c` and cgroups write it ("0-3", "0,2,5-7") -> its cores, in increasing order; `all`:
+    every core this process may run on (its affinity)."""
+    if text.strip() == "all":
+        return sorted(os.sched_getaffinity(0))
     cores: set[int] = set()
     for part in text.split(","):
         first, dash, last = part.strip().partition("-")
         if not first.isdigit() or (dash and not last.isdigit()):
-            raise ValueError(f"cpus must be a list like 0-3 or 0,2,4-7, got {text!r}")
+            raise ValueError(f"cpus must be `all` or a list like 0-3 or 0,2,4-7, got {text!r}")
         low, high = int(first), int(last) if dash else int(first)
         if high < low:
             raise ValueError(f"cpus: the range {part.strip()} runs backwards")
@@ -49,7 +53,9 @@ class ReplicaSettings(CommandSettings):
     device: str = "cpu"
     """torch device: `cpu`, `cuda`, `cuda:1`."""
     cpus: str | None = None
-    """CPU cores the replica has to itself, as `taskset -c` writes them (`0-3`, `0,2,4-7`): it runs on them only,
+    """CPU cores the replica has to itself, as `taskset -c` writes them (`0-3`, `0,2,4-7`), or `all`: every core the
+    process may run on (a container given whole cores of its own, as Kubernetes' static CPU manager gives a
+    Guaranteed pod: their numbers are not known in advance). It runs on them only,
     one torch thread per core (per rank under tensor parallelism: the cores split evenly), and idle threads spin
     briefly between operations instead of sleeping. For a pinned container or a host of its own; on 2 cores it
     made CPU decoding 1.3-2.3x faster (benchmarks/README.md). Unset: any core, threads that sleep when idle (safe where
@@ -130,6 +136,12 @@ class ReplicaSettings(CommandSettings):
                 f"{self.tensor_parallel_size} tensor-parallel ranks"
             )
         return self
+
+    def with_cores_listed(self) -> ReplicaSettings:
+        """These settings with `cpus: all` written out as this process's cores, for ranks that run elsewhere."""
+        if self.cpus is None or self.cpus.strip() != "all":
+            return self
+        return self.model_copy(update={"cpus": ",".join(map(str, parse_cpus(self.cpus)))})
 
     def rank_cores(self, rank: int) -> list[int] | None:
         """The cores of tensor-parallel rank `rank` (consecutive, equal shares of `cpus`); None without `cpus`."""

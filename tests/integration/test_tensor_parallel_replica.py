@@ -136,21 +136,23 @@ def test_two_ranks_serve_like_one_and_stop_together(start) -> None:  # type: ign
 
 
 def test_owned_cpus_split_over_the_ranks(start) -> None:  # type: ignore[no-untyped-def]
-    """`--cpus` with two ranks: each rank runs on its own core alone, and the ranks answer as one rank does."""
+    """`--cpus all` with two ranks: each rank runs on its own half of the process's cores alone (rank 0 writes the
+    list out before it pins itself), and the ranks answer as one rank with as many threads does."""
     cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        pytest.skip("needs two cores")
-    single = start(1, options=("--drafter=none", f"--cpus={cores[0]}"))
+    if len(cores) < 2 or len(cores) % 2:
+        pytest.skip("needs an even number of cores")
+    first, second = cores[: len(cores) // 2], cores[len(cores) // 2 :]
+    single = start(1, options=("--drafter=none", f"--cpus={','.join(map(str, first))}"))
     single.wait_ready()
-    assert os.sched_getaffinity(single.process.pid) == {cores[0]}
+    assert os.sched_getaffinity(single.process.pid) == set(first)
     expected = _complete(single)
     single.process.send_signal(signal.SIGTERM)
     assert single.wait_exit() == 0
 
-    sharded = start(2, options=("--drafter=none", f"--cpus={cores[0]},{cores[1]}"))
+    sharded = start(2, options=("--drafter=none", "--cpus=all"))
     sharded.wait_ready()
-    assert os.sched_getaffinity(sharded.process.pid) == {cores[0]}
-    assert os.sched_getaffinity(sharded.rank_pid(1)) == {cores[1]}
+    assert os.sched_getaffinity(sharded.process.pid) == set(first)
+    assert os.sched_getaffinity(sharded.rank_pid(1)) == set(second)
     assert _complete(sharded) == expected
     sharded.process.send_signal(signal.SIGTERM)
     assert sharded.wait_exit() == 0, sharded.stderr

@@ -1,5 +1,6 @@
-"""`cpus`: the cores a replica has to itself. The list parses as `taskset -c` writes it, splits evenly over
-tensor-parallel ranks, and `shoal replica` refuses what it cannot own before it loads anything."""
+"""`cpus`: the cores a replica has to itself. The list parses as `taskset -c` writes it (or `all`: the process's
+affinity, written out before ranks take their shares), splits evenly over tensor-parallel ranks, and `shoal replica`
+refuses what it cannot own before it loads anything."""
 
 from __future__ import annotations
 
@@ -25,6 +26,14 @@ def test_cpu_lists_parse_as_taskset_writes_them(text: str, cores: list[int]) -> 
 def test_a_malformed_cpu_list_is_refused(text: str) -> None:
     with pytest.raises(ValueError, match="cpus"):
         parse_cpus(text)
+
+
+def test_all_is_the_process_affinity_written_out() -> None:
+    mine = sorted(os.sched_getaffinity(0))
+    assert parse_cpus("all") == mine
+    listed = ReplicaSettings(cpus="all").with_cores_listed()
+    assert listed.cpus == ",".join(map(str, mine)) and listed.rank_cores(0) == mine
+    assert ReplicaSettings(cpus="0").with_cores_listed().cpus == "0"
 
 
 def test_each_rank_takes_an_equal_consecutive_share() -> None:
@@ -53,3 +62,6 @@ def test_threads_that_disagree_with_the_owned_cores_are_refused() -> None:
     done = _replica(f"--cpus={core}", "--threads=2", "--model=/nonexistent")
     assert done.returncode == 2
     assert "one thread per core (1 per rank)" in done.stderr
+    done = _replica("--cpus=all", "--threads=999", "--model=/nonexistent")
+    assert done.returncode == 2
+    assert f"one thread per core ({len(os.sched_getaffinity(0))} per rank)" in done.stderr
