@@ -261,14 +261,18 @@ async def test_a_vllm_killed_mid_run_loses_no_request_that_had_not_started(
 ) -> None:
     router = await start_exact_router(start_router, vllm_servers)
     victim, survivor = vllm_servers
-    body = {"model": MODEL, "prompt": "hello", "max_tokens": 300, "ignore_eos": True}
+    # vLLM updates its running gauge only when it steps, so an idle engine still shows the last test's requests:
+    # the victim has this test's requests once its prompt-token counter moves. Long answers keep them running.
+    prompt_tokens_before = await vllm_counter(http, victim, "vllm:prompt_tokens_total")
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 1000, "ignore_eos": True}
     load = [
         asyncio.ensure_future(router.request("POST", "/v1/completions", json_body=body, timeout_s=180))
         for _ in range(8)
     ]
 
     async def is_running_on_victim() -> bool:
-        return await vllm_counter(http, victim, "vllm:num_requests_running") > 0
+        started = await vllm_counter(http, victim, "vllm:prompt_tokens_total") > prompt_tokens_before
+        return started and await vllm_counter(http, victim, "vllm:num_requests_running") > 0
 
     await eventually(
         is_running_on_victim,
