@@ -260,25 +260,28 @@ async def test_a_vllm_killed_mid_run_loses_no_request_that_had_not_started(
     vllm_servers: list[RunningVllm], start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
     router = await start_exact_router(start_router, vllm_servers)
-    victim, survivor = vllm_servers
-    # vLLM updates its running gauge only when it steps, so an idle engine still shows the last test's requests:
-    # the victim has this test's requests once its prompt-token counter moves. Long answers keep them running.
-    prompt_tokens_before = await vllm_counter(http, victim, "vllm:prompt_tokens_total")
+    # The victim is a server that runs this test's requests: its prompt-token counter has moved and it has requests
+    # running. A victim named in advance was sometimes sent none of the 8. Long answers keep them running past the
+    # kill.
+    before = [await vllm_counter(http, server, "vllm:prompt_tokens_total") for server in vllm_servers]
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 1000, "ignore_eos": True}
     load = [
         asyncio.ensure_future(router.request("POST", "/v1/completions", json_body=body, timeout_s=180))
         for _ in range(8)
     ]
+    running: list[RunningVllm] = []
 
-    async def is_running_on_victim() -> bool:
-        started = await vllm_counter(http, victim, "vllm:prompt_tokens_total") > prompt_tokens_before
-        return started and await vllm_counter(http, victim, "vllm:num_requests_running") > 0
+    async def runs_this_tests_requests() -> bool:
+        for server, prompt_tokens in zip(vllm_servers, before, strict=True):
+            started = await vllm_counter(http, server, "vllm:prompt_tokens_total") > prompt_tokens
+            if started and await vllm_counter(http, server, "vllm:num_requests_running") > 0:
+                running.append(server)
+                return True
+        return False
 
-    await eventually(
-        is_running_on_victim,
-        timeout_s=60,
-        what="requests running on the victim",
-    )
+    await eventually(runs_this_tests_requests, timeout_s=60, what="this test's requests running on a vLLM")
+    victim = running[0]
+    (survivor,) = [server for server in vllm_servers if server is not victim]
     victim.proc.send_signal(signal.SIGKILL)  # the API server; its engine follows it
     replies = await asyncio.gather(*load)
     # No byte of an unstreamed reply reaches the client before it is complete: every request is retried elsewhere.
