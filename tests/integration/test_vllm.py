@@ -260,27 +260,34 @@ async def test_a_vllm_killed_mid_run_loses_no_request_that_had_not_started(
     vllm_servers: list[RunningVllm], start_router: StartRouter, http: aiohttp.ClientSession
 ) -> None:
     router = await start_exact_router(start_router, vllm_servers)
-    # The victim is a server that runs this test's requests: its prompt-token counter has moved and it has requests
-    # running. A victim named in advance was sometimes sent none of the 8. Long answers keep them running past the
+    # The victim is the vLLM the router has the most of this test's requests in flight to, once that vLLM runs
+    # some. A victim named in advance was sometimes sent none of the 8. Long answers keep them running past the
     # kill.
-    before = [await vllm_counter(http, server, "vllm:prompt_tokens_total") for server in vllm_servers]
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 1000, "ignore_eos": True}
     load = [
         asyncio.ensure_future(router.request("POST", "/v1/completions", json_body=body, timeout_s=180))
         for _ in range(8)
     ]
-    running: list[RunningVllm] = []
+    by_id = {server.url.removeprefix("http://"): server for server in vllm_servers}  # the router's replica ids
+    chosen: list[RunningVllm] = []
 
-    async def runs_this_tests_requests() -> bool:
-        for server, prompt_tokens in zip(vllm_servers, before, strict=True):
-            started = await vllm_counter(http, server, "vllm:prompt_tokens_total") > prompt_tokens
-            if started and await vllm_counter(http, server, "vllm:num_requests_running") > 0:
-                running.append(server)
-                return True
+    async def in_flight_and_running() -> bool:
+        in_flight = {
+            s.labels["replica"]: s.value
+            for f in text_string_to_metric_families(await router.metrics())
+            for s in f.samples
+            if s.name == "shoal_router_replica_in_flight"
+        }
+        busiest = max(in_flight, key=lambda url: in_flight[url], default=None)
+        if busiest is None or in_flight[busiest] < 1 or busiest not in by_id:
+            return False
+        if await vllm_counter(http, by_id[busiest], "vllm:num_requests_running") > 0:
+            chosen.append(by_id[busiest])
+            return True
         return False
 
-    await eventually(runs_this_tests_requests, timeout_s=60, what="this test's requests running on a vLLM")
-    victim = running[0]
+    await eventually(in_flight_and_running, timeout_s=60, what="this test's requests running on a vLLM")
+    victim = chosen[0]
     (survivor,) = [server for server in vllm_servers if server is not victim]
     victim.proc.send_signal(signal.SIGKILL)  # the API server; its engine follows it
     replies = await asyncio.gather(*load)
