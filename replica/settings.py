@@ -130,10 +130,10 @@ class ReplicaSettings(CommandSettings):
             raise ValueError("quantization=nvfp4-w4a4 needs activation_scales (run `shoal replica calibrate`)")
         if self.capture_file_max_bytes > self.capture_total_max_bytes:
             raise ValueError("capture_file_max_bytes must not exceed capture_total_max_bytes")
-        if self.cpus is not None and len(parse_cpus(self.cpus)) % self.tensor_parallel_size:
+        num_cores = len(parse_cpus(self.cpus)) if self.cpus is not None else 0
+        if num_cores % self.tensor_parallel_size:
             raise ValueError(
-                f"cpus: {len(parse_cpus(self.cpus))} cores do not split evenly over "
-                f"{self.tensor_parallel_size} tensor-parallel ranks"
+                f"cpus: {num_cores} cores do not split evenly over {self.tensor_parallel_size} tensor-parallel ranks"
             )
         return self
 

@@ -437,11 +437,11 @@ class _Connection(asyncio.Protocol):
         refusal = None
         coding = self._coding if body else None
         if coding is not None and len(body) < _DECODE_ON_LOOP_MAX_BYTES:
-            coding = None
             try:
-                body = _decode(body, self._coding or "", self.limits.max_body_bytes)
+                body = _decode(body, coding, self.limits.max_body_bytes)
             except _Refusal as exc:
                 refusal = exc
+            coding = None  # decoded here, not on a thread
         self._num_completed += 1
         self.pending.append(_Pending(request, body, self._handler, refusal, coding))
         self.pending_bytes += len(body)
