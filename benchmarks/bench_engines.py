@@ -12,6 +12,10 @@ float32 and prefix caching; otherwise each runs as it ships (Shoal prefills 512 
   engines, vLLM's 128-token CPU blocks and Shoal's 16-token ones). `hit` is the cached tokens the engine reported.
 - Decode: demo chat prompts (no tools, 20-250 tokens), greedy, `ignore_eos`, max_tokens 128; b1 is one request,
   b16 sixteen at once; tokens/s = completion tokens over the wall time of the batch, prefill included.
+- Answers (trained checkpoints only): other demo chat prompts answered greedily to their natural end (max_tokens
+  192), as the model is used; b1 is eight requests one after another, b16 sixteen at once. Both engines write the
+  same greedy answers (tests/integration/test_vllm.py), so `ans tok` (completion tokens of the b16 batch) should
+  match between rows; where it does not, the rows answered differently.
 - Settings: `shoal` (speculation off), `shoal-spec` (its default: the checkpoint's drafter, adaptive k; only where
   the checkpoint has one), `vllm`, `vllm-ngram` (vLLM's prompt-lookup speculation, k = 4). `accept` is
   1 + accepted / drafts from the engine's `vllm:spec_decode_*` counters over its turn.
@@ -84,6 +88,8 @@ LARGE_SHAPE: dict[str, Any] = {
 PROMPT_TOKENS = 1024
 CACHED_TOKENS = 896
 """Whole blocks for both engines: 7 of vLLM's 128 tokens (its CPU default), 56 of Shoal's 16."""
+ANSWERS_B1 = 8
+"""Answers measured one after another (a single answer of ~40 tokens is too short to time)."""
 FIRST_PLAIN_ID = 5
 """Random prompts draw ids from here on: 0-4 are the demo tokenizer's special and tool-call tokens."""
 
@@ -95,6 +101,9 @@ class Checkpoint:
     num_params: int
     description: str
 
+    trained: bool
+    """Whether its answers mean anything (random weights: no natural end to answer to)."""
+
     @property
     def has_drafter(self) -> bool:
         return (self.path / "drafter").is_dir()
@@ -104,8 +113,11 @@ class Checkpoint:
 class Workload:
     decode_prompts: list[list[int]]
     """Prompt 0: batch 1; 1-16: batch 16; the rest: warm-up."""
+    answer_prompts: list[list[int]]
+    """Answered to their natural end: the first ANSWERS_B1 one after another, the next 16 at once."""
     ttft_pairs: int
     decode_tokens: int
+    answer_tokens: int
     warmup_requests: int
     request_timeout_s: float
 
@@ -167,13 +179,13 @@ def build_large(demo: Path, out: Path) -> None:
 def checkpoints(which: str, workdir: Path) -> list[Checkpoint]:
     found = []
     if which in ("demo", "both"):
-        found.append(Checkpoint("demo", PACKAGED_DIR, count_params(PACKAGED_DIR), describe(PACKAGED_DIR)))
+        found.append(Checkpoint("demo", PACKAGED_DIR, count_params(PACKAGED_DIR), describe(PACKAGED_DIR), True))
     if which in ("large", "both"):
         path = workdir / "large"
         started = time.monotonic()
         build_large(PACKAGED_DIR, path)
         print(f"built the large checkpoint in {time.monotonic() - started:.0f} s", flush=True)
-        found.append(Checkpoint("large", path, count_params(path), describe(path) + ", random weights"))
+        found.append(Checkpoint("large", path, count_params(path), describe(path) + ", random weights", False))
     return found
 
 
@@ -310,6 +322,21 @@ async def decode_batch(
     return {"tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s}
 
 
+async def answer_batch(
+    session: aiohttp.ClientSession, url: str, prompts: list[list[int]], max_tokens: int, *, at_once: bool
+) -> dict[str, Any]:
+    """Greedy answers to their natural end, all at once or one after another."""
+    body = {"max_tokens": max_tokens}
+    started = time.perf_counter()
+    if at_once:
+        answers = await asyncio.gather(*(complete(session, url, {**body, "prompt": p}) for p in prompts))
+    else:
+        answers = [await complete(session, url, {**body, "prompt": p}) for p in prompts]
+    wall_s = time.perf_counter() - started
+    counts = [int(answer["usage"]["completion_tokens"]) for _, answer in answers]
+    return {"tokens": sum(counts), "per_answer": counts, "wall_s": wall_s, "tokens_per_s": sum(counts) / wall_s}
+
+
 async def spec_counters(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
     """The engine's speculative counters (vLLM's names, which Shoal's replica also exports), summed over labels."""
     async with session.get(url + "/metrics") as resp:
@@ -322,8 +349,9 @@ async def spec_counters(session: aiohttp.ClientSession, url: str) -> dict[str, f
     return totals
 
 
-async def measure(url: str, workload: Workload, vocab_size: int, seed: int) -> dict[str, Any]:
-    """One setting's turn of a round: warm-up, TTFT pairs, decode at batch 1 and 16, speculative counters."""
+async def measure(url: str, workload: Workload, vocab_size: int, seed: int, *, answers: bool) -> dict[str, Any]:
+    """One setting's turn of a round: warm-up, TTFT pairs, decode at batch 1 and 16, answers at batch 1 and 16 if
+    `answers`, speculative counters."""
     timeout = aiohttp.ClientTimeout(total=workload.request_timeout_s)
     prompts = workload.decode_prompts
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -345,6 +373,10 @@ async def measure(url: str, workload: Workload, vocab_size: int, seed: int) -> d
             result["hit_tokens"].append(cached_tokens(answer))
         result["decode_b1"] = await decode_batch(session, url, prompts[:1], workload.decode_tokens)
         result["decode_b16"] = await decode_batch(session, url, prompts[1:17], workload.decode_tokens)
+        if answers:
+            asked, most = workload.answer_prompts, workload.answer_tokens
+            result["answers_b1"] = await answer_batch(session, url, asked[:ANSWERS_B1], most, at_once=False)
+            result["answers_b16"] = await answer_batch(session, url, asked[ANSWERS_B1:], most, at_once=True)
         result["spec"] = await spec_counters(session, url)
     return result
 
@@ -372,7 +404,7 @@ def run_turn(
         start_s = time.monotonic() - started
         vocab_size = json.loads((checkpoint.path / "config.json").read_text(encoding="utf-8"))["vocab_size"]
         try:
-            result = asyncio.run(measure(url, workload, vocab_size, seed))
+            result = asyncio.run(measure(url, workload, vocab_size, seed, answers=checkpoint.trained))
         except (TimeoutError, aiohttp.ClientError, KeyError) as exc:
             raise SettingFailed(f"{type(exc).__name__}: {exc}; log: {error_line(log)}") from exc
         bound = re.findall(r"core ids=(\[[^\]]*\])", log.read_text(errors="replace"))  # vLLM logs its binding
@@ -395,7 +427,7 @@ def ratio(turns: list[dict[str, Any]], reference: list[dict[str, Any]], metric: 
     ratios = []
     for turn in turns:
         other = by_round.get(turn["round"])
-        if other is None:
+        if other is None or metric not in turn or metric not in other:
             continue
         if metric.startswith("ttft"):
             ratios.append(statistics.median(other[metric]) / statistics.median(turn[metric]))
@@ -407,7 +439,8 @@ def ratio(turns: list[dict[str, Any]], reference: list[dict[str, Any]], metric: 
 def table(checkpoint: Checkpoint, turns: dict[str, list[dict[str, Any]]], failed: dict[str, str]) -> list[str]:
     head = (
         f"{'setting':<11} {'cold p50':>9} {'p90':>7} {'cached p50':>10} {'p90':>7} {'hit':>5} {'b1 tok/s':>9} "
-        f"{'b16 tok/s':>10} {'accept':>6} | {'x vLLM: cold':>12} {'cached':>7} {'b1':>6} {'b16':>6}"
+        f"{'b16 tok/s':>10} {'ans b1':>7} {'ans b16':>8} {'ans tok':>7} {'accept':>6} | {'x vLLM: cold':>12} "
+        f"{'cached':>7} {'b1':>6} {'b16':>6} {'ans b1':>7} {'ans b16':>7}"
     )
     lines = [f"\n## {checkpoint.name}: {checkpoint.num_params / 1e6:.1f}M parameters ({checkpoint.description})", head]
     reference = turns.get("vllm", [])
@@ -423,15 +456,20 @@ def table(checkpoint: Checkpoint, turns: dict[str, list[dict[str, Any]]], failed
         hits = [h for t in rows for h in t["hit_tokens"] if h is not None]
         b1 = statistics.median(t["decode_b1"]["tokens_per_s"] for t in rows)
         b16 = statistics.median(t["decode_b16"]["tokens_per_s"] for t in rows)
+        answered = [t for t in rows if "answers_b1" in t]
+        ans_b1 = f"{statistics.median(t['answers_b1']['tokens_per_s'] for t in answered):.0f}" if answered else "-"
+        ans_b16 = f"{statistics.median(t['answers_b16']['tokens_per_s'] for t in answered):.0f}" if answered else "-"
+        ans_tok = "/".join(sorted({str(t["answers_b16"]["tokens"]) for t in answered})) or "-"
         drafts = sum(t["spec"].get("vllm:spec_decode_num_drafts_total", 0.0) for t in rows)
         accepted = sum(t["spec"].get("vllm:spec_decode_num_accepted_tokens_total", 0.0) for t in rows)
         accept = f"{1 + accepted / drafts:.2f}" if drafts else "-"
         hit = f"{statistics.median(hits):.0f}" if hits else "?"
-        speedups = [ratio(rows, reference, m) for m in ("ttft_cold_s", "ttft_cached_s", "decode_b1", "decode_b16")]
+        metrics = ("ttft_cold_s", "ttft_cached_s", "decode_b1", "decode_b16", "answers_b1", "answers_b16")
+        speedups = [ratio(rows, reference, m) for m in metrics]
         lines.append(
             f"{setting:<11} {statistics.median(cold):>9.1f} {p90(cold):>7.1f} {statistics.median(warm):>10.1f} "
-            f"{p90(warm):>7.1f} {hit:>5} {b1:>9.0f} {b16:>10.0f} {accept:>6} | {speedups[0]:>12} {speedups[1]:>7} "
-            f"{speedups[2]:>6} {speedups[3]:>6}"
+            f"{p90(warm):>7.1f} {hit:>5} {b1:>9.0f} {b16:>10.0f} {ans_b1:>7} {ans_b16:>8} {ans_tok:>7} {accept:>6} | "
+            f"{speedups[0]:>12} {speedups[1]:>7} {speedups[2]:>6} {speedups[3]:>6} {speedups[4]:>7} {speedups[5]:>7}"
         )
     return lines
 
@@ -478,6 +516,7 @@ def main() -> int:
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
     parser.add_argument("--ttft-pairs", type=int, default=5, help="cold + cached requests per setting per round (5)")
     parser.add_argument("--decode-tokens", type=int, default=128, help="max_tokens of the decode requests (128)")
+    parser.add_argument("--answer-tokens", type=int, default=192, help="max_tokens of the answers (192)")
     parser.add_argument("--smoke", action="store_true", help="1 round, 1 TTFT pair, 16 decode tokens, no JSON")
     parser.add_argument("--out", type=Path, help="JSON of per-round figures (default results/engines_<date>.json)")
     parser.add_argument("--vllm-python", type=Path, help="vLLM's interpreter (default: .venv-vllm's)")
@@ -516,10 +555,14 @@ def main() -> int:
         f"Shoal {revision}, vLLM {vllm} (CPU build{', env ' + str(args.vllm_env) if args.vllm_env else ''}); "
         f"cores {args.cores}, {threads} threads per engine, float32, prefix caching on; {args.rounds} round(s)"
     )
+    num_decode = 17 + 16 * (0 if args.smoke else 1)
+    chats = decode_prompts(num_decode + ANSWERS_B1 + 16)
     workload = Workload(
-        decode_prompts=decode_prompts(17 + 16 * (0 if args.smoke else 1)),
+        decode_prompts=chats[:num_decode],
+        answer_prompts=chats[num_decode:],
         ttft_pairs=args.ttft_pairs,
         decode_tokens=args.decode_tokens,
+        answer_tokens=args.answer_tokens,
         warmup_requests=0 if args.smoke else 1,
         request_timeout_s=args.request_timeout_s,
     )
@@ -527,7 +570,7 @@ def main() -> int:
     print(
         f"TTFT: {args.ttft_pairs} cold {PROMPT_TOKENS}-token prompts per round, each then with its first "
         f"{CACHED_TOKENS} tokens cached; decode: max_tokens {args.decode_tokens}, prompts of {min(lengths)}-"
-        f"{max(lengths)} tokens",
+        f"{max(lengths)} tokens; answers: max_tokens {args.answer_tokens}, {ANSWERS_B1} one by one, 16 at once",
         flush=True,
     )
 
@@ -570,7 +613,8 @@ def main() -> int:
     print("\n".join(lines))
     print(
         "\nms: TTFT p50/p90 over all requests; hit: cached prompt tokens reported; tok/s: median round; accept: mean "
-        "accepted length per speculative step; x vLLM: median over rounds of the ratio to the vllm row (>1: faster)"
+        "accepted length per speculative step; ans: answers to their natural end (ans tok: completion tokens of the "
+        "b16 batch); x vLLM: median over rounds of the ratio to the vllm row (>1: faster)"
     )
     record["failed"] = failed
     record["checkpoints"] = {c.name: {"params": c.num_params, "description": c.description} for c in found}
