@@ -13,7 +13,8 @@ Two rules, both on the host and both fed by measurements:
   bucket while the measured speculative rate is at least the plain one. Every `explore_interval` decisions a bucket
   runs the other mode for `explore_steps` steps, so that a change of load, drafter or machine is noticed; each try
   that leaves the choice as it was doubles the interval (up to `max_explore_interval`), so a mode that keeps losing
-  costs less and less.
+  costs less and less. A try measures its mode afresh: what that mode measured before is of the traffic of then
+  (answers the drafter failed on, say), and kept, it would outweigh the try's few steps of the traffic of now.
 
 A step's mode is decided when the previous step proposes (or does not propose) its drafts, so a switch costs one
 step that neither mode's measurement counts.
@@ -50,7 +51,8 @@ class SpeculationPolicyConfig:
     recency: float = 0.8
     """Per-round decay of a sequence's accepted and tried counts: its estimate follows the text it writes now."""
     rate_decay: float = 0.98
-    """Per-step decay of the measured token and second counts, so old load fades within a few hundred steps."""
+    """Per-step decay of a mode's measured token and second counts on that mode's steps, so that old load fades
+    within a few hundred of them (a try of the other mode starts its measurement afresh)."""
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
@@ -131,6 +133,10 @@ class SpeculationPolicy:
         b.decisions += 1
         if b.exploring == 0 and b.decisions >= b.interval:
             b.exploring, b.decisions, b.mode_before_try = self.config.explore_steps, 0, preferred
+            if preferred:
+                b.plain = _Rate()
+            else:
+                b.speculative = _Rate()
         if b.exploring:
             b.exploring -= 1
             return not preferred

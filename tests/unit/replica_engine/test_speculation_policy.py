@@ -104,3 +104,29 @@ def test_the_summary_line_reports_vllms_mean_acceptance_length() -> None:
     assert line is not None and "mean acceptance length 2.00 over 8 verifications" in line
     assert line.endswith("acceptance by draft position 0.75 0.25")
     assert summary.line() is None  # counted since the last line only
+
+
+def test_a_try_measures_the_traffic_of_now_not_of_before() -> None:
+    """Traffic the drafter fails on (text past an answer's end), then traffic it guesses well: the first try of
+    speculation after the change measures the new traffic alone and switches back, however long the bad stretch
+    made the interval between tries."""
+    policy = SpeculationPolicy(SpeculationPolicyConfig(num_speculative_tokens=4, explore_interval=32, explore_steps=3))
+    batch = 1
+
+    def run(steps: int, spec_tokens_per_s: float, plain_tokens_per_s: float) -> list[bool]:
+        modes = []
+        for _ in range(steps):
+            mode = policy.should_speculate(batch)
+            modes.append(mode)
+            tokens = 3 * batch if mode else batch
+            rate = spec_tokens_per_s if mode else plain_tokens_per_s
+            policy.observe_step(batch, tokens, tokens / rate, speculative=mode)
+        return modes
+
+    bad = run(4000, spec_tokens_per_s=300, plain_tokens_per_s=1000)
+    assert sum(bad[-1000:]) < 10
+    good = run(2000, spec_tokens_per_s=3000, plain_tokens_per_s=1000)
+    first_try = good.index(True)
+    assert first_try <= policy.config.max_explore_interval
+    after = good[first_try:]
+    assert sum(after) / len(after) > 0.95, "speculation should come back once a try has measured the new traffic"
