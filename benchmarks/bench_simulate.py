@@ -25,7 +25,7 @@ import resource
 import time
 from pathlib import Path
 
-from simulations.scenario import DEFAULT_POLICIES, Scenario, build_workload, policy_entry
+from simulations.scenario import DEFAULT_POLICIES, FleetConfig, Scenario, build_workload, policy_entry, with_block_size
 from simulations.simulation import Simulation
 from simulations.synthetic import SharedPrefixConfig, SharedPrefixWorkload
 from simulations.workload import Workload
@@ -45,6 +45,12 @@ def main() -> None:
     parser.add_argument("--speed", type=float, default=1.0)
     parser.add_argument("--tile-to", type=int, metavar="N", help="the trace tiled to N requests")
     parser.add_argument("--synthetic", type=int, metavar="N", help="N shared-prefix requests instead of the trace")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        metavar="TOKENS",
+        help="KV block of the engines and the router (`shoal simulate --block-size`; default: the preset's, 16)",
+    )
     args = parser.parse_args()
 
     started_cpu, started_wall = time.process_time(), time.perf_counter()
@@ -53,14 +59,14 @@ def main() -> None:
         config = SharedPrefixConfig(
             num_requests=args.synthetic, rate_per_s=20.0, num_system_prompts=20, system_prompt_tokens=(1000, 4000)
         )
-        scenario = Scenario.model_validate({"trace": config.model_dump(), "fleet": {"num_replicas": args.replicas}})
-        workload = SharedPrefixWorkload(config)
+        scenario = Scenario.model_validate({"trace": config.model_dump(), "fleet": fleet(args)})
+        workload = SharedPrefixWorkload(config, block_size=scenario.fleet.resolve().engine.block_size)
         num_requests = args.synthetic
     else:
         trace: dict[str, object] = {"kind": "mooncake", "path": args.trace, "speed": args.speed}
         if args.tile_to is not None:
             trace.update(tiles=None, limit=args.tile_to)
-        scenario = Scenario.model_validate({"trace": trace, "fleet": {"num_replicas": args.replicas}})
+        scenario = Scenario.model_validate({"trace": trace, "fleet": fleet(args)})
         workload = build_workload(scenario, traces_dir=args.traces_dir)
         num_requests = sum(1 for _ in workload.requests())  # reads and hashes every prompt once
     load_cpu, load_wall = time.process_time() - started_cpu, time.perf_counter() - started_wall
@@ -68,7 +74,8 @@ def main() -> None:
         f"workload: {workload.name}, {num_requests} requests; "
         f"load and hash: {load_cpu:.1f} s CPU, {load_wall:.1f} s wall"
     )
-    print(f"fleet: {args.replicas} x {scenario.fleet.preset}")
+    engine = scenario.fleet.resolve().engine
+    print(f"fleet: {args.replicas} x {scenario.fleet.preset}, {engine.block_size}-token blocks")
     print()
     header = f"{'policy':<20} {'CPU s':>7} {'wall s':>7} {'events':>9} {'req/s wall':>11} {'sim s/wall s':>13}"
     print(header)
@@ -91,6 +98,13 @@ def main() -> None:
     print(f"{'with loading':<20} {all_cpu:7.1f} {all_wall:7.1f}")
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     print(f"peak RSS of this process: {peak_mib:.0f} MiB")
+
+
+def fleet(args: argparse.Namespace) -> dict[str, object]:
+    fleet: dict[str, object] = {"num_replicas": args.replicas}
+    if args.block_size is not None:
+        fleet["engine"] = with_block_size(FleetConfig().resolve().engine, args.block_size)
+    return fleet
 
 
 if __name__ == "__main__":

@@ -76,6 +76,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="engine preset (simulations/presets/), a preset YAML file, or a `shoal replica profile` JSON to fit",
     )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        metavar="TOKENS",
+        help="KV block of the engines and the router, the KV cache keeping its tokens (default: the preset's, 16); "
+        "512 on a Mooncake trace (its own block) runs several times faster in a tenth of the memory, and hits only "
+        "whole blocks (simulations/README.md)",
+    )
     parser.add_argument("--index-mode", choices=_INDEX_MODES, help="prefix index fed by decisions or by KV events")
     parser.add_argument("--routers", type=int, metavar="N", help="routers, each with its own view (default 1)")
     parser.add_argument(
@@ -228,7 +236,7 @@ def _trace_config(path: str, current: Any) -> dict[str, Any]:
 
 def resolve_scenario(args: argparse.Namespace) -> Any:
     """The scenario of `--scenario` (or the defaults) with the flags applied."""
-    from simulations.scenario import Scenario, load_scenario
+    from simulations.scenario import FleetConfig, Scenario, load_scenario, with_block_size
 
     if args.scenario:
         base = load_scenario(args.scenario).model_dump()
@@ -264,6 +272,9 @@ def resolve_scenario(args: argparse.Namespace) -> Any:
         fleet["preset"] = args.preset
     if args.acceptance_length is not None:
         fleet["speculation"] = {**(fleet.get("speculation") or {}), "mean_acceptance_length": args.acceptance_length}
+    if args.block_size is not None:
+        engine = FleetConfig.model_validate(fleet).resolve().engine
+        fleet["engine"] = {**(fleet.get("engine") or {}), **with_block_size(engine, args.block_size)}
     data["fleet"] = fleet
     if args.index_mode is not None:
         data["router"] = {**(data.get("router") or {}), "index_mode": args.index_mode}
@@ -371,6 +382,7 @@ _NOT_MATRIX_FLAGS = (
     "tile",
     "tile_to",
     "preset",
+    "block_size",
     "index_mode",
     "acceptance_length",
     "routers",

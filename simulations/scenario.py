@@ -151,6 +151,20 @@ class FleetConfig(_Model):
         return ResolvedFleet(engine, step_model, speculation)
 
 
+def with_block_size(engine: SimulatedEngineConfig, block_size: int) -> dict[str, int]:
+    """Engine overrides for KV blocks of `block_size` tokens holding as many tokens as `engine`'s (rounded down to
+    whole blocks): `shoal simulate --block-size`. The router hashes blocks of the same size. Coarser blocks make
+    a run faster and lighter (the prefix index, the KV cache and the hashing work per block) and change what it
+    models: a prompt hits only whole blocks, and a sequence holds whole blocks. A Mooncake trace names 512-token
+    blocks (its engines' own), so 512 loses only the hits inside a prompt's last, partial block."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    tokens = engine.num_kv_blocks * engine.block_size
+    if tokens < block_size:
+        raise ValueError(f"a block of {block_size} tokens is more than the engine's KV cache ({tokens} tokens)")
+    return {"block_size": block_size, "num_kv_blocks": tokens // block_size}
+
+
 _MERGED_FLEET_FIELDS = ("engine", "step_model", "speculation")
 """Fleet fields that are mappings of overrides: a variant's merge into the scenario's."""
 
