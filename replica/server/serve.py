@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +41,9 @@ def serve(settings: ReplicaSettings, *, threads: int | None = None) -> int:
     # Every multi-threaded torch operation runs on the engine's thread, loading included: OpenMP gives each thread
     # that starts parallel work a team of its own, and once a process has more team threads than cores, libgomp
     # cuts how long idle threads spin (decode steps 2.4x slower on 2 owned cores than where one team ran them).
-    engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-engine")
+    engine_thread = ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="shoal-engine", initializer=_leave_signals_to_the_main_thread
+    )
 
     def load() -> tuple[object, object]:
         if threads:
@@ -93,6 +96,13 @@ def serve(settings: ReplicaSettings, *, threads: int | None = None) -> int:
     finally:
         code = 0 if ranks is None else ranks.stop()
     return code
+
+
+def _leave_signals_to_the_main_thread() -> None:
+    """Block SIGINT and SIGTERM in the engine's thread (and the OpenMP threads it starts, which inherit the mask), so
+    the kernel hands them to the main thread. One handed to this thread would leave the main thread asleep in its
+    wait for the load, and Ctrl-C would do nothing until the load ended."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def _on(engine_thread: ThreadPoolExecutor, load: Callable[[], T]) -> T:

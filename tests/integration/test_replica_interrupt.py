@@ -1,7 +1,8 @@
 """Ctrl-C while `shoal replica` loads its model ends the process at once. The load runs on the engine's thread, which
-nothing can interrupt. A long load is stood in for by one that first opens a FIFO nobody writes (blocked in the
-kernel, the GIL released, as reading a large checkpoint mostly is), so a replica that waited for its load, at
-exit or anywhere, would never end."""
+nothing can interrupt, and which blocks SIGINT and SIGTERM so that the kernel hands them to the main thread. A long
+load is stood in for by one that first opens a FIFO nobody writes (blocked in the kernel, the GIL released, as
+reading a large checkpoint mostly is), so a replica that waited for its load, at exit or anywhere, would never
+end."""
 
 from __future__ import annotations
 
@@ -19,15 +20,23 @@ from tests.replica_checkpoint import build_tiny_checkpoint
 DEADLINE_S = 60.0
 
 
-def _blocked_opening_a_fifo(pid: int) -> bool:
-    """Whether a thread of `pid` waits in the kernel for a FIFO's writer (its wchan)."""
+def _thread_opening_a_fifo(pid: int) -> Path | None:
+    """The /proc task of the thread of `pid` that waits in the kernel for a FIFO's writer (its wchan), if one does."""
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             if (task / "wchan").read_text() == "wait_for_partner":
-                return True
+                return task
         except OSError:
             continue
-    return False
+    return None
+
+
+def _blocked_signals(task: Path) -> int:
+    """The task's blocked-signal mask (SigBlk): bit n - 1 is signal n."""
+    for line in (task / "status").read_text().splitlines():
+        if line.startswith("SigBlk:"):
+            return int(line.split()[1], 16)
+    raise AssertionError(f"no SigBlk in {task}/status")
 
 
 def _kernel_names_waits() -> bool:
@@ -62,10 +71,14 @@ def test_ctrl_c_during_the_load_ends_the_replica(tmp_path: Path) -> None:
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + DEADLINE_S
-        while not _blocked_opening_a_fifo(process.pid):
+        while (loader := _thread_opening_a_fifo(process.pid)) is None:
             assert process.poll() is None, process.communicate()[1]
             assert time.monotonic() < deadline, "the replica never started loading"
             time.sleep(0.05)  # polling another process's progress, with a deadline
+        # The kernel hands a process's signal to any thread that does not block it; handed to the loading thread,
+        # it would leave the main thread asleep in its wait (the process then hung here about one run in ten).
+        blocked = _blocked_signals(loader)
+        assert blocked >> (signal.SIGINT - 1) & 1 and blocked >> (signal.SIGTERM - 1) & 1, f"SigBlk {blocked:x}"
         process.send_signal(signal.SIGINT)
         _, stderr = process.communicate(timeout=DEADLINE_S)
     finally:
