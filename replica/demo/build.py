@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-DEMO_VERSION = "v4"
+DEMO_VERSION = "v5"
 PACKAGED_DIR = Path(__file__).with_name("weights")
 """The demo model as the package ships it (BF16 weights, tokenizer, drafter): what `build_demo` wrote with the
 default recipe, so `make demo` answers without training first."""
@@ -32,7 +32,10 @@ default recipe, so `make demo` answers without training first."""
 
 @dataclass(frozen=True)
 class DemoRecipe:
-    num_conversations: int = 6000
+    num_conversations: int = 60000
+    """About 23M tokens, of which training sees some 10M: no conversation twice, so the model cannot remember a
+    conversation's values and has to copy them from the ask (6,000 conversations, seen about twice, were
+    remembered instead: training loss 0.05 against 0.14 held out)."""
     vocab_size: int = 2048
     hidden_size: int = 128
     num_layers: int = 4
@@ -57,7 +60,7 @@ class DemoRecipe:
     starts. One is 700-1,100 tokens, 590 of them its tools block, and its call ends by position ~700: only long
     steps show a call with the whole system prompt above it, at the distances it has when served; on short
     windows alone the model copies the tools' schema into its calls instead of arguments."""
-    max_steps: int = 1200
+    max_steps: int = 3000
     max_seconds: float = 7200.0
     """Training stops at max_steps, or at max_seconds (of training, not of corpus and tokenizer set-up) on a machine
     too slow or too busy for them: steps, not wall time, bound it, so a seed names one model whatever the
@@ -98,6 +101,8 @@ def held_out_texts(path: Path) -> list[str]:
 
 
 WARMUP_STEPS = 50
+SAVED_HELDOUT = 300
+"""Held-out conversations written beside the model (`heldout.json`, for benchmarks): the first of them, not all."""
 
 
 def scheduled_learning_rate(recipe: DemoRecipe, step: int, elapsed_s: float) -> float:
@@ -225,7 +230,8 @@ def build_demo(
         write_tokenizer_config(tmp, model_max_length=recipe.max_position_embeddings)
         if recipe.drafter_requests:
             _build_drafter(tokenizer, tmp, recipe, progress)
-        (tmp / "heldout.json").write_text(json.dumps(heldout, ensure_ascii=False), encoding="utf-8")
+        saved = heldout[:SAVED_HELDOUT]
+        (tmp / "heldout.json").write_text(json.dumps(saved, ensure_ascii=False), encoding="utf-8")
         meta = {
             "recipe": asdict(recipe),
             "steps": step,

@@ -16,7 +16,7 @@ from replica.demo.corpus import generate_conversations
 from replica.demo.phrasebook import DELAY_CODES, PHRASEBOOKS, PHRASEBOOKS_FILE, load_phrasebooks
 
 ROOT = Path(__file__).parents[3]
-BUILD_CORPUS_SHA256 = "676555b8e81806a9b5550dd19d6aeebc805849e0d9427a304cc728b7006fd6b8"
+BUILD_CORPUS_SHA256 = "bdb1d0ad2e4e127879d9a4cdd422ec84a2550ffa06952e811f1dad0b6d5a0ab4"
 """The corpus `shoal replica build-demo` trains the packaged demo model on (its recipe's conversation count and
 seed), as JSON with sorted keys: generated from the phrasebooks as they were in code when those weights were built."""
 
