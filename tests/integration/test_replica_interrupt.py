@@ -31,6 +31,26 @@ def _thread_opening_a_fifo(pid: int) -> Path | None:
     return None
 
 
+def _threads(pid: int) -> list[tuple[str, str, str, str]]:
+    """(name, wchan, SigBlk, SigCgt) of each thread of `pid`: where each waits, and which signals it blocks and
+    catches, for a failure's message."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
+            found.append(
+                (
+                    (task / "comm").read_text().strip(),
+                    (task / "wchan").read_text(),
+                    status.get("SigBlk", "?"),
+                    status.get("SigCgt", "?"),
+                )
+            )
+        except OSError:
+            continue
+    return found
+
+
 def _blocked_signals(task: Path) -> int:
     """The task's blocked-signal mask (SigBlk): bit n - 1 is signal n."""
     for line in (task / "status").read_text().splitlines():
@@ -79,8 +99,14 @@ def test_ctrl_c_during_the_load_ends_the_replica(tmp_path: Path) -> None:
         # it would leave the main thread asleep in its wait (the process then hung here about one run in ten).
         blocked = _blocked_signals(loader)
         assert blocked >> (signal.SIGINT - 1) & 1 and blocked >> (signal.SIGTERM - 1) & 1, f"SigBlk {blocked:x}"
+        before = _threads(process.pid)
         process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=DEADLINE_S)
+        try:
+            _, stderr = process.communicate(timeout=DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"no exit {DEADLINE_S:.0f} s after SIGINT; threads before it: {before}; now: {_threads(process.pid)}"
+            ) from None
     finally:
         if process.poll() is None:
             process.kill()
