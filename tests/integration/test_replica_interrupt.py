@@ -31,6 +31,12 @@ def _thread_opening_a_fifo(pid: int) -> Path | None:
     return None
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """In the child: SIGINT at its default, as a terminal's foreground process has it. A shell's background job
+    (`make test &`) inherits it ignored, and Python then leaves it ignored: Ctrl-C could not reach it at all."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _threads(pid: int) -> list[tuple[str, str, str, str]]:
     """(name, wchan, SigBlk, SigCgt) of each thread of `pid`: where each waits, and which signals it blocks and
     catches, for a failure's message."""
@@ -88,7 +94,9 @@ def test_ctrl_c_during_the_load_ends_the_replica(tmp_path: Path) -> None:
         "raise SystemExit(main())\n"
     )
     command = [sys.executable, "-c", main, "replica", f"--model={checkpoint}", "--port=0", "--threads=1"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_as_in_a_terminal
+    )
     try:
         deadline = time.monotonic() + DEADLINE_S
         while (loader := _thread_opening_a_fifo(process.pid)) is None:
