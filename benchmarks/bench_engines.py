@@ -313,20 +313,22 @@ def cached_tokens(answer: dict[str, Any]) -> int | None:
 
 async def decode_batch(
     session: aiohttp.ClientSession, url: str, prompts: list[list[int]], max_tokens: int
-) -> dict[str, float]:
-    body = {"max_tokens": max_tokens, "ignore_eos": True}
-    started = time.perf_counter()
-    answers = await asyncio.gather(*(complete(session, url, {**body, "prompt": p}) for p in prompts))
-    wall_s = time.perf_counter() - started
-    tokens = sum(int(answer["usage"]["completion_tokens"]) for _, answer in answers)
-    return {"tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s}
+) -> dict[str, Any]:
+    """All requests at once, each to `max_tokens` whatever it writes (`ignore_eos`)."""
+    return await answer_batch(session, url, prompts, max_tokens, at_once=True, ignore_eos=True)
 
 
 async def answer_batch(
-    session: aiohttp.ClientSession, url: str, prompts: list[list[int]], max_tokens: int, *, at_once: bool
+    session: aiohttp.ClientSession,
+    url: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    *,
+    at_once: bool,
+    ignore_eos: bool = False,
 ) -> dict[str, Any]:
-    """Greedy answers to their natural end, all at once or one after another."""
-    body = {"max_tokens": max_tokens}
+    """Greedy answers, all at once or one after another: tokens/s = completion tokens over the wall time."""
+    body = {"max_tokens": max_tokens, "ignore_eos": ignore_eos}
     started = time.perf_counter()
     if at_once:
         answers = await asyncio.gather(*(complete(session, url, {**body, "prompt": p}) for p in prompts))

@@ -98,10 +98,6 @@ def serve(settings: ReplicaSettings, *, threads: int | None = None) -> int:
     return code
 
 
-WAKE_S = 0.2
-"""How often the main thread, waiting for a load, wakes to run a signal's handler."""
-
-
 def _leave_signals_to_the_main_thread() -> None:
     """Block SIGINT and SIGTERM in the engine's thread (and the OpenMP threads it starts, which inherit the mask), so
     the kernel hands them to the main thread. One handed to this thread would leave the main thread asleep in its
@@ -112,16 +108,8 @@ def _leave_signals_to_the_main_thread() -> None:
 def _on(engine_thread: ThreadPoolExecutor, load: Callable[[], T]) -> T:
     """`load()` on the engine thread. Ctrl-C ends the process at once, as it did when loading ran on this thread:
     an executor's thread cannot be interrupted, and the interpreter would wait at exit for the load to finish."""
-    future = engine_thread.submit(load)
     try:
-        while True:
-            # Woken every WAKE_S: a signal the kernel handed to another thread (one started by a library) sets
-            # Python's flag without waking this wait, and only this thread runs the handler.
-            try:
-                return future.result(timeout=WAKE_S)
-            except TimeoutError:
-                if future.done():  # the load's own TimeoutError (an OSError)
-                    raise
+        return engine_thread.submit(load).result()
     except KeyboardInterrupt:
         print("shoal replica: interrupted while loading", file=sys.stderr, flush=True)
         os._exit(130)

@@ -104,7 +104,7 @@ def test_ctrl_c_during_the_load_ends_the_replica(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "the replica never started loading"
             time.sleep(0.05)  # polling another process's progress, with a deadline
         # The kernel hands a process's signal to any thread that does not block it; handed to the loading thread,
-        # it would leave the main thread asleep in its wait (the process then hung here about one run in ten).
+        # it would leave the main thread asleep in its wait.
         blocked = _blocked_signals(loader)
         assert blocked >> (signal.SIGINT - 1) & 1 and blocked >> (signal.SIGTERM - 1) & 1, f"SigBlk {blocked:x}"
         before = _threads(process.pid)
