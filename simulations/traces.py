@@ -339,6 +339,9 @@ class MooncakeWorkload(_TraceFile):
         """Chained hashes of the row's full sub-blocks (`input_tokens // block_size` of them)."""
         per_trace_block = MOONCAKE_BLOCK_TOKENS // self.block_size
         num_blocks = row.input_tokens // self.block_size
+        if per_trace_block == 1:  # a block per trace block: one chain, cheaper than the memo's bookkeeping
+            tail = self._sub_block_tails[0]
+            return chain_hashes([_pack_u32(block) + tail for block in row.hash_ids[:num_blocks]], self.seed_bytes)
         out: list[int] = []
         parent: int | None = None
         memo = self._sub_hashes

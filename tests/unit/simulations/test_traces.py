@@ -53,14 +53,16 @@ def test_sub_blocks_keep_the_prefix_structure(tmp_path: Path) -> None:
     assert not set(c) & set(a)  # block 2 after block 9 is another prefix: nothing shared
 
 
-def test_hashes_are_the_routers_over_the_made_up_tokens(tmp_path: Path) -> None:
+@pytest.mark.parametrize("block_size", [16, 128, 512])  # 512: a block per trace block, hashed without the memo
+def test_hashes_are_the_routers_over_the_made_up_tokens(tmp_path: Path, block_size: int) -> None:
     trace = write_trace(
         tmp_path / "t.jsonl", [{"timestamp": 0, "input_length": 1100, "output_length": 1, "hash_ids": [5, 6, 7]}]
     )
-    workload = MooncakeWorkload(trace, block_size=16)
+    workload = MooncakeWorkload(trace, block_size=block_size)
     request = next(workload.requests())
+    assert len(request.hashes) == 1100 // block_size
     tokens = [t for i in range(len(request.hashes)) for t in request.tokens.block_tokens(i)]
-    assert list(request.hashes) == hash_tokens(tokens, workload.seed_bytes, 16)
+    assert list(request.hashes) == hash_tokens(tokens, workload.seed_bytes, block_size)
 
 
 def jittered(rows: list[TraceRow], *, speed: float, seed: int, jitter_s: float = 0.001) -> list[tuple[float, int]]:
