@@ -34,7 +34,7 @@ def test_the_held_out_loss_counts_the_assistants_turns_and_nothing_else() -> Non
         {"role": "user", "content": "assistant, thanks"},
         {"role": "assistant", "content": replies[1]},
     ]
-    ids = tokenizer.encode(training_text(conversation, None)) + [tokenizer.endoftext_token_id]
+    ids = [*tokenizer.encode(training_text(conversation, None)), tokenizer.endoftext_token_id]
     inside = assistant_tokens(torch.tensor(ids), tokenizer).tolist()
     spans: list[list[int]] = []
     for i, (token, written) in enumerate(zip(ids, inside, strict=True)):
