@@ -52,8 +52,8 @@ class DemoRecipe:
     max_position_embeddings: int = 4096
     seq_len: int = 256
     batch_size: int = 16
-    """Short steps: `batch_size` windows of `seq_len` tokens at random offsets of the stream (cheap; local
-    structure: phrasing, JSON syntax, copying from the ask)."""
+    """Short steps: `batch_size` rows of `seq_len` tokens, `copy_rows` of them copy tasks and the others windows at
+    random offsets of the stream (cheap; local structure: phrasing, JSON syntax, copying from the ask)."""
     copy_rows: int = 4
     """Rows of each short step that are a random token string written twice, with the loss on the second copy only:
     they teach the model to copy what it has read (an induction head), as an answer copies the ask's order numbers
