@@ -107,8 +107,6 @@ def held_out_texts(path: Path) -> list[str]:
 
 
 WARMUP_STEPS = 50
-FIRST_ORDINARY_TOKEN = 3
-"""Token ids below this are the tokenizer's special tokens (`replica.tokenizer.SPECIAL_TOKENS`)."""
 SAVED_HELDOUT = 300
 """Held-out conversations written beside the model (`heldout.json`, for benchmarks): the first of them, not all."""
 
@@ -201,21 +199,21 @@ def build_demo(
         lr = scheduled_learning_rate(recipe, step, time.monotonic() - train_started)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        if float(torch.rand((), generator=gen)) < recipe.long_fraction:
+        is_long = float(torch.rand((), generator=gen)) < recipe.long_fraction
+        if is_long:
             seq_len = recipe.long_seq_len
             starts = long_starts[torch.randint(0, len(long_starts), (recipe.long_batch_size,), generator=gen)]
         else:
             seq_len = recipe.seq_len
             starts = torch.randint(0, len(data) - seq_len - 1, (recipe.batch_size - recipe.copy_rows,), generator=gen)
         batch = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()])  # [B, S+1]
-        weights = torch.ones(len(starts), seq_len)
-        if seq_len == recipe.seq_len and recipe.copy_rows:
+        weights = torch.ones(len(starts), seq_len)  # [B, S] of each target (batch[:, 1:])
+        if not is_long and recipe.copy_rows:
             copies, copy_weights = copy_task(recipe.copy_rows, seq_len, tokenizer.vocab_size, gen)
             batch, weights = torch.cat([batch, copies]), torch.cat([weights, copy_weights])
-        weights = weights.flatten()
         logits, aux = model.forward_train(batch[:, :-1])
         losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
-        loss = (losses * weights).sum() / weights.sum().clamp(min=1.0)
+        loss = (losses * weights.flatten()).sum() / weights.sum()
         (loss + recipe.aux_loss_weight * aux).backward()  # type: ignore[no-untyped-call]
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -305,13 +303,15 @@ def _build_drafter(tokenizer: Any, folder: Path, recipe: DemoRecipe, progress: C
 
 
 def copy_task(rows: int, seq_len: int, vocab_size: int, gen: Any) -> tuple[Any, Any]:
-    """`rows` rows of `seq_len` + 1 tokens: a random string of ordinary tokens (after the special ones) written twice,
+    """`rows` rows of `seq_len` + 1 tokens: a random string of tokens after the special ones written twice,
     and the weight of each target (row[1:]): 1 where the second copy can be predicted (from its second token on),
-    else 0."""
+    else 0. `train_bpe` numbers the special tokens first; the tool-call markers after them may be drawn."""
     import torch
 
+    from replica.tokenizer import SPECIAL_TOKENS
+
     half = seq_len // 2
-    string = torch.randint(FIRST_ORDINARY_TOKEN, vocab_size, (rows, half), generator=gen)
+    string = torch.randint(len(SPECIAL_TOKENS), vocab_size, (rows, half), generator=gen)
     tokens = string.repeat(1, 3)[:, : seq_len + 1]  # [rows, S+1]: twice, and the last token of a third time
     weights = torch.zeros(rows, seq_len)
     weights[:, half:] = 1.0  # target j is tokens[j + 1]: the second copy's tokens after its first

@@ -37,32 +37,24 @@ def _sigint_as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def _status(task: Path) -> dict[str, str]:
+    """The fields of a /proc task's `status` file, by name."""
+    lines = (task / "status").read_text().splitlines()
+    return {name: value.strip() for name, value in (line.split(":", 1) for line in lines if ":" in line)}
+
+
 def _threads(pid: int) -> list[tuple[str, str, str, str]]:
     """(name, wchan, SigBlk, SigCgt) of each thread of `pid`: where each waits, and which signals it blocks and
     catches, for a failure's message."""
     found = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            status = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
-            found.append(
-                (
-                    (task / "comm").read_text().strip(),
-                    (task / "wchan").read_text(),
-                    status.get("SigBlk", "?"),
-                    status.get("SigCgt", "?"),
-                )
-            )
+            status = _status(task)
+            wchan = (task / "wchan").read_text()
         except OSError:
             continue
+        found.append((status.get("Name", "?"), wchan, status.get("SigBlk", "?"), status.get("SigCgt", "?")))
     return found
-
-
-def _blocked_signals(task: Path) -> int:
-    """The task's blocked-signal mask (SigBlk): bit n - 1 is signal n."""
-    for line in (task / "status").read_text().splitlines():
-        if line.startswith("SigBlk:"):
-            return int(line.split()[1], 16)
-    raise AssertionError(f"no SigBlk in {task}/status")
 
 
 def _kernel_names_waits() -> bool:
@@ -105,7 +97,7 @@ def test_ctrl_c_during_the_load_ends_the_replica(tmp_path: Path) -> None:
             time.sleep(0.05)  # polling another process's progress, with a deadline
         # The kernel hands a process's signal to any thread that does not block it; handed to the loading thread,
         # it would leave the main thread asleep in its wait.
-        blocked = _blocked_signals(loader)
+        blocked = int(_status(loader)["SigBlk"], 16)  # bit n - 1 is signal n
         assert blocked >> (signal.SIGINT - 1) & 1 and blocked >> (signal.SIGTERM - 1) & 1, f"SigBlk {blocked:x}"
         before = _threads(process.pid)
         process.send_signal(signal.SIGINT)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from replica.demo.build import FIRST_ORDINARY_TOKEN, PACKAGED_DIR, assistant_tokens, copy_task
+from replica.demo.build import PACKAGED_DIR, assistant_tokens, copy_task
 from replica.tokenizer import SPECIAL_TOKENS, Tokenizer, training_text
 
 
@@ -13,7 +13,9 @@ def test_copy_rows_weigh_only_the_tokens_that_the_first_copy_predicts() -> None:
     rows, seq_len = 3, 16
     tokens, weights = copy_task(rows, seq_len, 50, torch.Generator().manual_seed(0))
     assert tokens.shape == (rows, seq_len + 1) and weights.shape == (rows, seq_len)
-    assert int(tokens.min()) >= FIRST_ORDINARY_TOKEN == len(SPECIAL_TOKENS)
+    assert int(tokens.min()) >= len(SPECIAL_TOKENS)
+    tokenizer = Tokenizer.from_file(PACKAGED_DIR / "tokenizer.json")
+    assert max(tokenizer.encode(token)[0] for token in SPECIAL_TOKENS) == len(SPECIAL_TOKENS) - 1  # numbered first
     half = seq_len // 2
     for row, weight in zip(tokens, weights, strict=True):
         assert len(set(row[:half].tolist())) > 1  # a random string, not one token repeated
