@@ -168,7 +168,9 @@ def pooled_rates(replicas: Sequence[ReplicaState], rate_noise_cv: float) -> list
     var = total_squares / len(rates) - mean * mean
     noise = (rate_noise_cv * mean) ** 2
     # var <= noise covers a homogeneous fleet, where float cancellation can leave a tiny var of either sign.
-    shrink = 1.0 - noise / var if var > noise else 0.0
+    if var <= noise:
+        return [mean] * len(rates)
+    shrink = 1.0 - noise / var
     return [mean + shrink * (rate - mean) for rate in rates]
 
 
@@ -176,11 +178,13 @@ def slot_wait_s(r: ReplicaState, assumed_slots: int | None = None) -> float:
     """Seconds a new request waits for a batch slot on `r` (module docstring: queue): with n requests there and B
     slots (`r.batch_slots`, else `assumed_slots`) held slot_s each, it waits for n - B + 1 completions at B / slot_s
     per second; 0 while a slot is free or either figure is unknown."""
+    if r.slot_s is None:
+        return 0.0
     slots = r.batch_slots
     if slots is None:
         slots = assumed_slots
     n = r.queue_depth
-    if slots is None or r.slot_s is None or slots <= 0 or n < slots:
+    if slots is None or slots <= 0 or n < slots:
         return 0.0
     return (n - slots + 1) * r.slot_s / slots
 
@@ -244,17 +248,14 @@ class EstimatedTTFT:
         best_s = min([costs[i] for i in candidates])
         tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
         matched = request.matched_blocks
-        best = min(
-            [i for i in candidates if costs[i] <= tied_below_s],
-            key=lambda i: (
-                -matched.get(replicas[i].id, 0),
-                replicas[i].in_flight,
-                replicas[i].last_selected,
-                replicas[i].id,
-            ),
-        )
+
+        def tie_order(i: int) -> tuple[int, int, float, str]:
+            r = replicas[i]
+            return -matched.get(r.id, 0), r.in_flight, r.last_selected, r.id
+
+        best = min([i for i in candidates if costs[i] <= tied_below_s], key=tie_order)
         chosen_id = replicas[best].id
-        longest = max([matched.get(r.id, 0) for r in replicas])
+        longest = max([matched.get(r.id, 0) for r in replicas]) if matched else 0
         branch = branch_for_blocks(longest, matched.get(chosen_id, 0)) if under_cap else Branch.OVERLOADED
         if branch is Branch.SPILL and self._is_queue_spill(request, replicas, costs, longest, tied_below_s):
             branch = Branch.SPILL_QUEUE
