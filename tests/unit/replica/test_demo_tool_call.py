@@ -1,6 +1,7 @@
 """`make demo`'s tool-call request gives a valid call of the named tool on the packaged demo model and on other
-builds of it (stand-ins: copies with noise on every weight, decoding greedily and sampled), and no tool call is
-parsed from a chat that offered no tools, whatever its text looks like."""
+builds of it (stand-ins: copies with noise on every weight, decoding greedily and sampled), the packaged model's
+greedy call carries the order number asked for, and no tool call is parsed from a chat that offered no tools,
+whatever its text looks like."""
 
 from __future__ import annotations
 
@@ -68,6 +69,15 @@ def test_the_demo_tool_call_is_a_valid_call_of_the_named_tool(
     assert has_tools and content is None and len(calls) == 1, text
     assert calls[0]["function"]["name"] == "get_order_status"
     jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), PARAMETERS["get_order_status"])
+
+
+def test_the_packaged_demo_model_calls_with_the_asked_order_number(demo: tuple[MoEForCausalLM, Tokenizer]) -> None:
+    model, tokenizer = demo
+    body = tool_call_request("shoal-demo")
+    asked = body["messages"][0]["content"].split()[-1].rstrip("?")
+    text, _ = answer(model, tokenizer, body)
+    _, calls = split_tool_calls(text)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"order_id": asked}, text
 
 
 def test_a_chat_without_tools_never_returns_a_tool_call(demo: tuple[MoEForCausalLM, Tokenizer]) -> None:
