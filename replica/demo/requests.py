@@ -139,20 +139,25 @@ def _speculation_summary(replica_urls: list[str]) -> None:
         )
 
 
+def japanese_chat_request(model: str) -> dict[str, Any]:
+    """The demo's Japanese chat: an ask of the corpus's first scenario (order status) with values of its own, under
+    one of the corpus's system prompts. The demo model knows only the corpus's scenarios: a free-form ask
+    ("来週の火曜日に打ち合わせの時間をいただけますか。") gets the corpus's closing line."""
+    ask = "株式会社山田製作所様のご注文（注文番号：ORD-30981）の状況を確認していただけますでしょうか。"
+    return {
+        "model": model,
+        "max_tokens": 60,
+        "temperature": 0,
+        "messages": [
+            {"role": "system", "content": JAPANESE.system_prompts[1]},
+            {"role": "user", "content": ask},
+        ],
+    }
+
+
 def _run_demo_requests(endpoint: str, model: str) -> None:
     print("\n== 1. A chat in Japanese ==")
-    reply = _post(
-        endpoint,
-        {
-            "model": model,
-            "max_tokens": 60,
-            "temperature": 0,
-            "messages": [
-                {"role": "system", "content": JAPANESE.system_prompts[1]},
-                {"role": "user", "content": "来週の火曜日に打ち合わせの時間をいただけますか。"},
-            ],
-        },
-    )
+    reply = _post(endpoint, japanese_chat_request(model))
     print("assistant:", reply["choices"][0]["message"]["content"])
 
     print("\n== 2. A tool call ==")
