@@ -1,7 +1,8 @@
-"""`make demo`'s tool-call request gives a valid call of the named tool on the packaged demo model and on other
-builds of it (stand-ins: copies with noise on every weight, decoding greedily and sampled), the packaged model's
-greedy call carries the order number asked for, and no tool call is parsed from a chat that offered no tools,
-whatever its text looks like."""
+"""`make demo`'s requests on the demo model. The tool-call request gives a valid call of the named tool on the
+packaged model and on other builds of it (stand-ins: copies with noise on every weight, decoding greedily and
+sampled), and the packaged model's call carries the order number asked for; the Japanese chat gets an answer of its
+scenario with its order number; no tool call is parsed from a chat that offered no tools, whatever its text looks
+like."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from replica.demo.build import ensure_demo_model
 from replica.demo.corpus import TOOLS
-from replica.demo.requests import tool_call_request
+from replica.demo.requests import japanese_chat_request, tool_call_request
 from replica.engine.engine import EngineConfig, LLMEngine
 from replica.grammar.matcher import GrammarCompiler
 from replica.model.loader import load_model
@@ -78,6 +79,13 @@ def test_the_packaged_demo_model_calls_with_the_asked_order_number(demo: tuple[M
     text, _ = answer(model, tokenizer, body)
     _, calls = split_tool_calls(text)
     assert json.loads(calls[0]["function"]["arguments"]) == {"order_id": asked}, text
+
+
+def test_the_packaged_demo_model_answers_the_japanese_chat_with_its_order_number(
+    demo: tuple[MoEForCausalLM, Tokenizer],
+) -> None:
+    text, _ = answer(*demo, japanese_chat_request("shoal-demo"))
+    assert text.startswith("承知いたしました。ご注文ORD-30981は"), text  # the order-status reply, the asked number
 
 
 def test_a_chat_without_tools_never_returns_a_tool_call(demo: tuple[MoEForCausalLM, Tokenizer]) -> None:
