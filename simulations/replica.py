@@ -52,6 +52,7 @@ as `router.policy.kv_events` objects (engine hash = router hash: the simulator h
 from __future__ import annotations
 
 import random
+from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -421,16 +422,12 @@ class SimReplica:
         """A request arrived during a decode run: end the run at the boundary of the step in progress."""
         assert self._run is not None
         start_s, num_steps, n, kv_tokens, factor = self._run
+        # The first step that ends at or after now: the run's end grows with its steps, so a bisection finds it.
         elapsed_s = self.sim.now - start_s
-        end_s = 0.0
-        done = num_steps
-        for j in range(num_steps):
-            end_s = self._run_s(j + 1, n, kv_tokens, factor)
-            if end_s >= elapsed_s:
-                done = j + 1
-                break
+        done = 1 + bisect_left(range(1, num_steps), elapsed_s, key=lambda m: self._run_s(m, n, kv_tokens, factor))
         if done == num_steps:
             return
+        end_s = self._run_s(done, n, kv_tokens, factor)
         full_s = self._run_s(num_steps, n, kv_tokens, factor)
         self.busy_s -= full_s - end_s
         self.num_steps -= num_steps - done

@@ -12,8 +12,9 @@ Timestamps are whole milliseconds, so requests that arrived within the same mill
 seeded uniform offset within its bucket (`jitter_s`, default one bucket), then times are divided by `speed`.
 
 Files are read lazily, on every `requests()` call, and `limit` stops the read: memory follows the requests in
-flight, not the trace's length. That needs rows in timestamp order (both public traces are); `arrivals` holds back
-only the rows a later row's jitter could still overtake, and a row earlier than its predecessor is an error.
+flight, not the trace's length (a tiled trace of up to `TILE_CACHE_ROWS` rows is read once per call and kept).
+That needs rows in timestamp order (both public traces are); `arrivals` holds back only the rows a later row's
+jitter could still overtake, and a row earlier than its predecessor is an error.
 
 Tiling (`tiles`): a longer input of the same shape, the trace replayed back to back. Copy k arrives k periods
 later (a period is the trace's span plus its mean gap between arrivals) and its Mooncake hash ids are shifted by
@@ -46,6 +47,10 @@ _pack_u32 = struct.Struct("<I").pack
 
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per `hash_ids` entry in Mooncake's traces."""
+
+TILE_CACHE_ROWS = 50_000
+"""Rows of a tiled trace kept in memory, so that its copies after the first are not parsed again (some 60 MB of
+Mooncake rows at most); a longer trace is read from its file for every copy."""
 
 SUB_HASH_MEMO_ENTRIES = 1 << 14
 """Trace blocks whose sub-block hashes a workload keeps (some 1.5 KB each at 16-token blocks): a trace block
@@ -266,7 +271,13 @@ class _TraceFile:
 
     def rows(self) -> Iterator[TraceRow]:
         """The rows replayed, tiled, in file order."""
-        rows = self.read() if self.tiles == 1 else tile_rows(self.read, self.shape(), self.tiles)
+        if self.tiles == 1:
+            rows = self.read()
+        elif self.shape().num_rows <= TILE_CACHE_ROWS:
+            kept = list(self.read())
+            rows = tile_rows(lambda: iter(kept), self.shape(), self.tiles)
+        else:
+            rows = tile_rows(self.read, self.shape(), self.tiles)
         return itertools.islice(rows, self.limit)
 
     def copy_of(self, request: Request) -> int:
@@ -340,8 +351,8 @@ class MooncakeWorkload(_TraceFile):
         per_trace_block = MOONCAKE_BLOCK_TOKENS // self.block_size
         num_blocks = row.input_tokens // self.block_size
         if per_trace_block == 1:  # a block per trace block: one chain, cheaper than the memo's bookkeeping
-            tail = self._sub_block_tails[0]
-            return chain_hashes([_pack_u32(block) + tail for block in row.hash_ids[:num_blocks]], self.seed_bytes)
+            heads = [_pack_u32(block) for block in row.hash_ids[:num_blocks]]
+            return chain_hashes(heads, self.seed_bytes, tail=self._sub_block_tails[0])
         out: list[int] = []
         parent: int | None = None
         memo = self._sub_hashes

@@ -49,17 +49,19 @@ def namespace_seed(model: str, adapter: str | None = None) -> bytes:
     return model.encode()
 
 
-def chain_hashes(blocks: Sequence[bytes], seed: bytes, parent_hash: int | None = None) -> list[int]:
-    """Hash already-cut blocks; the first chains from `parent_hash` when given, else from `seed`."""
+def chain_hashes(blocks: Sequence[bytes], seed: bytes, parent_hash: int | None = None, tail: bytes = b"") -> list[int]:
+    """Hash already-cut blocks, each followed by `tail` (blocks that differ only in their first bytes, as the
+    simulator's made-up prompts, need not be built whole); the first chains from `parent_hash` when given, else
+    from `seed`."""
     out: list[int] = []
     if not blocks:
         return out
     append = out.append
     head = seed if parent_hash is None else _pack_u64(parent_hash)
-    prev = _xxh3(head + blocks[0])
+    prev = _xxh3(head + blocks[0] + tail)
     append(prev)
     for i in range(1, len(blocks)):
-        prev = _xxh3(_pack_u64(prev) + blocks[i])
+        prev = _xxh3(_pack_u64(prev) + blocks[i] + tail)
         append(prev)
     return out
 

@@ -160,7 +160,8 @@ class ReplicaState:
         slots = self.learned_slots if self.learned_slots is not None else self.peer_max_num_seqs
         if slots is None:
             return None
-        return max(slots, float(self.most_running))
+        most = self.most_running
+        return slots if slots >= most else float(most)  # max(slots, most), without the builtin's cost
 
     def set_peer_load(self, in_flight: int, waiting: int, waiting_prompt_tokens: int) -> None:
         """Other routers' requests here, summed: they replace the previous peer share of the load fields, so that
@@ -225,8 +226,8 @@ class RouteRequest:
 
     def cached_tokens(self, replica_id: str) -> int:
         """Predicted cached prompt tokens on a replica, never more than the prompt."""
-        blocks = self.matched_blocks.get(replica_id, 0)
-        return min(self.prompt_tokens, int(blocks * self.tokens_per_block))
+        cached = int(self.matched_blocks.get(replica_id, 0) * self.tokens_per_block)
+        return cached if cached < self.prompt_tokens else self.prompt_tokens
 
 
 @dataclass(frozen=True, slots=True)
