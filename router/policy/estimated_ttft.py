@@ -240,11 +240,12 @@ class EstimatedTTFT:
             return decision(request, replicas[0].id, Branch.ONLY_REPLICA, estimates[0][0])
         floor_s = min([own_s for _, own_s in estimates])
         depths = [r.queue_depth for r in replicas]
+        weight, charges_idle, cap = cfg.fleet_cost_weight, cfg.charges_idle_replicas, cfg.max_queue_per_replica
         costs = [
-            ttft_s + cfg.fleet_cost_weight * (own_s - floor_s) if cfg.charges_idle_replicas or depth > 0 else ttft_s
+            ttft_s + weight * (own_s - floor_s) if charges_idle or depth > 0 else ttft_s
             for (ttft_s, own_s), depth in zip(estimates, depths, strict=True)
         ]
-        under_cap = [i for i, depth in enumerate(depths) if depth < cfg.max_queue_per_replica]
+        under_cap = [i for i, depth in enumerate(depths) if depth < cap]
         candidates = under_cap or range(len(replicas))
         best_s = min([costs[i] for i in candidates])
         tied_below_s = best_s + cfg.tie_epsilon_s + cfg.tie_rel_epsilon * best_s
