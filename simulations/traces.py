@@ -218,7 +218,7 @@ def tile_rows(read: Callable[[], Iterator[TraceRow]], shape: TraceShape, tiles: 
                 timestamp_s=row.timestamp_s + shift_s,
                 input_tokens=row.input_tokens,
                 output_tokens=row.output_tokens,
-                hash_ids=tuple(h + id_shift for h in row.hash_ids),
+                hash_ids=tuple([h + id_shift for h in row.hash_ids]),
             )
 
 
