@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from router.policy.hashing import hash_tokens
+from simulations import traces
 from simulations.floor import floor_ttfts
 from simulations.traces import (
     MOONCAKE_BLOCK_TOKENS,
@@ -176,6 +177,29 @@ def test_tiles_repeat_the_traces_shape_with_fresh_blocks_a_period_later() -> Non
     thrice, hit_thrice = floor_ttfts(tiled, engine, model)
     assert hit_once > 0.05 and hit_thrice == hit_once
     assert list(thrice) == list(once) * 3
+
+
+class CountingReads(MooncakeWorkload):
+    """Counts the passes over the file."""
+
+    num_reads = 0
+
+    def read(self) -> Iterator[TraceRow]:
+        self.num_reads += 1
+        return super().read()
+
+
+def test_a_short_tiled_trace_is_parsed_once_per_replay_and_a_long_one_once_per_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kept = CountingReads(MOONCAKE, tiles=3)
+    replay = [(r.id, r.arrival_s, list(r.hashes)) for r in kept.requests()]
+    assert len(replay) == 1200
+    assert kept.num_reads == 2  # its shape, then the rows every copy replays
+    monkeypatch.setattr(traces, "TILE_CACHE_ROWS", 399)  # the slice has 400 rows
+    reread = CountingReads(MOONCAKE, tiles=3)
+    assert [(r.id, r.arrival_s, list(r.hashes)) for r in reread.requests()] == replay
+    assert reread.num_reads == 1 + 3
 
 
 def test_tiling_to_a_request_count_cuts_the_last_copy() -> None:
