@@ -9,7 +9,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.policy.hashing import ChainMemo, hash_text, hash_tokens, namespace_seed, pack_tokens
+from router.policy.hashing import ChainMemo, chain_id_hashes, hash_text, hash_tokens, namespace_seed, pack_tokens
 from router.policy.prefix_index import PrefixIndex, PrefixIndexConfig
 from router.policy.routing_text import chat_routing_key
 
@@ -33,6 +33,14 @@ def test_first_block_is_xxh3_of_seed_and_little_endian_uint32_tokens() -> None:
 def test_chaining_from_a_parent_continues_the_chain() -> None:
     whole = hash_tokens(list(range(48)), SEED)
     assert hash_tokens(list(range(16, 48)), SEED, parent_hash=whole[0]) == whole[1:]
+
+
+@given(st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=6), st.integers(min_value=1, max_value=5))
+def test_id_headed_blocks_hash_as_their_tokens(ids: list[int], tail_tokens: int) -> None:
+    tail = [7, 0, 3, 9, 1][:tail_tokens]  # each block: one id, then these tokens
+    tokens = [t for i in ids for t in [i, *tail]]
+    expected = hash_tokens(tokens, b"model", 1 + tail_tokens)
+    assert chain_id_hashes(ids, pack_tokens(tail), b"model") == expected
 
 
 def test_only_full_blocks_are_hashed() -> None:
