@@ -261,9 +261,10 @@ async def test_a_vllm_killed_mid_run_loses_no_request_that_had_not_started(
 ) -> None:
     router = await start_exact_router(start_router, vllm_servers)
     # The victim is the vLLM the router has the most of this test's requests in flight to, once that vLLM runs
-    # some. A victim named in advance was sometimes sent none of the 8. Long answers keep them running past the
-    # kill.
-    body = {"model": MODEL, "prompt": "hello", "max_tokens": 1000, "ignore_eos": True}
+    # some. A victim named in advance was sometimes sent none of the 8. Long answers (2,500 tokens, some 35 s at
+    # vLLM's pace here) keep them running past the kill.
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 2500, "ignore_eos": True}
+    started = asyncio.get_running_loop().time()
     load = [
         asyncio.ensure_future(router.request("POST", "/v1/completions", json_body=body, timeout_s=180))
         for _ in range(8)
@@ -281,15 +282,20 @@ async def test_a_vllm_killed_mid_run_loses_no_request_that_had_not_started(
         busiest = max(in_flight, key=lambda url: in_flight[url], default=None)
         if busiest is None or in_flight[busiest] < 1 or busiest not in by_id:
             return False
-        if await vllm_counter(http, by_id[busiest], "vllm:num_requests_running") > 0:
+        running = await vllm_counter(http, by_id[busiest], "vllm:num_requests_running")
+        if running > 0:
             chosen.append(by_id[busiest])
+            seen.append(running)
             return True
         return False
 
+    seen: list[float] = []
     await eventually(in_flight_and_running, timeout_s=60, what="this test's requests running on a vLLM")
     victim = chosen[0]
     (survivor,) = [server for server in vllm_servers if server is not victim]
     victim.proc.send_signal(signal.SIGKILL)  # the API server; its engine follows it
+    killed_after_s = asyncio.get_running_loop().time() - started
+    assert victim.proc.wait(timeout=30) == -signal.SIGKILL
     replies = await asyncio.gather(*load)
     # No byte of an unstreamed reply reaches the client before it is complete: every request is retried elsewhere.
     assert [r.status for r in replies] == [200] * 8
@@ -299,5 +305,8 @@ async def test_a_vllm_killed_mid_run_loses_no_request_that_had_not_started(
         for s in f.samples
         if s.name == "shoal_router_retries_total"
     ]
-    assert sum(retried) > 0
+    assert sum(retried) > 0, (
+        f"no request was retried: {victim.url} was killed {killed_after_s:.1f} s after the load started, "
+        f"running {seen[0]:.0f} requests a moment before"
+    )
     assert survivor.is_running()
