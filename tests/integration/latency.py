@@ -1,27 +1,41 @@
 """Latency of small requests while a large one is in flight: the large one from a thread of its own (blocking
 sockets, which release the GIL, so the sender costs this process's event loop nothing), the small ones open-loop,
 each timed from when it was due, so a stall shows in every request it delays, not only in one.
-
-The test process's heap is kept out of the collector's full passes while it measures (`gc.freeze`), as `shoal router`
-and `shoal replica` keep theirs once started: in-process servers and clients share pytest's heap, some 675,000
-objects by the integration tests' end, and a full pass over it held the GIL 0.2-0.6 s, which read as the large
-request's stall."""
+The collector is paused while it measures (`collector_paused`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import http.client
 import statistics
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from urllib.parse import urlsplit
 
 INTERVAL_S = 0.005
 """Small requests are due one per 5 ms, whatever the server is doing."""
 MAX_SMALL = 4000
 """Small requests sent at most (20 s of them)."""
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """No garbage collection while the block runs, after one that clears what earlier tests left. In-process
+    servers share the test process's heap, and a full pass over it (some 120,000 objects the tests made, beside what
+    collection imported and `tests/conftest.py` froze) held the GIL, and with it every server of the test, for
+    tenths of a second: a timing test read it as the server's stall. `shoal router` and `shoal replica` freeze what
+    they loaded once started, so their own passes stay short."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def post_in_a_thread(url: str, body: bytes, headers: dict[str, str] | None = None) -> asyncio.Future[tuple[int, bytes]]:
@@ -75,16 +89,12 @@ async def latencies_around(
     num_before: int = 200,
 ) -> tuple[list[float], list[float], tuple[int, bytes]]:
     """(small latencies before, small latencies while `body` is POSTed to `url`, its status and answer)."""
-    gc.collect()
-    gc.freeze()
-    try:
+    with collector_paused():
         sent = iter(range(num_before))
         before = await open_loop(small, lambda: next(sent, None) is None)
         large = post_in_a_thread(url, body, headers)
         during = await open_loop(small, large.done)
         return before, during, await large
-    finally:
-        gc.unfreeze()
 
 
 def p99(latencies: list[float]) -> float:

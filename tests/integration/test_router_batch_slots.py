@@ -18,7 +18,6 @@ round robin's): the test freezes that heap first, as `shoal router` freezes its 
 from __future__ import annotations
 
 import asyncio
-import gc
 import statistics
 import time
 from collections.abc import Iterator
@@ -32,6 +31,7 @@ from router.policy.config import EstimatedTTFTConfig, RoundRobinConfig
 from router.service.settings import ScrapeSettings
 from tests.fakes import FakeReplica
 from tests.integration.conftest import LONG_PREFIX_BYTES, StartFakes, StartRouter, unique_text
+from tests.integration.latency import collector_paused
 
 pytestmark = pytest.mark.integration
 
@@ -51,14 +51,10 @@ SLOT_BOUND = {
 
 
 @pytest.fixture
-def frozen_heap() -> Iterator[None]:
-    """The objects earlier tests left, out of the collector's full passes while this test runs."""
-    gc.collect()
-    gc.freeze()
-    try:
+def paused_collector() -> Iterator[None]:
+    """No garbage collection while this test times requests (`collector_paused`)."""
+    with collector_paused():
         yield
-    finally:
-        gc.unfreeze()
 
 
 async def hot_prefix_round(client: openai.AsyncOpenAI, system: str, num_requests: int, tag: str) -> list[float]:
@@ -118,7 +114,7 @@ async def run_policy(
 
 
 async def test_a_hot_prefix_spreads_over_batch_slot_bound_replicas(
-    frozen_heap: None, start_fakes: StartFakes, start_router: StartRouter
+    paused_collector: None, start_fakes: StartFakes, start_router: StartRouter
 ) -> None:
     rr_share, rr_p99, _ = await run_policy(start_fakes, start_router, RoundRobinConfig())
     share, p99, spills = await run_policy(start_fakes, start_router, EstimatedTTFTConfig())
@@ -130,7 +126,7 @@ async def test_a_hot_prefix_spreads_over_batch_slot_bound_replicas(
 
 
 async def test_a_batch_limit_inferred_from_scrapes_spreads_a_hot_prefix_over_engines_that_export_none(
-    frozen_heap: None, start_fakes: StartFakes, start_router: StartRouter
+    paused_collector: None, start_fakes: StartFakes, start_router: StartRouter
 ) -> None:
     vllm_like = {**SLOT_BOUND, "exports_batch_limit": False}
     blind = ScrapeSettings(interval_s=0.2, timeout_s=1.0, infer_max_num_seqs=False)
