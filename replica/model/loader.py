@@ -19,8 +19,10 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from replica.model.config import ModelConfig
 from replica.model.model import MoEForCausalLM
@@ -78,6 +80,21 @@ def _target(key: str) -> tuple[str, int | None, str | None]:
     return key, None, None
 
 
+class _SkipInitDraws(TorchFunctionMode):
+    """Leaves undone the `torch.nn.init` draws that module constructors make (`nn.Linear`, `nn.Embedding`): the
+    checkpoint's tensors replace them. On the meta device a draw runs through torch's Python reference kernels, which
+    import torch._dynamo: about 1.2 s of every replica's start, and triton, whose bindings print some 30 lines of
+    "nanobind: leaked" when the process exits."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init" and func.__name__.endswith("_"):
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
 def load_model(
     path: str | Path,
     *,
@@ -95,7 +112,7 @@ def load_model(
     if not files:
         raise CheckpointError(f"{folder} has no *.safetensors files")
     config = ModelConfig.from_file(folder / "config.json")
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipInitDraws():
         model = MoEForCausalLM(config, dtype=dtype, device="meta")
     model.to_empty(device=device)
     model.init_rope(device)

@@ -4,6 +4,8 @@ built on the meta device."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,3 +139,19 @@ def test_wrong_shape_is_named(tmp_path: Path) -> None:
 def test_folder_without_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"config\.json"):
         load_model(tmp_path)
+
+
+def test_loading_the_demo_checkpoint_imports_no_compiler() -> None:
+    """The constructors' random draws on the meta device would import torch._dynamo (about 1.2 s of a replica's
+    start) and triton (whose bindings print leak reports at exit); loading skips them. A fresh process: this one has
+    imported both already."""
+    code = (
+        "import sys\n"
+        "from replica.loading import load_for_serving\n"
+        "from replica.settings import ReplicaSettings\n"
+        "load_for_serving(ReplicaSettings(model='demo'))\n"
+        "print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
