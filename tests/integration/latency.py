@@ -24,10 +24,10 @@ MAX_SMALL = 4000
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
     """No garbage collection while the block runs, after one that clears what earlier tests left. In-process
-    servers share the test process's heap, and a full pass over it (some 120,000 objects the tests made, beside what
-    collection imported and `tests/conftest.py` froze) held the GIL, and with it every server of the test, for
-    tenths of a second: a timing test read it as the server's stall. `shoal router` and `shoal replica` freeze what
-    they loaded once started, so their own passes stay short."""
+    servers share the test process's heap, and a full pass over it (up to 270,000 objects that tests made, beside
+    what collection imported and `tests/conftest.py` froze) held the GIL, and with it every server of the test, for
+    up to 0.2 s: a timing test read it as the server's stall. `shoal router` and `shoal replica` freeze what they
+    loaded once started, so their own passes stay short."""
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
