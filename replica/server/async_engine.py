@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine raised inside a step; in-flight requests fail with this."""
+    """The engine failed (a step raised, or the driver's handling of one); in-flight and later requests fail with
+    this."""
 
 
 class QueueFullError(RuntimeError):
@@ -132,9 +133,9 @@ class AsyncEngine:
             fn()
 
     def _run_between_steps(self) -> None:
-        pending, self._between_steps = self._between_steps, []
-        for fn in pending:
-            fn()
+        """The queued calls, in order; one that raises leaves those after it queued (`_fail` runs them)."""
+        while self._between_steps:
+            self._between_steps.pop(0)()
 
     def abort(self, seq_id: int) -> None:
         if self._streams.pop(seq_id, None) is not None:
@@ -142,6 +143,15 @@ class AsyncEngine:
             self._wake.set()
 
     async def _drive(self) -> None:
+        """Step while there is work. Whatever raises in here, in a step or in the handling of its outputs, fails the
+        engine (`_fail`): a driver that ended unseen would leave every request waiting forever."""
+        try:
+            await self._step_while_running()
+        except Exception as exc:
+            log.exception("the engine failed; failing %d in-flight requests", len(self._streams))
+            self._fail(exc)
+
+    async def _step_while_running(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._stopping:
             if not self.engine.has_work:
@@ -152,16 +162,8 @@ class AsyncEngine:
             self._in_step = True
             try:
                 result = await loop.run_in_executor(self._executor, self.engine.step)
-            except Exception as exc:
-                log.exception("engine step failed; failing %d in-flight requests", len(self._streams))
-                self.error = exc
-                for stream in self._streams.values():
-                    stream._put(EngineDeadError(f"the engine failed: {exc!r}"))
-                self._streams.clear()
+            finally:
                 self._in_step = False
-                self._run_between_steps()
-                return
-            self._in_step = False
             for out in result.outputs:
                 target = self._streams.get(out.seq_id)
                 if target is None:
@@ -173,3 +175,16 @@ class AsyncEngine:
                 self._on_step(result)
             self._run_between_steps()
             await asyncio.sleep(0)  # let handlers write what this step produced before the next step starts
+
+    def _fail(self, exc: Exception) -> None:
+        """Every request in flight ends with EngineDeadError, and `submit` refuses later ones (`is_alive` is false,
+        so /health answers 503); what waits to run between steps runs now."""
+        self.error = exc
+        for stream in self._streams.values():
+            stream._put(EngineDeadError(f"the engine failed: {exc!r}"))
+        self._streams.clear()
+        while self._between_steps:
+            try:
+                self._between_steps.pop(0)()
+            except Exception:
+                log.exception("a call queued between steps failed after the engine failed")

@@ -1,5 +1,6 @@
-"""The engine on an event loop (`replica.server.async_engine`): the outputs are those of the engine driven alone, and
-what must run between steps (the KV-event snapshot) never meets a running step.
+"""The engine on an event loop (`replica.server.async_engine`): the outputs are those of the engine driven alone,
+what must run between steps (the KV-event snapshot) never meets a running step, and a failure in a step or in the
+handling of its outputs ends every request with EngineDeadError instead of leaving them waiting.
 
 The engine's `step` is wrapped to note whether a step runs (the engine itself runs unchanged).
 """
@@ -7,11 +8,15 @@ The engine's `step` is wrapped to note whether a step runs (the engine itself ru
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+from collections.abc import Callable
+
+import pytest
 
 from replica.engine.engine import EngineConfig, LLMEngine, StepResult
 from replica.model.model import MoEForCausalLM
-from replica.server.async_engine import AsyncEngine
+from replica.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from tests.unit.replica_engine.conftest import drive, greedy
 
 CONFIG = EngineConfig(num_blocks=200, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)
@@ -90,3 +95,62 @@ async def test_what_runs_between_steps_never_meets_a_running_step(model: MoEForC
         await served.stop()
     assert calls >= 5 and not any(seen_running)
     assert steps.count > 10
+
+
+class Injected(RuntimeError):
+    """The failure these tests inject."""
+
+
+def third_call_fails(fn: Callable[..., StepResult | None]) -> Callable[..., StepResult | None]:
+    calls = 0
+
+    def wrapped(*args: object) -> StepResult | None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise Injected("the third call")
+        return fn(*args)
+
+    return wrapped
+
+
+async def outcome(stream: RequestStream) -> str:
+    try:
+        async for _ in stream:
+            pass
+    except EngineDeadError as exc:
+        return str(exc)
+    return "finished"
+
+
+@pytest.mark.parametrize("where", ["step", "on_step"])
+async def test_a_failure_ends_every_request_and_refuses_later_ones(
+    model: MoEForCausalLM, where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`step`: the engine's step raises (in its thread); `on_step`: the handling of a step's outputs raises (on
+    the loop), which once ended the driver unseen and left every request waiting."""
+    engine = LLMEngine(model, CONFIG)
+    on_step = None
+    if where == "step":
+        engine.step = third_call_fails(engine.step)  # type: ignore[method-assign,assignment]
+    else:
+        on_step = third_call_fails(lambda result: None)
+    served = AsyncEngine(engine, max_waiting=16, on_step=on_step)
+    served.start()
+    snapshot_taken = asyncio.get_running_loop().create_future()
+    try:
+        with caplog.at_level(logging.ERROR, logger="replica.server.async_engine"):
+            streams = [served.submit(p, greedy(32)) for p in PROMPTS]
+            served.call_between_steps(lambda: None)
+            outcomes = await asyncio.wait_for(asyncio.gather(*(outcome(s) for s in streams)), timeout=30)
+            served.call_between_steps(lambda: snapshot_taken.set_result(None))
+            await asyncio.wait_for(snapshot_taken, timeout=5)
+        assert outcomes == ["the engine failed: Injected('the third call')"] * len(PROMPTS)
+        assert not served.is_alive
+        with pytest.raises(EngineDeadError, match="Injected"):
+            served.submit(PROMPTS[0], greedy(4))
+        assert [r.getMessage() for r in caplog.records] == [
+            f"the engine failed; failing {len(PROMPTS)} in-flight requests"
+        ]
+    finally:
+        await asyncio.wait_for(served.stop(), timeout=30)
