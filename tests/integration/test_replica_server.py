@@ -348,3 +348,35 @@ async def test_a_full_capture_disk_never_fails_a_request(start_replica: StartRep
     assert [r.prompt_token_ids for r in iter_captures(capture_dir)] == [
         replica.state.tokenizer.encode("Order 9 shipped")
     ]
+
+
+@pytest.mark.parametrize("where", ["step", "on_step"])
+async def test_a_failed_engine_answers_503_to_every_request_and_on_health(
+    start_replica: StartReplica, where: str
+) -> None:
+    """A failure injected into the real engine's step, or into the handling of a step's outputs (the metrics and KV
+    events, which once ended the engine's driver unseen: requests hung): the request that met it gets a 503, so does
+    every later one, streamed or not, and /health says why, while the server itself keeps answering."""
+    replica = await start_replica()
+
+    def fail(*_: object) -> Any:
+        raise RuntimeError("injected failure")
+
+    if where == "step":
+        replica.state.engine.engine.step = fail
+    else:
+        replica.state.on_step = fail
+    messages = [{"role": "user", "content": "Please confirm order SO-1234."}]
+    async with client(replica.url) as c:
+        for stream in (False, True, False):
+            with pytest.raises(openai.APIStatusError) as failed:
+                await asyncio.wait_for(
+                    c.chat.completions.create(model="shoal-demo", messages=messages, max_tokens=4, stream=stream),
+                    timeout=30,
+                )
+            assert failed.value.status_code == 503
+            assert failed.value.code == "engine_unavailable"
+            assert "injected failure" in failed.value.message
+    async with aiohttp.ClientSession() as session, session.get(replica.url + "/health") as health:
+        assert health.status == 503
+        assert "injected failure" in (await health.json())["error"]["message"]
