@@ -18,6 +18,7 @@ runs on its own equal share of those cores, a thread per core.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -179,6 +180,10 @@ def run_rank(settings: ReplicaSettings, *, rank: int, master_port: int, threads:
         return 1
     shard_model(model, group)  # type: ignore[arg-type]
     runner = ModelRunner(model, num_blocks=settings.num_blocks, block_size=settings.block_size)  # type: ignore[arg-type]
+    # What is loaded lives as long as the rank: keep it out of the collector's full passes (`serve`), which would
+    # hold the steps of the whole group, rank 0 waiting in the all-reduce.
+    gc.collect()
+    gc.freeze()
     try:
         num_steps = follow_steps(runner, group)
     except RuntimeError as exc:  # a collective failed: rank 0 or another rank is gone
