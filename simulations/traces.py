@@ -41,7 +41,7 @@ from datetime import datetime
 from functools import partial
 from pathlib import Path
 
-from router.policy.hashing import chain_hashes, chain_id_hashes, namespace_seed
+from router.policy.hashing import chain_hashes, namespace_seed
 from simulations.workload import ChainState, Request, SegmentTokens, tokens_of
 
 _pack_u32 = struct.Struct("<I").pack
@@ -351,7 +351,8 @@ class MooncakeWorkload(_TraceFile):
         per_trace_block = MOONCAKE_BLOCK_TOKENS // self.block_size
         num_blocks = row.input_tokens // self.block_size
         if per_trace_block == 1:  # a block per trace block: one chain, cheaper than the memo's bookkeeping
-            return chain_id_hashes(row.hash_ids[:num_blocks], self._sub_block_tails[0], self.seed_bytes)
+            heads = [_pack_u32(block) for block in row.hash_ids[:num_blocks]]
+            return chain_hashes(heads, self.seed_bytes, tail=self._sub_block_tails[0])
         out: list[int] = []
         parent: int | None = None
         memo = self._sub_hashes

@@ -33,8 +33,6 @@ DEFAULT_TEXT_BLOCK_SIZE = 64
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _pack_u64 = Struct("<Q").pack
-_pack_u32 = Struct("<I").pack
-_pack_u64_u32 = Struct("<QI").pack
 
 _BLOCKS_PER_CUT = 64
 """Blocks cut from the data by one `struct.unpack_from` call (one compiled format per block width, kept in
@@ -51,32 +49,19 @@ def namespace_seed(model: str, adapter: str | None = None) -> bytes:
     return model.encode()
 
 
-def chain_hashes(blocks: Sequence[bytes], seed: bytes, parent_hash: int | None = None) -> list[int]:
-    """Hash already-cut blocks; the first chains from `parent_hash` when given, else from `seed`."""
+def chain_hashes(blocks: Sequence[bytes], seed: bytes, parent_hash: int | None = None, tail: bytes = b"") -> list[int]:
+    """Hash already-cut blocks, each followed by `tail` (blocks that differ only in their first bytes, as the
+    simulator's made-up prompts, need not be built whole); the first chains from `parent_hash` when given, else
+    from `seed`."""
     out: list[int] = []
     if not blocks:
         return out
     append = out.append
     head = seed if parent_hash is None else _pack_u64(parent_hash)
-    prev = _xxh3(head + blocks[0])
+    prev = _xxh3(head + blocks[0] + tail)
     append(prev)
     for i in range(1, len(blocks)):
-        prev = _xxh3(_pack_u64(prev) + blocks[i])
-        append(prev)
-    return out
-
-
-def chain_id_hashes(ids: Sequence[int], tail: bytes, seed: bytes) -> list[int]:
-    """`chain_hashes` of blocks that are each a uint32 token id followed by the same `tail` (the simulator's made-up
-    Mooncake prompts), without building the blocks: one pack of (previous hash, id) per block."""
-    out: list[int] = []
-    if not ids:
-        return out
-    append = out.append
-    prev = _xxh3(seed + _pack_u32(ids[0]) + tail)
-    append(prev)
-    for token_id in ids[1:]:
-        prev = _xxh3(_pack_u64_u32(prev, token_id) + tail)
+        prev = _xxh3(_pack_u64(prev) + blocks[i] + tail)
         append(prev)
     return out
 

@@ -9,7 +9,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.policy.hashing import ChainMemo, chain_id_hashes, hash_text, hash_tokens, namespace_seed, pack_tokens
+from router.policy.hashing import ChainMemo, chain_hashes, hash_text, hash_tokens, namespace_seed, pack_tokens
 from router.policy.prefix_index import PrefixIndex, PrefixIndexConfig
 from router.policy.routing_text import chat_routing_key
 
@@ -36,11 +36,12 @@ def test_chaining_from_a_parent_continues_the_chain() -> None:
 
 
 @given(st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=6), st.integers(min_value=1, max_value=5))
-def test_id_headed_blocks_hash_as_their_tokens(ids: list[int], tail_tokens: int) -> None:
+def test_blocks_with_a_shared_tail_hash_as_their_tokens(ids: list[int], tail_tokens: int) -> None:
+    """The simulator's made-up Mooncake blocks (an id, then a fixed tail) hashed without building them whole."""
     tail = [7, 0, 3, 9, 1][:tail_tokens]  # each block: one id, then these tokens
     tokens = [t for i in ids for t in [i, *tail]]
     expected = hash_tokens(tokens, b"model", 1 + tail_tokens)
-    assert chain_id_hashes(ids, pack_tokens(tail), b"model") == expected
+    assert chain_hashes([pack_tokens([i]) for i in ids], b"model", tail=pack_tokens(tail)) == expected
 
 
 def test_only_full_blocks_are_hashed() -> None:
