@@ -18,7 +18,6 @@ runs on its own equal share of those cores, a thread per core.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from replica.settings import ReplicaSettings
 from router.common.child_processes import start_child
+from router.common.heap import freeze_loaded
 from router.common.ports import free_port
 
 if TYPE_CHECKING:
@@ -180,10 +180,7 @@ def run_rank(settings: ReplicaSettings, *, rank: int, master_port: int, threads:
         return 1
     shard_model(model, group)  # type: ignore[arg-type]
     runner = ModelRunner(model, num_blocks=settings.num_blocks, block_size=settings.block_size)  # type: ignore[arg-type]
-    # What is loaded lives as long as the rank: keep it out of the collector's full passes (`serve`), which would
-    # hold the steps of the whole group, rank 0 waiting in the all-reduce.
-    gc.collect()
-    gc.freeze()
+    freeze_loaded()  # a full pass in one rank would hold the group's steps, rank 0 waiting in the all-reduce
     try:
         num_steps = follow_steps(runner, group)
     except RuntimeError as exc:  # a collective failed: rank 0 or another rank is gone

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import gc
-
 import pytest
+
+from router.common.heap import freeze_loaded
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -13,5 +13,4 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     as the session; full passes over them held the GIL 0.2-0.6 s, in whichever test happened to trigger one, and the
     in-process servers of that test stalled with it. Over the integration tests, full passes of more than 0.25 s went
     from 13 to 1 (in a vLLM test, its engines busy on both cores)."""
-    gc.collect()
-    gc.freeze()
+    freeze_loaded()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -14,6 +13,7 @@ from typing import TypeVar
 
 from replica.loading import checkpoint_dir, load_drafter_for_serving, load_for_serving
 from replica.settings import ReplicaSettings
+from router.common.heap import freeze_loaded
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +85,8 @@ def serve(settings: ReplicaSettings, *, threads: int | None = None) -> int:
     )
     ready = {"event": "ready", "model": settings.model_name, "url": f"http://{settings.host}:{settings.port}"}
 
-    def on_ready(_: str) -> None:
-        # Started, warmed up: what is loaded lives as long as the process. Keep it out of the collector's full
-        # passes, which held the GIL, and so the event loop and the engine's steps, some 130 ms over the demo model.
-        gc.collect()
-        gc.freeze()
+    def on_ready(_: str) -> None:  # started and warmed up
+        freeze_loaded()
         print(json.dumps(ready), flush=True)
 
     try:

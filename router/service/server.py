@@ -10,13 +10,13 @@ timeouts of its own (no header timeout) that the router's settings do not govern
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import signal
 from collections.abc import Callable
 
 from aiohttp import web
 
+from router.common.heap import freeze_loaded
 from router.service.app import SHUTTING_DOWN, create_app, front_routes
 from router.service.front import FrontServer
 from router.service.settings import RouterSettings
@@ -74,8 +74,7 @@ async def _serve(settings: RouterSettings, worker: str | None, on_listening: Cal
     if on_listening is not None:
         on_listening()
     app = server.app
-    # Everything built so far lives as long as the process: keep it out of the collector's full passes.
-    gc.freeze()
+    freeze_loaded()
     log.info(
         "shoal router listening on http://%s:%d with %d replicas, policy %s",
         settings.host,
