@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
 
 import pytest
 
@@ -101,19 +100,6 @@ class Injected(RuntimeError):
     """The failure these tests inject."""
 
 
-def third_call_fails(fn: Callable[..., StepResult | None]) -> Callable[..., StepResult | None]:
-    calls = 0
-
-    def wrapped(*args: object) -> StepResult | None:
-        nonlocal calls
-        calls += 1
-        if calls == 3:
-            raise Injected("the third call")
-        return fn(*args)
-
-    return wrapped
-
-
 async def outcome(stream: RequestStream) -> str:
     try:
         async for _ in stream:
@@ -127,25 +113,42 @@ async def outcome(stream: RequestStream) -> str:
 async def test_a_failure_ends_every_request_and_refuses_later_ones(
     model: MoEForCausalLM, where: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """`step`: the engine's step raises (in its thread); `on_step`: the handling of a step's outputs raises (on
-    the loop), which once ended the driver unseen and left every request waiting."""
+    """The third step fails: `step`, the engine's step raises (in its thread); `on_step`, the handling of its outputs
+    raises (on the loop), which once ended the driver unseen and left every request waiting. While that step runs, a
+    call is queued between steps: it still runs."""
     engine = LLMEngine(model, CONFIG)
-    on_step = None
-    if where == "step":
-        engine.step = third_call_fails(engine.step)  # type: ignore[method-assign,assignment]
-    else:
-        on_step = third_call_fails(lambda result: None)
+    loop = asyncio.get_running_loop()
+    ran: list[str] = []
+    was_queued: list[bool] = []
+    step = engine.step
+    num_steps = 0
+
+    async def queue_a_call() -> None:
+        served.call_between_steps(lambda: ran.append("the queued call"))
+        was_queued.append(not ran)
+
+    def third_step_queues_a_call() -> StepResult:
+        nonlocal num_steps
+        num_steps += 1
+        if num_steps == 3:
+            asyncio.run_coroutine_threadsafe(queue_a_call(), loop).result(timeout=10)
+            if where == "step":
+                raise Injected("the third step")
+        return step()
+
+    def on_step(result: StepResult) -> None:
+        if where == "on_step" and num_steps == 3:
+            raise Injected("the third step")
+
+    engine.step = third_step_queues_a_call  # type: ignore[method-assign]
     served = AsyncEngine(engine, max_waiting=16, on_step=on_step)
     served.start()
-    snapshot_taken = asyncio.get_running_loop().create_future()
     try:
         with caplog.at_level(logging.ERROR, logger="replica.server.async_engine"):
             streams = [served.submit(p, greedy(32)) for p in PROMPTS]
-            served.call_between_steps(lambda: None)
             outcomes = await asyncio.wait_for(asyncio.gather(*(outcome(s) for s in streams)), timeout=30)
-            served.call_between_steps(lambda: snapshot_taken.set_result(None))
-            await asyncio.wait_for(snapshot_taken, timeout=5)
-        assert outcomes == ["the engine failed: Injected('the third call')"] * len(PROMPTS)
+        assert outcomes == ["the engine failed: Injected('the third step')"] * len(PROMPTS)
+        assert was_queued == [True] and ran == ["the queued call"]
         assert not served.is_alive
         with pytest.raises(EngineDeadError, match="Injected"):
             served.submit(PROMPTS[0], greedy(4))
