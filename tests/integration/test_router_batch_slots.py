@@ -11,8 +11,8 @@ from scrapes (`scrape.infer_max_num_seqs`).
 Router, fakes and clients share this process's event loop, so a pause of the whole process lands on dozens of
 requests at once, and the p99 of one round is the second-slowest of 192. A full collection of a heap as large as
 earlier tests leave is such a pause (0.33 s with 3 million objects on it, against slot times of 0.1 s; p99 2.7x
-round robin's): the test freezes that heap first, as `shoal router` freezes its own after start-up
-(router/service/server.py).
+round robin's): the test pauses the collector while it measures (`latency.collector_paused`); `shoal router`
+freezes its own heap after start-up (`router.common.heap`).
 """
 
 from __future__ import annotations
