@@ -1,8 +1,8 @@
 """The packaged demo model on held-out chats (`replica.demo.answercheck` says what each level means): at least 90%
 of its greedy answers end by themselves, in the asked language, as an answer of the asked scenario; and it copies
-the ask's values (order numbers, dates, names) into at least the share of its answers it did when it was built.
-That share is its known weakness: about one answer in six misses, mostly a company or a product named in the ask
-(the failure message lists them)."""
+the ask's values (order numbers, dates, names) into nearly the share of its answers it did when it was built. That share is
+its known weakness: about one answer in ten misses, mostly a company or a weekday named in the ask (the failure
+message lists them)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from replica.tokenizer import Tokenizer
 
 NUM_PROMPTS = 200
 MIN_SCENARIO_RATE = 0.9
-MIN_COMPLETE_RATE = 0.8
-"""The packaged v6 build reaches 1.0 and 0.825 on these prompts."""
+MIN_COMPLETE_RATE = 0.88
+"""The packaged v7 build reaches 0.995 and 0.905 on these prompts (0.993 and 0.86 on 400 chats of another seed);
+the margin below them is for a CPU whose float rounding flips a close greedy choice."""
 
 
 def test_the_demo_model_answers_held_out_chats() -> None:

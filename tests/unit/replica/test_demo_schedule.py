@@ -1,4 +1,5 @@
-"""The demo model's learning-rate schedule: steps decide it, the clock only when a run falls behind its budget."""
+"""The demo model's learning-rate schedules: in pretraining steps decide it, the clock only when a run falls behind its
+budget; the answer steps that follow warm up again and fall to a tenth of their own peak."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ from itertools import pairwise
 
 import pytest
 
-from replica.demo.build import WARMUP_STEPS, DemoRecipe, scheduled_learning_rate
+from replica.demo.build import (
+    ANSWER_WARMUP_STEPS,
+    WARMUP_STEPS,
+    DemoRecipe,
+    answer_learning_rate,
+    scheduled_learning_rate,
+)
 
 RECIPE = DemoRecipe()
 
@@ -37,3 +44,13 @@ def test_a_run_behind_its_budget_follows_the_clock_down() -> None:
     out_of_time = scheduled_learning_rate(RECIPE, step, RECIPE.max_seconds)
     assert out_of_time == pytest.approx(0.1 * RECIPE.learning_rate)
     assert out_of_time < late < on_time
+
+
+def test_the_answer_steps_warm_up_to_their_own_peak_then_fall_to_a_tenth() -> None:
+    rates = [answer_learning_rate(RECIPE, step) for step in range(RECIPE.answer_steps + 1)]
+    peak = rates.index(max(rates))
+    assert peak == ANSWER_WARMUP_STEPS - 1
+    assert max(rates) < RECIPE.answer_learning_rate
+    assert all(a < b for a, b in pairwise(rates[: peak + 1]))
+    assert all(a > b for a, b in pairwise(rates[peak:]))
+    assert rates[-1] == pytest.approx(0.1 * RECIPE.answer_learning_rate)
