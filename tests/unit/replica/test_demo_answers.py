@@ -1,8 +1,8 @@
 """The packaged demo model on held-out chats (`replica.demo.answercheck` says what each level means): at least 90%
 of its greedy answers end by themselves, in the asked language, as an answer of the asked scenario; and it copies
-the ask's values (order numbers, dates, names) into nearly the share of its answers it did when it was built. That share is
-its known weakness: about one answer in ten misses, mostly a company or a weekday named in the ask (the failure
-message lists them)."""
+the ask's values (order numbers, dates, names) into nearly the share of its answers it did when it was built.
+That share is its known weakness: about one answer in ten misses, mostly a company or a weekday named in the ask
+(the failure message lists them)."""
 
 from __future__ import annotations
 
