@@ -202,7 +202,7 @@ def _train(
         logits, aux = model.forward_train(batch[:, :-1])
         losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
         loss = (losses * weights.flatten()).sum() / weights.sum()
-        (loss + recipe.aux_loss_weight * aux).backward()  # type: ignore[no-untyped-call]
+        (loss + recipe.aux_loss_weight * aux).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
