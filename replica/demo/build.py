@@ -6,10 +6,11 @@ byte-level BPE on the rendered conversations (tokenizer.json, and tokenizer_conf
 Jinja, `replica.chat_template`); a small Qwen3-MoE (16 routed experts, top-2, no shared expert, so transformers and
 vLLM build every weight it has; 5.5M parameters) trained on short windows of the token stream at random offsets
 (and random token strings written twice, which teach it to copy), and long windows that start at tool
-conversations, with AdamW, a cosine schedule and a load-balancing loss that keeps every expert in use; the last 5%
-of conversations are held out and the loss on their answers reported; then the block
-drafter, trained on the model's own answers. The result is written to a temporary folder and renamed into place,
-so an interrupted build never leaves a half model. `replica.demo.answercheck` measures how well the model answers.
+conversations, with AdamW, a cosine schedule and a load-balancing loss that keeps every expert in use, then answer
+steps that weigh the loss toward the assistant's tokens (`DemoRecipe.answer_steps`); the last 5% of conversations
+are held out and the loss on their answers reported; then the block drafter, trained on the model's own answers.
+The result is written to a temporary folder and renamed into place, so an interrupted build never leaves a half
+model. `replica.demo.answercheck` measures how well the model answers.
 """
 
 from __future__ import annotations
