@@ -22,7 +22,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +76,8 @@ class DemoRecipe:
     answer_steps: int = 1500
     """Steps after `max_steps` that weigh the loss toward the assistant's tokens (`prompt_token_weight` on the
     others): the demo's instruction tuning. The prompt teaches the model to read an ask; the answers are what it is
-    judged on. The share of held-out answers that copy the ask's values (`tests/unit/replica/test_demo_answers.py`'s
-    200 prompts; 400 chats of another seed) was 82.5% (78.5%) without them (v6), and 90.5% (86%) with them (v7)."""
+    judged on. The share of held-out answers that copy the ask's values (`benchmarks.demo_answers`: the test's 200
+    prompts; 400 chats of another seed) was 82.5% (78.5%) without them (v6), and 90.5% (86%) with them (v7)."""
     answer_learning_rate: float = 5e-4
     """Peak rate of the answer steps: warm-up over `ANSWER_WARMUP_STEPS`, then a cosine down to a tenth of it."""
     prompt_token_weight: float = 0.1
@@ -131,39 +131,43 @@ def scheduled_learning_rate(recipe: DemoRecipe, step: int, elapsed_s: float) -> 
     the first step's rate, and with it every later weight, differ from build to build)."""
     time_steps = math.floor(elapsed_s / recipe.max_seconds * recipe.max_steps)
     frac = min(1.0, max(step, time_steps) / recipe.max_steps)
-    warm = min(1.0, (step + 1) / WARMUP_STEPS)
-    return recipe.learning_rate * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+    return _warm_cosine(recipe.learning_rate, step, WARMUP_STEPS, frac)
 
 
 def answer_learning_rate(recipe: DemoRecipe, step: int) -> float:
     """The answer steps' rate: linear warm-up over `ANSWER_WARMUP_STEPS`, then a cosine down to a tenth."""
-    warm = min(1.0, (step + 1) / ANSWER_WARMUP_STEPS)
-    frac = step / recipe.answer_steps
-    return recipe.answer_learning_rate * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+    return _warm_cosine(recipe.answer_learning_rate, step, ANSWER_WARMUP_STEPS, step / recipe.answer_steps)
 
 
-@dataclass
+def _warm_cosine(peak: float, step: int, warmup_steps: int, frac: float) -> float:
+    """`peak` times a linear warm-up over `warmup_steps`, times a cosine from 1 down to 0.1 over `frac` 0..1."""
+    warm = min(1.0, (step + 1) / warmup_steps)
+    return peak * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+@dataclass(frozen=True)
 class _Windows:
-    """Training batches from the token stream: short windows at random offsets, or long ones at tool conversations
-    (`DemoRecipe.long_fraction`), each target weighted by `weights` (None: all 1)."""
+    """Training batches from the token stream: short windows at random offsets (with the recipe's copy rows), or long
+    ones at tool conversations (`DemoRecipe.long_fraction`), each target weighted by `weights` (None: all 1)."""
 
     data: Any
     long_starts: Any
+    weights: Any
     recipe: DemoRecipe
+    vocab_size: int
     gen: Any
-    weights: Any = None
 
-    def batch(self, copy_rows: int, vocab_size: int) -> tuple[Any, Any]:
-        """(tokens [B, S+1], target weights [B, S]), with `copy_rows` copy-task rows in a short batch."""
+    def batch(self) -> tuple[Any, Any]:
+        """(tokens [B, S+1], target weights [B, S])."""
         import torch
 
         recipe, gen = self.recipe, self.gen
+        copy_rows = 0
         if float(torch.rand((), generator=gen)) < recipe.long_fraction:
             seq_len = recipe.long_seq_len
             starts = self.long_starts[torch.randint(0, len(self.long_starts), (recipe.long_batch_size,), generator=gen)]
-            copy_rows = 0
         else:
-            seq_len = recipe.seq_len
+            seq_len, copy_rows = recipe.seq_len, recipe.copy_rows
             starts = torch.randint(0, len(self.data) - seq_len - 1, (recipe.batch_size - copy_rows,), generator=gen)
         offsets = starts.tolist()
         batch = torch.stack([self.data[s : s + seq_len + 1] for s in offsets])
@@ -172,7 +176,7 @@ class _Windows:
         else:
             weights = torch.stack([self.weights[s + 1 : s + seq_len + 1] for s in offsets])
         if copy_rows:
-            copies, copy_weights = copy_task(copy_rows, seq_len, vocab_size, gen)
+            copies, copy_weights = copy_task(copy_rows, seq_len, self.vocab_size, gen)
             batch, weights = torch.cat([batch, copies]), torch.cat([weights, copy_weights])
         return batch, weights
 
@@ -183,7 +187,6 @@ def _train(
     steps: int,
     rate: Callable[[int], float],
     *,
-    copy_rows: int,
     label: str,
     max_seconds: float,
     progress: Callable[[str], None],
@@ -199,7 +202,7 @@ def _train(
         lr = rate(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        batch, weights = windows.batch(copy_rows, model.config.vocab_size)
+        batch, weights = windows.batch()
         logits, aux = model.forward_train(batch[:, :-1])
         losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
         loss = (losses * weights.flatten()).sum() / weights.sum()
@@ -286,23 +289,21 @@ def build_demo(
     model.train()
     train_started = time.monotonic()
     gen = torch.Generator().manual_seed(recipe.seed)
-    windows = _Windows(data, long_starts, recipe, gen)
+    windows = _Windows(data, long_starts, None, recipe, tokenizer.vocab_size, gen)
 
     def pretraining_rate(step: int) -> float:
         return scheduled_learning_rate(recipe, step, time.monotonic() - train_started)
 
     step, loss_value = _train(
-        model, windows, recipe.max_steps, pretraining_rate, copy_rows=recipe.copy_rows, label="step",
-        max_seconds=recipe.max_seconds, progress=progress,
+        model, windows, recipe.max_steps, pretraining_rate, label="step", max_seconds=recipe.max_seconds,
+        progress=progress,
     )  # fmt: skip
     if recipe.answer_steps:
-        windows.weights = (
-            recipe.prompt_token_weight + (1 - recipe.prompt_token_weight) * assistant_tokens(data, tokenizer).float()
-        )
+        weight = recipe.prompt_token_weight
+        answers = replace(windows, weights=weight + (1 - weight) * assistant_tokens(data, tokenizer).float())
         answer_steps, loss_value = _train(
-            model, windows, recipe.answer_steps, lambda s: answer_learning_rate(recipe, s), copy_rows=recipe.copy_rows,
-            label="answer step", max_seconds=recipe.max_seconds - (time.monotonic() - train_started),
-            progress=progress,
+            model, answers, recipe.answer_steps, lambda s: answer_learning_rate(recipe, s), label="answer step",
+            max_seconds=recipe.max_seconds - (time.monotonic() - train_started), progress=progress,
         )  # fmt: skip
         step += answer_steps
     model.eval()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -76,7 +77,7 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._in_step = False
-        self._between_steps: list[Callable[[], None]] = []
+        self._between_steps: deque[Callable[[], None]] = deque()
         self.error: BaseException | None = None
 
     @property
@@ -135,7 +136,7 @@ class AsyncEngine:
     def _run_between_steps(self) -> None:
         """The queued calls, in order; one that raises leaves those after it queued (`_fail` runs them)."""
         while self._between_steps:
-            self._between_steps.pop(0)()
+            self._between_steps.popleft()()
 
     def abort(self, seq_id: int) -> None:
         if self._streams.pop(seq_id, None) is not None:
@@ -183,8 +184,9 @@ class AsyncEngine:
         for stream in self._streams.values():
             stream._put(EngineDeadError(f"the engine failed: {exc!r}"))
         self._streams.clear()
-        while self._between_steps:
+        while True:
             try:
-                self._between_steps.pop(0)()
+                self._run_between_steps()
+                return
             except Exception:
                 log.exception("a call queued between steps failed after the engine failed")

@@ -14,8 +14,8 @@ from replica.tokenizer import Tokenizer
 NUM_PROMPTS = 200
 MIN_SCENARIO_RATE = 0.9
 MIN_COMPLETE_RATE = 0.88
-"""The packaged v7 build reaches 0.995 and 0.905 on these prompts (0.993 and 0.86 on 400 chats of another seed);
-the margin below them is for a CPU whose float rounding flips a close greedy choice."""
+"""The packaged v7 build reaches 0.995 and 0.905 on these prompts (0.992 and 0.86 on 400 chats of another seed:
+`benchmarks.demo_answers`); the margin below them is for a CPU whose float rounding flips a close greedy choice."""
 
 
 def test_the_demo_model_answers_held_out_chats() -> None:
