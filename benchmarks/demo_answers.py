@@ -41,12 +41,7 @@ def main() -> None:
         prompts = answer_prompts(num_prompts, seed=seed)
         verdicts = [verdict for verdict, _ in check_answers(model, tokenizer, prompts)]
         shares = [sum(v.reaches(level) for v in verdicts) / num_prompts for level in LEVELS]
-        slots = Counter(
-            wrong.split(" ")[0]
-            for v in verdicts
-            if v.level == "scenario"
-            for wrong in v.reason.split(": ", 1)[1].split(", ")
-        )
+        slots = Counter(slot for v in verdicts for slot in v.wrong_slots)
         print(
             f"{seed:>6} {num_prompts:>7} "
             + " ".join(f"{share:>9.1%}" for share in shares)

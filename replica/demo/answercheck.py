@@ -78,6 +78,8 @@ class Verdict:
     """The last of `LEVELS` the answer reaches (None: it did not end by itself)."""
     reason: str
     """"complete", or the first requirement the answer misses."""
+    wrong_slots: tuple[str, ...] = ()
+    """At level "scenario": the asked slots whose values the answer did not copy (as `reason` lists them)."""
 
     @property
     def is_complete(self) -> bool:
@@ -139,16 +141,13 @@ def judge(text: str, finish_reason: str, prompt: AnswerPrompt) -> Verdict:
         if match is None:
             continue
         values = [(group.rsplit("__", 1)[0], value) for group, value in match.groupdict().items()]
-        wrong = [
-            f"{slot} {value!r} for {exchange.slots[slot]!r}"
-            for slot, value in values
-            if slot in asked and value != str(exchange.slots[slot])
-        ]
+        wrong = [(slot, value) for slot, value in values if slot in asked and value != str(exchange.slots[slot])]
         if not wrong:
             return Verdict("complete", "complete")
         wrong_slots = wrong_slots or wrong
     if wrong_slots:
-        return Verdict("scenario", "the ask's values not copied: " + ", ".join(wrong_slots))
+        reason = ", ".join(f"{slot} {value!r} for {exchange.slots[slot]!r}" for slot, value in wrong_slots)
+        return Verdict("scenario", "the ask's values not copied: " + reason, tuple(slot for slot, _ in wrong_slots))
     return Verdict("language", f"not a reply of the scenario {exchange.scenario}")
 
 

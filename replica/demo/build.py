@@ -220,6 +220,11 @@ def _train(
                 f"{label} {step:5d}  loss {loss_value:.3f}  balance {aux.item():.3f}  lr {lr:.1e}  "
                 f"{now - started:5.0f} s (stops at {steps} steps or {max_seconds:.0f} s)"
             )
+    if step < steps:
+        progress(
+            f"{label}s: stopped at {step} of {steps}, out of time ({max_seconds:.0f} s): "
+            "not the model a faster machine builds"
+        )
     return step, loss_value
 
 

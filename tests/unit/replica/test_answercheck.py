@@ -51,3 +51,4 @@ def test_each_miss_is_caught() -> None:
         assert verdict.level == level, (text, verdict)
         assert verdict.is_complete == (reason == "complete")
         assert verdict.reaches("scenario") == (level in ("scenario", "complete"))
+        assert verdict.wrong_slots == (("order_id",) if level == "scenario" else ())

@@ -1,8 +1,8 @@
 """The packaged demo model on held-out chats (`replica.demo.answercheck` says what each level means): at least 90%
 of its greedy answers end by themselves, in the asked language, as an answer of the asked scenario; and it copies
 the ask's values (order numbers, dates, names) into nearly the share of its answers it did when it was built.
-That share is its known weakness: about one answer in ten misses, mostly the hour of a time named in the ask (10:00
-for 13:00; the failure message lists them)."""
+That share is its known weakness: about one answer in ten misses, mostly a time named in the ask (the failure
+message lists them)."""
 
 from __future__ import annotations
 

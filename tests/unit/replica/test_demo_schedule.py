@@ -6,11 +6,14 @@ from __future__ import annotations
 from itertools import pairwise
 
 import pytest
+import torch
 
 from replica.demo.build import (
     ANSWER_WARMUP_STEPS,
     WARMUP_STEPS,
     DemoRecipe,
+    _train,
+    _Windows,
     answer_learning_rate,
     scheduled_learning_rate,
 )
@@ -54,3 +57,13 @@ def test_the_answer_steps_warm_up_to_their_own_peak_then_fall_to_a_tenth() -> No
     assert all(a < b for a, b in pairwise(rates[: peak + 1]))
     assert all(a > b for a, b in pairwise(rates[peak:]))
     assert rates[-1] == pytest.approx(0.1 * RECIPE.answer_learning_rate)
+
+
+def test_a_phase_that_runs_out_of_time_says_so() -> None:
+    windows = _Windows(torch.zeros(64, dtype=torch.long), torch.zeros(1, dtype=torch.long), None, RECIPE, 8, None)
+    said: list[str] = []
+    steps, _ = _train(
+        torch.nn.Linear(2, 2), windows, 5, lambda step: 1e-3, label="answer step", max_seconds=0.0, progress=said.append
+    )
+    assert steps == 0
+    assert said == ["answer steps: stopped at 0 of 5, out of time (0 s): not the model a faster machine builds"]
