@@ -237,20 +237,29 @@ async def test_the_autoscaler_reads_the_vllm_queue_through_the_router(
     router_client = RouterClient(
         http, static_routers([router.url]), admin_token=ADMIN_TOKEN, clock=asyncio.get_running_loop().time
     )
-    body = {"model": MODEL, "prompt": "hello", "max_tokens": 200, "ignore_eos": True}
+    # Twelve requests are three times both servers' 4 sequences: some wait in vLLM's queue while the first four
+    # on each decode. 1,000 tokens keep them waiting five times as long as 200 did (about 2 s here, which once ended
+    # before the router's scrape read it in CI).
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 1000, "ignore_eos": True}
     load = [
-        asyncio.ensure_future(router.request("POST", "/v1/completions", json_body=body, timeout_s=120))
-        for _ in range(12)  # three times both servers' 4 sequences: some wait in vLLM's queue
+        asyncio.ensure_future(router.request("POST", "/v1/completions", json_body=body, timeout_s=180))
+        for _ in range(12)
     ]
+    seen: list[list[int | None]] = []  # each reading's engine_waiting per listed replica, for the failure message
     try:
 
         async def engines_queue() -> bool:
             reading = await router_client.observe()
             listed = reading.listed.get(router.url, {})
             waiting = [r.engine_waiting for r in listed.values()]
+            seen.append(waiting)
             return len(listed) == 2 and all(w is not None for w in waiting) and sum(w or 0 for w in waiting) > 0
 
-        await eventually(engines_queue, timeout_s=60, interval_s=0.2, what="vLLM's queued requests in the view")
+        try:
+            await eventually(engines_queue, timeout_s=60, interval_s=0.2, what="vLLM's queued requests in the view")
+        except BaseException:
+            print(f"engine_waiting per reading: {seen}")
+            raise
     finally:
         replies = await asyncio.gather(*load)
     assert all(r.status == 200 for r in replies)
