@@ -681,7 +681,9 @@ def main(argv: list[str] | None = None) -> int:
         help="record Shoal with py-spy (on the load generator's core) for this long during each point at the "
         "highest concurrency of the last round; flame graphs under benchmarks/out/",
     )
-    parser.add_argument("--setup-peers", action="store_true", help=f"create benchmarks/.venvs/ for {PEER_PACKAGES}")
+    parser.add_argument(
+        "--setup-peers", action="store_true", help=f"create benchmarks/.venvs/ for {PEER_PACKAGES} and exit"
+    )
     args = parser.parse_args(argv)
     if args.per_host:
         args.router_core = args.loadgen_core = f"0-{(os.cpu_count() or 1) - 1}"
@@ -713,6 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; machine: {machine_description()}", flush=True)
     if args.setup_peers:
         setup_peers()
+        return 0
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     if not Path(nginx).exists():
         print("nginx not found: apt-get install -y nginx-light", file=sys.stderr)
