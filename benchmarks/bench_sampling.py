@@ -4,8 +4,8 @@ A speculative step verifies k drafts, so each sequence brings k + 1 rows of logi
 distributions (`sampler.probabilities`: temperature, top-k/top-p, softmax) and draws (`sampler.sample`: one
 Exp(1) per row and token). On an accelerator the sampler computes every row, sorts every row for top-p and draws
 for every token, so that a step makes one host transfer; on a CPU it skips greedy rows, ranks a nucleus (`topk`)
-and draws for its tokens only (`sampler.HOST_DECISIONS_ON_CPU`). The table times both ways on this CPU, on the same
-logits, and checks their tokens equal.
+and draws for its tokens only (`replica.model.host.HOST_DECISIONS_ON_CPU`). The table times both ways on this CPU,
+on the same logits, and checks their tokens equal.
 
     .venv/bin/python -m benchmarks.bench_sampling              # vocabulary 2048 (the demo model's), k = 8
     .venv/bin/python -m benchmarks.bench_sampling --vocab 32768 --k 4
@@ -22,20 +22,20 @@ from functools import partial
 
 import torch
 
-from replica.engine import sampler
 from replica.engine.sampler import SamplingTensors, noise_keys, probabilities, sample
 from replica.engine.sampling import SamplingParams
+from replica.model import host
 
 MIXES = ((15, 1), (8, 8), (0, 16))
 """(greedy, sampled) sequences per batch."""
 
 
 def _step(logits: torch.Tensor, tensors: SamplingTensors, keys: torch.Tensor, *, host_decisions: bool) -> torch.Tensor:
-    sampler.HOST_DECISIONS_ON_CPU = host_decisions
+    host.HOST_DECISIONS_ON_CPU = host_decisions
     try:
         return sample(probabilities(logits, tensors), keys, tensors.drawing if host_decisions else None)
     finally:
-        sampler.HOST_DECISIONS_ON_CPU = True
+        host.HOST_DECISIONS_ON_CPU = True
 
 
 def median_ms(step: Callable[[], object], repeats: int) -> float:
