@@ -44,7 +44,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 typecheck: install
-	$(VENV)/bin/mypy router autoscaler replica simulations
+	$(VENV)/bin/mypy router autoscaler replica simulations benchmarks
 
 contracts: install
 	$(VENV)/bin/lint-imports

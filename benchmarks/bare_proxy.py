@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from collections.abc import Iterator
 
 import aiohttp
 from aiohttp import web
@@ -28,12 +29,13 @@ HOP_BY_HOP = frozenset(
     }
 )
 
-UPSTREAMS = web.AppKey("upstreams", "itertools.cycle[str]")
+UPSTREAMS: web.AppKey[Iterator[str]] = web.AppKey("upstreams")
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 
 
 async def proxy(request: web.Request) -> web.StreamResponse:
-    upstream = next(request.app[UPSTREAMS])
+    upstreams = request.app[UPSTREAMS]
+    upstream = next(upstreams)
     body = await request.read()
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
     async with request.app[SESSION].request(

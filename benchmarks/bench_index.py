@@ -29,6 +29,7 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
+from functools import partial
 
 from router.policy.hashing import hash_tokens, namespace_seed
 from router.policy.kv_events import BlockRemoved, BlockStored
@@ -167,13 +168,13 @@ def time_index(
     }
     gc.collect()
     for name, hashes in cases.items():
-        rows.append((f"match {name}", timed_us(lambda h=hashes: index.match(h, now=now), repeat)))
+        rows.append((f"match {name}", timed_us(partial(index.match, hashes, now=now), repeat)))
     seed = namespace_seed("bench")
     for i, r in enumerate(workload.replicas):
         index.apply(r, BlockStored((i,), None, tuple(range(TOKENS_PER_BLOCK)), TOKENS_PER_BLOCK), seed=seed, now=now)
         index.apply(r, BlockRemoved((i,)), seed=seed, now=now)
     for name, hashes in cases.items():
-        rows.append((f"walk  {name}", timed_us(lambda h=hashes: index.match(h, now=now), repeat)))
+        rows.append((f"walk  {name}", timed_us(partial(index.match, hashes, now=now), repeat)))
 
     calls = list(fill(index, workload, num_prompts, num_entries))
     per_block = [seconds / num_blocks for num_blocks, seconds in calls]

@@ -460,9 +460,9 @@ def measure_point(
         args.client,
     ]
     probe_path = Path(args.workdir) / f"{name}.probe.json"
-    is_probed = args.probe and is_shoal(name) and pid is not None
-    if is_probed:
-        read_probe(pid, probe_path)  # forget what the probe saw before this point
+    probed = pid if args.probe and is_shoal(name) else None
+    if probed is not None:
+        read_probe(probed, probe_path)  # forget what the probe saw before this point
     spy = None
     if record and args.py_spy_s > 0 and is_shoal(name) and pid is not None:
         out = BENCH / "out" / f"py-spy-{name.replace(':', '-')}-c{concurrency}-{time.strftime('%H%M%S')}.txt"
@@ -477,8 +477,8 @@ def measure_point(
     else:
         report = run_loadgen(url, args.loadgen_core, extra, args.duration_s + 60)
     cpu_s = process_tree_cpu_s(pid) - cpu_before_s if pid else 0.0
-    if is_probed:
-        report["probe"] = read_probe(pid, probe_path)
+    if probed is not None:
+        report["probe"] = read_probe(probed, probe_path)
     if spy is not None:
         spy.wait(timeout=args.py_spy_s + 30)
     num_requests = max(1, report["num_ok"] + report["num_errors"])
@@ -787,7 +787,7 @@ def main(argv: list[str] | None = None) -> int:
                     stack.enter_context(running(router))
                     live[name] = (router, url)
                 order = ["direct", *live]
-                urls = {"direct": (None, upstreams[0] + "/v1/chat/completions")}
+                urls: dict[str, tuple[int | None, str]] = {"direct": (None, upstreams[0] + "/v1/chat/completions")}
                 urls.update({name: (router.process.pid, url) for name, (router, url) in live.items()})
                 for name in order:
                     warm_up(urls[name][1], args)

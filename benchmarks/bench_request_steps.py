@@ -60,10 +60,10 @@ def main() -> None:
         decision = routing.choose(prepared, [], now)
         stamps.append(tick())
         assert decision is not None
-        replica = pool.get(decision.replica)
-        assert replica is not None
+        chosen = pool.get(decision.replica)
+        assert chosen is not None
         stamps.append(tick())
-        ticket = routing.begin(replica, decision, prepared, now)
+        ticket = routing.begin(chosen, decision, prepared, now)
         stamps.append(tick())
         routing.commit(prepared, decision, now)
         stamps.append(tick())
@@ -73,7 +73,7 @@ def main() -> None:
         stamps.append(tick())
         metrics.decision_seconds.observe(1e-4)
         metrics.request_seconds.observe(1e-3)
-        metrics.requests.inc(("200", decision.branch.value, replica.id))
+        metrics.requests.inc(("200", decision.branch.value, chosen.id))
         stamps.append(tick())
         durations = [b - a for a, b in pairwise(stamps)]
         del durations[4]  # the pool look-up between choose and begin

@@ -193,6 +193,7 @@ class NormalLoad:
         system = self.systems[self.rng.randrange(len(self.systems))]
         question = f"Question {i}: what does block {self.rng.randrange(10**6)} hold?"
         is_stream = i % 3 == 0
+        body: dict[str, Any]
         if i % 2:
             path, body = "/v1/completions", {"prompt": system + "\n" + question}
         else:

@@ -23,6 +23,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -62,7 +63,7 @@ def generate(
     engine = LLMEngine(model, config, eos_token_ids=tokenizer.eos_token_ids, drafter=runtime)
     outputs: dict[int, list[int]] = {}
     decode_tokens, decode_s, drafts, accepted = 0, 0.0, 0, 0
-    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+    sync: Callable[[], None] = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     for start in range(0, len(prompts), batch):
         ids = [
             engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0.0))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import yaml
@@ -51,7 +51,7 @@ def look(scenario: Scenario, entry: PolicyEntry, workload: Workload) -> None:
     """Run one policy on the cell and print what it did."""
     counts: Counter[str] = Counter()
     peaks: dict[str, tuple[int, int]] = {}
-    kv_peaks: Counter[str] = Counter()
+    kv_peaks: dict[str, float] = defaultdict(float)
     predicted: list[float] = []
 
     def routed(request: Request, decision: Decision) -> None:
