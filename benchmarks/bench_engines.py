@@ -44,7 +44,6 @@ import math
 import os
 import random
 import re
-import shlex
 import shutil
 import socket
 import statistics
@@ -60,8 +59,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks import command_argv
-from benchmarks.bench_proxy import machine_description
+from benchmarks import command_argv, command_line, machine_description
 from replica.demo.build import PACKAGED_DIR
 from replica.settings import parse_cpus
 from replica.vllm_engine import VllmServer, find_vllm_python, stop, wait_ready
@@ -545,10 +543,7 @@ def main() -> int:
         parser.error("vLLM's CPU build is not installed: `make vllm` builds .venv-vllm (or pass --vllm-python)")
 
     now = datetime.datetime.now(datetime.UTC)
-    python = Path(sys.executable)
-    with contextlib.suppress(ValueError):  # the repository's own venv: say it without this machine's path
-        python = python.relative_to(ROOT)
-    print("$ " + shlex.join([str(python), *command_argv()]))
+    print(command_line())
     print(f"date: {now:%Y-%m-%d %H:%M} UTC; machine: {machine_description()}")
     threads = len(parse_cpus(args.cores))
     vllm = vllm_version(args.vllm_python) if args.vllm_python else "-"

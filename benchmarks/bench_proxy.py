@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import command_argv
+from benchmarks import command_argv, command_line, machine_description
 from benchmarks.loadgen import make_bodies
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,18 +168,6 @@ class Service:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=10)
-
-
-def machine_description() -> str:
-    """CPU model, cores, kernel and load average, for the header of the tables."""
-    model = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.partition(":")[2].strip()
-                break
-    load = " ".join(f"{value:.2f}" for value in os.getloadavg())
-    return f"{model}, {os.cpu_count()} cores, Linux {os.uname().release}, load average {load}"
 
 
 def free_port() -> int:
@@ -708,10 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown routers {sorted(unknown)}; known: {ROUTERS}")
 
-    python = Path(sys.executable)
-    with contextlib.suppress(ValueError):  # the repository's own venv: say it without this machine's path
-        python = python.relative_to(REPO)
-    print("$ " + shlex.join([str(python), *command_argv()]))
+    print(command_line())
     print(f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; machine: {machine_description()}", flush=True)
     if args.setup_peers:
         setup_peers()

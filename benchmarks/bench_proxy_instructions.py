@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import bench_proxy as bp
+from benchmarks import machine_description
 
 _SUMMARY = re.compile(rb"^(?:summary|totals):\s+(\d+)", re.M)
 
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         "--fleet-flush-interval-s", type=float, default=10.0, help="shoal+redis's publish interval under callgrind"
     )
     args = parser.parse_args(argv)
-    print(f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; machine: {bp.machine_description()}", flush=True)
+    print(f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; machine: {machine_description()}", flush=True)
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="shoal-bench-") as tmp:
         workdir = Path(tmp)

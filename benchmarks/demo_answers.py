@@ -12,12 +12,11 @@ wrong (none of the seeds is a training seed).
 from __future__ import annotations
 
 import argparse
-import sys
 from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
 
-from benchmarks.bench_proxy import machine_description
+from benchmarks import command_line, machine_description
 from replica.demo.answercheck import HELDOUT_SEED, LEVELS, answer_prompts, check_answers
 from replica.demo.build import ensure_demo_model
 from replica.model.loader import load_model
@@ -32,7 +31,7 @@ def main() -> None:
     path = ensure_demo_model() if args.model == "demo" else Path(args.model)
     model = load_model(path)
     tokenizer = Tokenizer.from_file(path / "tokenizer.json")
-    print(" ".join(["$ .venv/bin/python -m benchmarks.demo_answers", *sys.argv[1:]]))
+    print(command_line())
     print(f"date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; machine: {machine_description()}")
     print(f"model: {args.model}; greedy, max_tokens 192")
     print(f"{'seed':>6} {'prompts':>7} " + " ".join(f"{level:>9}" for level in LEVELS) + "  wrong slots (scenario)")

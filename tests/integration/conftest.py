@@ -52,8 +52,10 @@ async def eventually(
     timeout_s: float = 5.0,
     interval_s: float = 0.02,
     what: str = "condition",
+    detail: Callable[[], object] | None = None,
 ) -> None:
-    """Poll `predicate` (sync or async) until it holds; fail the test after `timeout_s`."""
+    """Poll `predicate` (sync or async) until it holds; fail the test after `timeout_s`, with `detail()` (what the
+    polls saw, say) in the message."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while True:
@@ -63,7 +65,8 @@ async def eventually(
         if result:
             return
         if loop.time() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+            seen = f"; {detail()}" if detail is not None else ""
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}{seen}")
         await asyncio.sleep(interval_s)
 
 

@@ -27,7 +27,7 @@ from replica.demo.corpus import chat_requests
 from router.policy.hashing import hash_tokens, namespace_seed
 from router.service.app import POOL, ROUTING
 from router.service.chat_tokenizer import ChatTokenizer
-from router.service.settings import KVEventSettings, TokenizerSettings
+from router.service.settings import HealthSettings, KVEventSettings, ScrapeSettings, TokenizerSettings
 from tests.integration.conftest import ADMIN_TOKEN, RouterHandle, StartRouter, eventually, metric_value
 from tests.integration.replica_support import StartReplica
 from tests.integration.vllm_support import CHECKPOINT, MODEL, RunningVllm
@@ -72,13 +72,23 @@ async def vllm_counter(http: aiohttp.ClientSession, server: RunningVllm, name: s
     return metric_value(text, name) or 0.0
 
 
+SLOW_ANSWER_S = 15.0
+"""Probe and scrape timeout: with both engines decoding, each on one of two cores, vLLM's API server answered
+`/metrics` in up to 6.8 s (the tests' default of 1 s would leave the router's gauges as they were before the load)."""
+
+
 async def start_exact_router(start_router: StartRouter, servers: list[RunningVllm], **overrides: Any) -> RouterHandle:
+    settings: dict[str, Any] = {
+        "health": HealthSettings(interval_s=0.2, unhealthy_interval_s=0.05, timeout_s=SLOW_ANSWER_S),
+        "scrape": ScrapeSettings(interval_s=0.2, timeout_s=SLOW_ANSWER_S),
+        **overrides,
+    }
     router = await start_router(
         replicas=[s.url for s in servers],
         kv_events=KVEventSettings(source="zmq", reconnect_min_s=0.05, reconnect_max_s=0.5),
         tokenizer=TokenizerSettings(models={MODEL: CHECKPOINT}),
         num_ready=len(servers),
-        **overrides,
+        **settings,
     )
     await eventually(
         lambda: all(r.has_live_kv_events for r in router.app[POOL]),
@@ -238,8 +248,8 @@ async def test_the_autoscaler_reads_the_vllm_queue_through_the_router(
         http, static_routers([router.url]), admin_token=ADMIN_TOKEN, clock=asyncio.get_running_loop().time
     )
     # Twelve requests are three times both servers' 4 sequences: some wait in vLLM's queue while the first four
-    # on each decode. 1,000 tokens keep them waiting five times as long as 200 did (about 2 s here, which once ended
-    # before the router's scrape read it in CI).
+    # on each decode. With 1,000 tokens they waited 8-10 s here (polling vLLM's /metrics), with 200 only 1.7-2.5 s,
+    # which once ended before the router's scrape read it in CI.
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 1000, "ignore_eos": True}
     load = [
         asyncio.ensure_future(router.request("POST", "/v1/completions", json_body=body, timeout_s=180))
@@ -255,11 +265,13 @@ async def test_the_autoscaler_reads_the_vllm_queue_through_the_router(
             seen.append(waiting)
             return len(listed) == 2 and all(w is not None for w in waiting) and sum(w or 0 for w in waiting) > 0
 
-        try:
-            await eventually(engines_queue, timeout_s=60, interval_s=0.2, what="vLLM's queued requests in the view")
-        except BaseException:
-            print(f"engine_waiting per reading: {seen}")
-            raise
+        await eventually(
+            engines_queue,
+            timeout_s=60,
+            interval_s=0.2,
+            what="vLLM's queued requests in the view",
+            detail=lambda: f"engine_waiting per reading: {seen}",
+        )
     finally:
         replies = await asyncio.gather(*load)
     assert all(r.status == 200 for r in replies)
